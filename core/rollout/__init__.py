@@ -1,0 +1,59 @@
+"""rollout: one interface for sampling from language models in RL training.
+
+Importing this package is cheap: no torch or engine is imported until a backend is loaded.
+"""
+
+from rollout.errors import (
+    BackendContractError,
+    BackendReleasedError,
+    EngineDeadError,
+    InvalidRequestError,
+    PluginLoadError,
+    RolloutError,
+    RolloutTimeoutError,
+    UnknownBackendError,
+    UnsupportedError,
+)
+from rollout.hookspecs import hookimpl
+from rollout.schemas import (
+    Capabilities,
+    Completion,
+    ImagePart,
+    Message,
+    Request,
+    Result,
+    SamplingParams,
+    TextPart,
+    TokenLogprob,
+    ToolCall,
+)
+from rollout.backend import Rollout, load_backend
+from rollout.plugins import available_backends
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendContractError",
+    "BackendReleasedError",
+    "Capabilities",
+    "Completion",
+    "EngineDeadError",
+    "ImagePart",
+    "InvalidRequestError",
+    "Message",
+    "PluginLoadError",
+    "Request",
+    "Result",
+    "Rollout",
+    "RolloutError",
+    "RolloutTimeoutError",
+    "SamplingParams",
+    "TextPart",
+    "TokenLogprob",
+    "ToolCall",
+    "UnknownBackendError",
+    "UnsupportedError",
+    "available_backends",
+    "hookimpl",
+    "load_backend",
+]

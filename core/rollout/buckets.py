@@ -1,0 +1,96 @@
+"""Weight buckets: many tensors packed into few flat byte buffers.
+
+Sending one tensor at a time makes weight sync slow (one call, one copy per tensor);
+a bucket carries whole tensors, in order, in one contiguous uint8 buffer of at most
+`max_bytes` (a tensor larger than that travels alone). torch is imported only here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+ALIGN = 16  # every tensor starts at a multiple of this, so views of any dtype are legal
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+@attrs.frozen
+class TensorMeta:
+    name: str
+    dtype: str  # e.g. "float32"
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@attrs.frozen
+class Bucket:
+    tensors: tuple[TensorMeta, ...]
+    data: torch.Tensor  # 1-D uint8
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[Bucket]:
+    """Pack (name, tensor) pairs into buckets of at most `max_bytes`, keeping their order.
+
+    Lazy: holds at most one bucket's tensors at a time.
+    """
+    if max_bytes < 1:
+        raise ValueError("max_bytes must be >= 1")
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        need = _aligned(tensor.numel() * tensor.element_size())
+        if pending and size + need > max_bytes:
+            yield _pack(pending)
+            pending, size = [], 0
+        pending.append((name, tensor))
+        size += need
+    if pending:
+        yield _pack(pending)
+
+
+def _pack(named: list[tuple[str, torch.Tensor]]) -> Bucket:
+    import torch
+
+    metas, offset = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."),
+                                tuple(tensor.shape), offset, nbytes))
+        offset += _aligned(nbytes)
+    data = torch.empty(offset, dtype=torch.uint8, device=named[0][1].device)
+    for meta, (_, tensor) in zip(metas, named):
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        data[meta.offset : meta.offset + meta.nbytes].copy_(flat)
+    return Bucket(tuple(metas), data)
+
+
+def unpack(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors as views into its buffer (no copy)."""
+    import torch
+
+    out = []
+    for meta in bucket.tensors:
+        raw = bucket.data[meta.offset : meta.offset + meta.nbytes]
+        out.append((meta.name, raw.view(getattr(torch, meta.dtype)).reshape(meta.shape)))
+    return out
+
+
+def iter_unpacked(buckets: Iterable[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
+    for bucket in buckets:
+        yield from unpack(bucket)

@@ -1,0 +1,103 @@
+"""Typed errors. Every error a user can cause names what was wrong and what is allowed."""
+
+from __future__ import annotations
+
+
+class RolloutError(Exception):
+    """Base class of every error raised by rollout and its backends."""
+
+    kind = "error"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "message": self.message}
+
+
+class InvalidRequestError(RolloutError, ValueError):
+    """A request (or a setting) has a bad value. `field` is its dotted path."""
+
+    kind = "invalid_request"
+
+    def __init__(self, field: str, message: str, allowed: str | None = None):
+        text = f"{field}: {message}"
+        if allowed:
+            text += f" (allowed: {allowed})"
+        super().__init__(text)
+        self.field = field
+        self.allowed = allowed
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "field": self.field, "allowed": self.allowed}
+
+
+class UnknownBackendError(RolloutError, LookupError):
+    kind = "unknown_backend"
+
+
+class PluginLoadError(RolloutError, ImportError):
+    kind = "plugin_load"
+
+
+class BackendContractError(RolloutError, TypeError):
+    """A backend's hook implementations do not match the hook specifications."""
+
+    kind = "backend_contract"
+
+
+class UnsupportedError(RolloutError, NotImplementedError):
+    """The backend cannot offer this capability here; `reason` says why."""
+
+    kind = "unsupported"
+
+    def __init__(self, capability: str, reason: str):
+        super().__init__(f"{capability} is not supported: {reason}")
+        self.capability = capability
+        self.reason = reason
+
+
+class BackendReleasedError(RolloutError, RuntimeError):
+    """The backend's weights or KV cache are released; call resume() first."""
+
+    kind = "released"
+
+
+class EngineDeadError(RolloutError, RuntimeError):
+    """The engine (a process or server) stopped; the message carries the end of its log."""
+
+    kind = "engine_dead"
+
+
+class RolloutTimeoutError(RolloutError, TimeoutError):
+    kind = "timeout"
+
+
+class GenerationError(RolloutError, RuntimeError):
+    """The engine failed on one request; the others of its batch are unaffected."""
+
+    kind = "generation"
+
+
+def from_dict(data: dict) -> RolloutError:
+    """Rebuild an error sent as `to_dict()` (over HTTP or in a results file)."""
+    kinds = {cls.kind: cls for cls in _subclasses(RolloutError)}
+    cls = kinds.get(data.get("kind"), RolloutError)
+    message = data.get("message", "")
+    if cls is InvalidRequestError:
+        error = InvalidRequestError(data.get("field") or "request", "", data.get("allowed"))
+    elif cls is UnsupportedError:
+        error = UnsupportedError.__new__(cls)
+        RolloutError.__init__(error, message)
+    else:
+        error = cls(message)
+    error.message = message
+    error.args = (message,)
+    return error
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)

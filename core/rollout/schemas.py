@@ -1,0 +1,281 @@
+"""The request and result schemas: frozen attrs classes that validate themselves.
+
+Message content is a string or a tuple of parts (text, image) so that multimodal prompts
+and tool-calling turns fit without a schema change.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Literal, Union
+
+import attrs
+
+from rollout.errors import InvalidRequestError, RolloutError
+
+FinishReason = Literal["stop", "length", "abort"]
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check(field: str, ok: bool, message: str, allowed: str | None = None) -> None:
+    if not ok:
+        raise InvalidRequestError(field, message, allowed)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _tuple(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+# --- sampling -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class SamplingParams:
+    """How to sample. `logprobs` is the number of top alternatives to return per token
+    (0 returns only the chosen token's logprob; None returns none)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_tokens: int = 16
+    n: int = 1
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
+    seed: int | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __attrs_post_init__(self):
+        _check("temperature", _is_number(self.temperature) and self.temperature >= 0,
+               f"got {self.temperature!r}", "a number >= 0; 0 means greedy")
+        _check("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"got {self.top_p!r}", "a number in (0, 1]")
+        _check("top_k", self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
+               f"got {self.top_k!r}", "None (no limit) or an integer >= 1")
+        _check("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"got {self.max_tokens!r}", "an integer >= 1")
+        _check("n", _is_int(self.n) and self.n >= 1, f"got {self.n!r}", "an integer >= 1")
+        _check("n", self.n == 1 or self.temperature > 0,
+               f"n={self.n} samples with temperature 0 would all be identical",
+               "n=1 with temperature 0, or temperature > 0")
+        _check("stop", isinstance(self.stop, tuple)
+               and all(isinstance(s, str) and s for s in self.stop),
+               f"got {self.stop!r}", "a list of non-empty strings")
+        _check("stop_token_ids", isinstance(self.stop_token_ids, tuple)
+               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"got {self.stop_token_ids!r}", "a list of integers >= 0")
+        _check("seed", self.seed is None or _is_int(self.seed),
+               f"got {self.seed!r}", "None or an integer")
+        _check("logprobs", self.logprobs is None
+               or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               f"got {self.logprobs!r}", "None, or an integer from 0 to 20")
+        _check("ignore_eos", isinstance(self.ignore_eos, bool),
+               f"got {self.ignore_eos!r}", "true or false")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# --- messages -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TextPart:
+    text: str
+    type: Literal["text"] = "text"
+
+
+@attrs.frozen
+class ImagePart:
+    """An image as a URL, a file path or a `data:` URI."""
+
+    image: str
+    type: Literal["image"] = "image"
+
+
+ContentPart = Union[TextPart, ImagePart]
+PART_TYPES = {"text": TextPart, "image": ImagePart}
+Content = Union[str, tuple[ContentPart, ...]]
+
+
+@attrs.frozen
+class ToolCall:
+    """A call the assistant made; `arguments` is a JSON object as text, as OpenAI sends it."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+@attrs.frozen
+class Message:
+    role: Role
+    content: Content = attrs.field(converter=_tuple)
+    tool_calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=_tuple)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def __attrs_post_init__(self):
+        _check("role", self.role in ROLES, f"got {self.role!r}", ", ".join(ROLES))
+        _check("content", isinstance(self.content, str)
+               or all(isinstance(p, tuple(PART_TYPES.values())) for p in self.content),
+               "must be text or a list of parts", "text, or parts of type " + ", ".join(PART_TYPES))
+
+    @property
+    def images(self) -> tuple[ImagePart, ...]:
+        if isinstance(self.content, str):
+            return ()
+        return tuple(p for p in self.content if isinstance(p, ImagePart))
+
+    @property
+    def text(self) -> str:
+        """The content's text parts joined (what a text-only chat template renders)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+
+# --- requests and results -----------------------------------------------------------------
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+@attrs.frozen
+class Request:
+    """One prompt: exactly one of `prompt` (text), `prompt_token_ids` or `messages`."""
+
+    id: str = attrs.field(factory=_new_id)
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_tuple)
+    messages: tuple[Message, ...] | None = attrs.field(default=None, converter=_tuple)
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    metadata: dict = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self):
+        _check("id", isinstance(self.id, str) and self.id != "", f"got {self.id!r}",
+               "a non-empty string")
+        given = [name for name in ("prompt", "prompt_token_ids", "messages")
+                 if getattr(self, name) is not None]
+        _check("prompt", len(given) == 1, f"got {', '.join(given) or 'none'}",
+               "exactly one of prompt, prompt_token_ids, messages")
+        if self.prompt is not None:
+            _check("prompt", isinstance(self.prompt, str) and self.prompt != "",
+                   f"got {self.prompt!r}", "a non-empty string")
+        if self.prompt_token_ids is not None:
+            _check("prompt_token_ids", isinstance(self.prompt_token_ids, tuple)
+                   and len(self.prompt_token_ids) > 0
+                   and all(_is_int(t) and t >= 0 for t in self.prompt_token_ids),
+                   "must be a non-empty list of integers >= 0", "token ids in the vocabulary")
+        if self.messages is not None:
+            _check("messages", isinstance(self.messages, tuple) and len(self.messages) > 0
+                   and all(isinstance(m, Message) for m in self.messages),
+                   "must be a non-empty list of messages", "objects with role and content")
+        _check("sampling", isinstance(self.sampling, SamplingParams),
+               f"got {type(self.sampling).__name__}", "a SamplingParams")
+        _check("metadata", isinstance(self.metadata, dict), f"got {self.metadata!r}",
+               "a mapping")
+
+
+@attrs.frozen
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@attrs.frozen
+class Result:
+    """One sample of one request.
+
+    `token_ids` are the generated tokens, including a final EOS or stop token; `text` is
+    their decoding without special tokens, cut before a matched stop string. `logprobs` are
+    the chosen tokens' log-probabilities under the model's raw distribution (temperature 1,
+    no top-p or top-k), one per token; `top_logprobs` the k most likely tokens per position.
+    """
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@attrs.frozen
+class Completion:
+    """What one request produced: its `n` results in index order, or the error that
+    stopped it (the other requests of its batch are unaffected)."""
+
+    request_id: str
+    results: tuple[Result, ...] = ()
+    error: RolloutError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def unwrap(self) -> tuple[Result, ...]:
+        """The results, or raise the request's error."""
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+
+# --- what a backend offers ----------------------------------------------------------------
+
+CAPABILITIES = {
+    "release": "free weights and KV cache with release() and bring them back with resume()",
+    "update_weights": "replace the weights in place with update_weights()",
+    "abort": "stop running requests with abort(), returning partial output",
+    "logprobs": "return per-token logprobs",
+    "seed": "reproduce a sample from a per-request seed",
+    "chat": "render chat messages with the model's chat template",
+    "images": "image parts in messages",
+}
+TAGS = ("weights", "kv_cache")
+
+
+@attrs.frozen
+class Capabilities:
+    """What a backend supports. `unsupported` maps a capability name to the reason it is
+    missing here; `auto_resume` means generate() on a released backend resumes it instead
+    of raising."""
+
+    unsupported: dict[str, str] = attrs.field(factory=dict)
+    auto_resume: bool = False
+
+    def __attrs_post_init__(self):
+        for name in self.unsupported:
+            _check("unsupported", name in CAPABILITIES, f"unknown capability {name!r}",
+                   ", ".join(CAPABILITIES))
+
+    def supports(self, name: str) -> bool:
+        return name not in self.unsupported
+
+    def require(self, name: str) -> None:
+        from rollout.errors import UnsupportedError
+
+        if name in self.unsupported:
+            raise UnsupportedError(name, self.unsupported[name])
+
+
+for _cls in (SamplingParams, TextPart, ImagePart, ToolCall, Message, Request, TokenLogprob,
+             Result, Completion, Capabilities):
+    attrs.resolve_types(_cls)

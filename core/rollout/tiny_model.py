@@ -1,0 +1,72 @@
+"""A tiny random Llama and its tokenizer, built offline, for tests and demos.
+
+Nothing can be downloaded from a model hub here, so the tokenizer is trained on text made
+up on the spot. Head size 32 is the smallest that vLLM's CPU attention accepts.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+VOCAB_SIZE = 512
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+SYLLABLES = "ka lo mi ne su ta ri po an el is on ur ex th qu ing ed er ly".split()
+
+
+def _corpus(seed: int, lines: int = 3000) -> list[str]:
+    rng = random.Random(seed)
+    words = ["".join(rng.choices(SYLLABLES, k=rng.randint(1, 3))) for _ in range(400)]
+    words += "the a of to and is in it you that def return if for print x y 0 1 2 3 + = ( ) : ,".split()
+    return [" ".join(rng.choices(words, k=rng.randint(4, 16))) + rng.choice(".!?:\n") for _ in range(lines)]
+
+
+def build_tokenizer(seed: int = 0):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=SPECIAL[3:], chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tokenizer and a seeded random Llama (safetensors) to `out_dir`."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        max_position_embeddings=1024, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        # Wide initial weights make logits far apart, so greedy decoding has few near-ties
+        # and outputs agree across engines.
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
