@@ -1,0 +1,376 @@
+"""`BackendContract`: the tests every backend passes, against its real engine.
+
+A subclass provides `make_backend`, a class-scoped fixture returning a callable
+`make_backend(model_dir) -> Rollout`. The suite builds the tiny model itself. Capabilities
+that the backend reports as unsupported are skipped with the backend's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from rollout import BackendReleasedError, Capabilities, InvalidRequestError, Rollout
+from rollout.testing.models import load_weights, perturbed_copy, tiny_model_dir
+from rollout.testing.strategies import invalid_requests, requests
+
+EXAMPLES = int(os.environ.get("ROLLOUT_CONTRACT_EXAMPLES", "8"))
+HYPOTHESIS = settings(max_examples=EXAMPLES, deadline=None,
+                      suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                             HealthCheck.too_slow])
+PROBE_PROMPTS = ("the ka lo", "def x", "1 2 3 +", "mi ne su ta ri po")
+PROBE_TOKENS = 12
+
+
+def probe_requests() -> list[dict]:
+    return [{"id": f"probe-{i}", "prompt": p,
+             "sampling": {"temperature": 0.0, "max_tokens": PROBE_TOKENS, "ignore_eos": True}}
+            for i, p in enumerate(PROBE_PROMPTS)]
+
+
+def probe(backend: Rollout) -> tuple[tuple[int, ...], ...]:
+    """Greedy tokens for fixed prompts: the fingerprint of the weights now loaded."""
+    return tuple(c.unwrap()[0].token_ids for c in backend.generate(probe_requests()))
+
+
+def skip_unless(caps: Capabilities, capability: str) -> None:
+    if not caps.supports(capability):
+        pytest.skip(f"{capability} unsupported by this backend: {caps.unsupported[capability]}")
+
+
+@attrs.define
+class Harness:
+    backend: Rollout
+    model_dir: object
+    other_dir: object
+    vocab_size: int
+    max_model_len: int
+    baseline: tuple  # probe() with the model's own weights
+    reference: tuple  # probe() of a backend freshly loaded with the other weights
+
+    @property
+    def caps(self) -> Capabilities:
+        return self.backend.capabilities
+
+
+def check_completions(batch: list[dict], completions, caps: Capabilities) -> None:
+    assert len(completions) == len(batch)
+    for request, completion in zip(batch, completions):
+        assert completion.request_id == request["id"]
+        assert completion.ok, completion.error
+        sampling = request["sampling"]
+        assert [r.index for r in completion.results] == list(range(sampling["n"]))
+        for r in completion.results:
+            assert r.request_id == request["id"]
+            assert r.prompt_tokens > 0
+            assert 0 < r.completion_tokens <= sampling["max_tokens"]
+            assert r.finish_reason in ("stop", "length")
+            if r.finish_reason == "length":
+                assert r.completion_tokens == sampling["max_tokens"]
+            if r.completion_tokens < sampling["max_tokens"]:
+                assert r.finish_reason == "stop"
+            for stop in sampling["stop"]:
+                assert stop not in r.text
+            if sampling["logprobs"] is not None:
+                assert len(r.logprobs) == r.completion_tokens
+                assert all(lp <= 1e-4 for lp in r.logprobs)
+            if sampling["logprobs"]:
+                assert len(r.top_logprobs) == r.completion_tokens
+                for top in r.top_logprobs:
+                    assert len(top) == sampling["logprobs"]
+                    values = [t.logprob for t in top]
+                    assert values == sorted(values, reverse=True)
+
+
+class BackendContract:
+    """Subclass and override `make_backend`; every test here then runs on your backend."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def make_backend(cls):
+        raise NotImplementedError("override make_backend: return a callable model_dir -> Rollout")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def harness(cls, make_backend, tmp_path_factory):
+        root = tmp_path_factory.getbasetemp() / "rollout-models"
+        model_dir = tiny_model_dir(root)
+        other_dir = perturbed_copy(model_dir, root / "tiny-0-other-weights")
+        config = json.loads((model_dir / "config.json").read_text())
+        # The fresh load with other weights runs first and alone: one engine at a time.
+        with make_backend(other_dir) as fresh:
+            reference = probe(fresh)
+        backend = make_backend(model_dir)
+        try:
+            yield Harness(backend, model_dir, other_dir, config["vocab_size"],
+                          config["max_position_embeddings"], probe(backend), reference)
+        finally:
+            backend.close()
+
+    @pytest.fixture(autouse=True)
+    def _restored(self, request):
+        """Each test leaves the backend resumed with its original weights."""
+        yield
+        if "harness" in request.fixturenames:
+            h = request.getfixturevalue("harness")
+            if h.backend.released:
+                h.backend.resume()
+
+    # --- generation ---------------------------------------------------------------------
+
+    def test_capabilities_are_declared(self, harness):
+        caps = harness.caps
+        assert isinstance(caps, Capabilities)
+        assert all(reason.strip() for reason in caps.unsupported.values())
+
+    @HYPOTHESIS
+    @given(data=st.data())
+    def test_batch_gets_one_result_per_request_and_sample(self, harness, data):
+        chat = harness.caps.supports("chat")
+        batch = data.draw(st.lists(requests(harness.vocab_size, chat=chat), min_size=1,
+                                   max_size=4))
+        for request in batch:
+            if not harness.caps.supports("seed"):
+                request["sampling"]["seed"] = None
+            if not harness.caps.supports("logprobs"):
+                request["sampling"]["logprobs"] = None
+        check_completions(batch, harness.backend.generate(batch), harness.caps)
+
+    @HYPOTHESIS
+    @given(data=st.data())
+    def test_greedy_output_is_identical_across_calls(self, harness, data):
+        batch = data.draw(st.lists(requests(harness.vocab_size, chat=False), min_size=1,
+                                   max_size=3))
+        for request in batch:
+            request["sampling"].update(temperature=0.0, n=1, seed=None)
+        first = harness.backend.generate(batch)
+        second = harness.backend.generate(batch)
+        assert [[r.token_ids for r in c.unwrap()] for c in first] == [
+            [r.token_ids for r in c.unwrap()] for c in second]
+        assert [c.results[0].text for c in first] == [c.results[0].text for c in second]
+
+    def test_same_seed_gives_same_samples(self, harness):
+        skip_unless(harness.caps, "seed")
+        request = {"id": "seeded", "prompt": "the ka lo",
+                   "sampling": {"temperature": 1.0, "n": 2, "seed": 1234, "max_tokens": 16}}
+        first, second = (harness.backend.generate([request])[0].unwrap() for _ in range(2))
+        assert [r.token_ids for r in first] == [r.token_ids for r in second]
+        assert first[0].token_ids != first[1].token_ids  # two samples, not one copied
+
+    def test_stop_string_ends_text_and_is_not_in_it(self, harness):
+        for i, prompt in enumerate(PROBE_PROMPTS):
+            base = {"id": f"stop-{i}", "prompt": prompt,
+                    "sampling": {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}}
+            full = harness.backend.generate([base])[0].unwrap()[0]
+            text = full.text
+            middle = len(text) // 2
+            stop = text[middle : middle + 2]
+            if len(stop) < 2 or "\ufffd" in stop:
+                continue
+            request = {**base, "sampling": {**base["sampling"], "stop": [stop]}}
+            cut = harness.backend.generate([request])[0].unwrap()[0]
+            assert cut.finish_reason == "stop"
+            assert cut.text == text[: text.find(stop)]
+            assert stop not in cut.text
+            assert full.token_ids[: cut.completion_tokens] == cut.token_ids
+            return
+        pytest.fail("no probe output had a clean two-character stop string")
+
+    def test_logprobs_match_greedy_choice(self, harness):
+        skip_unless(harness.caps, "logprobs")
+        request = {"id": "lp", "prompt": "the ka lo",
+                   "sampling": {"temperature": 0.0, "max_tokens": 10, "logprobs": 3}}
+        result = harness.backend.generate([request])[0].unwrap()[0]
+        assert len(result.logprobs) == len(result.top_logprobs) == result.completion_tokens
+        for token, logprob, top in zip(result.token_ids, result.logprobs, result.top_logprobs):
+            assert top[0].token_id == token  # greedy picks the most likely token
+            assert abs(top[0].logprob - logprob) < 1e-4
+
+    def test_chat_messages_use_the_chat_template(self, harness):
+        skip_unless(harness.caps, "chat")
+        from transformers import AutoTokenizer
+
+        messages = [{"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "the ka lo"}]
+        tokenizer = AutoTokenizer.from_pretrained(str(harness.model_dir))
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        sampling = {"temperature": 0.0, "max_tokens": 12}
+        chat, tokens = harness.backend.generate([
+            {"id": "chat", "messages": messages, "sampling": sampling},
+            {"id": "ids", "prompt_token_ids": ids, "sampling": sampling}])
+        assert chat.unwrap()[0].prompt_tokens == len(ids)
+        assert chat.unwrap()[0].token_ids == tokens.unwrap()[0].token_ids
+
+    @HYPOTHESIS
+    @given(data=st.data())
+    def test_invalid_request_fails_alone(self, harness, data):
+        bad, field = data.draw(invalid_requests(harness.vocab_size, harness.max_model_len))
+        good = [data.draw(requests(harness.vocab_size, chat=harness.caps.supports("chat")))
+                for _ in range(2)]
+        for request in good:
+            request["sampling"].update(seed=None, logprobs=None)
+        completions = harness.backend.generate([good[0], bad, good[1]])
+        error = completions[1].error
+        assert isinstance(error, InvalidRequestError), error
+        assert error.field.startswith(field), (error.field, field)
+        check_completions(good, [completions[0], completions[2]], harness.caps)
+
+    # --- abort --------------------------------------------------------------------------
+
+    def _long_request(self, harness, rid: str) -> dict:
+        return {"id": rid, "prompt": "the ka lo",
+                "sampling": {"temperature": 0.0, "ignore_eos": True,
+                             "max_tokens": min(4000, harness.max_model_len - 16)}}
+
+    def test_abort_returns_partial_output_and_spares_the_rest(self, harness):
+        skip_unless(harness.caps, "abort")
+        long = self._long_request(harness, "long")
+        short = {"id": "short", "prompt": "def x",
+                 "sampling": {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}}
+        done: list = []
+        worker = threading.Thread(target=lambda: done.append(
+            harness.backend.generate([long, short])))
+        worker.start()
+        deadline = time.monotonic() + 120
+        while worker.is_alive() and time.monotonic() < deadline:
+            harness.backend.abort(["long"])
+            worker.join(0.05)
+        assert not worker.is_alive(), "abort did not stop the request within 120 s"
+        aborted, spared = done[0]
+        result = aborted.unwrap()[0]
+        assert result.finish_reason == "abort"
+        assert result.completion_tokens < long["sampling"]["max_tokens"]
+        assert spared.unwrap()[0].finish_reason == "length"
+        assert spared.unwrap()[0].completion_tokens == 4
+
+    def test_timeout_aborts_what_is_still_running(self, harness):
+        skip_unless(harness.caps, "abort")
+        long = self._long_request(harness, "slow")
+        result = harness.backend.generate([long], timeout=0.5)[0].unwrap()[0]
+        assert result.finish_reason == "abort"
+        assert result.completion_tokens < long["sampling"]["max_tokens"]
+
+    # --- weights and memory -------------------------------------------------------------
+
+    def test_update_weights_equals_a_fresh_load(self, harness):
+        skip_unless(harness.caps, "update_weights")
+        assert harness.reference != harness.baseline, "the other weights change nothing"
+        try:
+            harness.backend.update_weights(load_weights(harness.other_dir).items())
+            assert probe(harness.backend) == harness.reference
+        finally:
+            harness.backend.update_weights(load_weights(harness.model_dir).items(),
+                                           bucket_bytes=4096)
+        assert probe(harness.backend) == harness.baseline
+
+    def test_generate_while_released(self, harness):
+        skip_unless(harness.caps, "release")
+        backend = harness.backend
+        for tags in (["kv_cache"], ["weights", "kv_cache"]):
+            backend.release(tags)
+            assert backend.released == set(tags)
+            if backend.capabilities.auto_resume:
+                assert probe(backend) == harness.baseline
+            else:
+                with pytest.raises(BackendReleasedError, match="resume"):
+                    backend.generate(probe_requests())
+                backend.resume()
+            assert not backend.released
+            assert probe(backend) == harness.baseline
+
+    def test_update_weights_needs_resident_weights(self, harness):
+        skip_unless(harness.caps, "release")
+        skip_unless(harness.caps, "update_weights")
+        harness.backend.release(["weights"])
+        with pytest.raises(BackendReleasedError, match="weights"):
+            harness.backend.update_weights(load_weights(harness.other_dir).items())
+        harness.backend.resume(["weights"])
+        assert probe(harness.backend) == harness.baseline
+
+    def test_random_lifecycle(self, harness):
+        """Hypothesis drives generate, update_weights, release, resume and abort in random
+        order and checks the output against what the loaded weights must give."""
+        machine = type("Machine", (ContractMachine,), {"harness": harness, "weights": {
+            "base": load_weights(harness.model_dir), "other": load_weights(harness.other_dir)}})
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=EXAMPLES, stateful_step_count=12, deadline=None))
+
+
+class ContractMachine(RuleBasedStateMachine):
+    harness: Harness
+    weights: dict
+
+    def __init__(self):
+        super().__init__()
+        self.loaded = "base"
+        self.released: set[str] = set()
+
+    @property
+    def backend(self) -> Rollout:
+        return self.harness.backend
+
+    def _supports(self, capability: str) -> bool:
+        return self.harness.caps.supports(capability)
+
+    @rule()
+    def generate(self):
+        if self.released and not self.harness.caps.auto_resume:
+            with pytest.raises(BackendReleasedError):
+                probe(self.backend)
+            return
+        expected = self.harness.baseline if self.loaded == "base" else self.harness.reference
+        assert probe(self.backend) == expected
+        self.released.clear()
+
+    @precondition(lambda self: self._supports("update_weights"))
+    @rule(weights=st.sampled_from(["base", "other"]), bucket_bytes=st.sampled_from([1, 4096, None]))
+    def update_weights(self, weights, bucket_bytes):
+        named = self.weights[weights].items()
+        if "weights" in self.released:
+            with pytest.raises(BackendReleasedError):
+                self.backend.update_weights(named, bucket_bytes=bucket_bytes)
+            return
+        self.backend.update_weights(named, bucket_bytes=bucket_bytes)
+        self.loaded = weights
+
+    @precondition(lambda self: self._supports("release"))
+    @rule(tags=st.sampled_from([("weights",), ("kv_cache",), ("weights", "kv_cache")]))
+    def release(self, tags):
+        self.backend.release(tags)
+        self.released.update(tags)
+
+    @precondition(lambda self: self._supports("release"))
+    @rule(tags=st.sampled_from([("weights",), ("kv_cache",), ("weights", "kv_cache")]))
+    def resume(self, tags):
+        self.backend.resume(tags)
+        self.released.difference_update(tags)
+
+    @precondition(lambda self: self._supports("abort"))
+    @rule()
+    def abort_nothing_running(self):
+        self.backend.abort()
+
+    def teardown(self):
+        if self.backend.released:
+            self.backend.resume()
+        if self.loaded != "base":
+            self.backend.update_weights(self.weights["base"].items())
+
+    @invariant()
+    def released_state_matches(self):
+        assert self.backend.released == self.released
