@@ -8,6 +8,7 @@ while a generate call is in flight.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -280,4 +281,10 @@ def load_backend(name: str, model: str, **options: Any) -> Rollout:
     from rollout.plugins import load_factory
 
     factory = load_factory(name)
+    try:
+        inspect.signature(factory).bind(model=model, **options)
+    except TypeError as exc:
+        params = [p for p in inspect.signature(factory).parameters if p != "model"]
+        raise InvalidRequestError("backend_options", f"backend {name!r}: {exc}",
+                                  ", ".join(params) or "none") from None
     return Rollout(factory(model=model, **options), name=name)

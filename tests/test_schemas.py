@@ -1,0 +1,87 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout import InvalidRequestError, Message, Request, SamplingParams, TextPart, convert
+from rollout.testing.strategies import CORRUPTIONS, requests
+
+
+@given(requests())
+def test_valid_requests_round_trip(data):
+    request = convert.structure(data, Request)
+    assert convert.structure(convert.unstructure(request), Request) == request
+    assert convert.from_json(convert.to_json(request), Request) == request
+
+
+@settings(max_examples=200)
+@given(requests(), st.sampled_from(sorted(CORRUPTIONS)))
+def test_invalid_requests_name_the_field(data, name):
+    field, corrupt = CORRUPTIONS[name]
+    with pytest.raises(InvalidRequestError) as info:
+        convert.structure(corrupt(data), Request)
+    assert info.value.field.startswith(field), (info.value.field, field)
+    assert info.value.field in str(info.value)
+
+
+def test_errors_say_what_is_allowed():
+    with pytest.raises(InvalidRequestError) as info:
+        convert.structure({"prompt": "x", "sampling": {"top_p": 2}}, Request)
+    assert info.value.field == "sampling.top_p"
+    assert info.value.allowed == "a number in (0, 1]"
+    with pytest.raises(InvalidRequestError) as info:
+        convert.structure({"prompt": "x", "sampling": {"temprature": 1}}, Request)
+    assert "temperature" in info.value.allowed
+
+
+def test_bools_and_floats_are_not_silently_coerced():
+    for sampling, field in [({"max_tokens": True}, "sampling.max_tokens"),
+                            ({"ignore_eos": "false"}, "sampling.ignore_eos"),
+                            ({"n": 1.5}, "sampling.n")]:
+        with pytest.raises(InvalidRequestError) as info:
+            convert.structure({"prompt": "x", "sampling": sampling}, Request)
+        assert info.value.field == field
+
+
+def test_message_content_as_parts_and_tool_calls():
+    data = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is "},
+                                     {"type": "image", "image": "data:image/png;base64,AA=="},
+                                     {"type": "text", "text": "this?"}]},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "c1", "name": "look", "arguments": "{\"x\": 1}"}]},
+        {"role": "tool", "content": "a cat", "tool_call_id": "c1"},
+    ]}
+    request = convert.structure(data, Request)
+    first = request.messages[0]
+    assert first.text == "what is this?"
+    assert [p.type for p in first.content] == ["text", "image", "text"]
+    assert len(first.images) == 1
+    assert request.messages[1].tool_calls[0].name == "look"
+    assert convert.unstructure(request)["messages"][2]["tool_call_id"] == "c1"
+
+
+def test_python_construction_validates_too():
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        Request(prompt="a", prompt_token_ids=[1])
+    assert Message("user", [TextPart("hi")]).text == "hi"
+    assert Request(prompt="a").id != Request(prompt="a").id
+
+
+def test_non_mapping_request():
+    with pytest.raises(InvalidRequestError, match="mapping"):
+        convert.structure("hello", Request)
+
+
+def test_completion_errors_serialize():
+    from rollout import Completion
+
+    error = InvalidRequestError("sampling.n", "bad", "an integer >= 1")
+    data = convert.unstructure(Completion("r1", error=error))
+    assert data["error"] == {"kind": "invalid_request", "message": str(error),
+                             "field": "sampling.n", "allowed": "an integer >= 1"}
+    back = convert.structure(data, Completion)
+    assert isinstance(back.error, InvalidRequestError) and back.error.field == "sampling.n"
+    with pytest.raises(InvalidRequestError):
+        back.unwrap()
