@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install every test environment and run the whole test suite. Exits non-zero when a
+# test fails. Pass pytest arguments after the script name to narrow a run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+# The core and the HF backend (transformers), in one environment.
+(
+  source scripts/env.sh hf requirements/test.txt
+  pip install -q --no-deps -e . -e plugins/hf_backend
+  python -m pytest tests "$@"
+)
