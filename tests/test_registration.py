@@ -142,3 +142,22 @@ def test_bad_tags_name_the_allowed_ones():
 
     with pytest.raises(rollout.InvalidRequestError, match="weights, kv_cache"):
         Rollout(Releasable()).release(["gpu"])
+
+
+def test_agenerate_from_an_event_loop():
+    import asyncio
+
+    async def main():
+        return await Rollout(Minimal()).agenerate([{"prompt": "x", "sampling": {"n": 2}}])
+
+    (completion,) = asyncio.run(main())
+    assert [r.index for r in completion.unwrap()] == [0, 1]
+
+
+def test_results_serialize_with_their_token_count():
+    from rollout import convert
+
+    result = Result("r", 0, (1, 2, 3), "abc", "stop", 4)
+    data = convert.unstructure(result)
+    assert data["completion_tokens"] == 3
+    assert convert.structure(data, Result) == result

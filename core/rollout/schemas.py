@@ -210,12 +210,16 @@ class Result:
     text: str
     finish_reason: FinishReason
     prompt_tokens: int
-    logprobs: tuple[float, ...] | None = None
-    top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None
+    logprobs: tuple[float, ...] | None = attrs.field(default=None, converter=_tuple)
+    top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = attrs.field(
+        default=None, converter=_tuple)
+    completion_tokens: int = attrs.field(
+        default=attrs.Factory(lambda self: len(self.token_ids), takes_self=True))
 
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
+    def __attrs_post_init__(self):
+        _check("completion_tokens", self.completion_tokens == len(self.token_ids),
+               f"{self.completion_tokens} but {len(self.token_ids)} token ids",
+               "the number of token ids")
 
 
 @attrs.frozen

@@ -69,36 +69,47 @@ class Row:
 def decode_batch(model, tokenizer, rows: list[Row], pad_id: int, device: torch.device,
                  aborted: set[str]) -> None:
     """Generate for `rows` in place until each one stops, hits its limit or is aborted."""
-    width = max(len(r.prompt) for r in rows)
-    input_ids = torch.tensor([[pad_id] * (width - len(r.prompt)) + r.prompt for r in rows],
-                             device=device)
-    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in rows],
-                        device=device)
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    temperature = torch.tensor([r.temperature for r in rows], device=device)
-    top_p = torch.tensor([r.top_p for r in rows], device=device)
-    top_k = torch.tensor([r.top_k for r in rows], device=device)
-    generators = [r.generator for r in rows]
-    want_logprobs = any(r.logprobs is not None for r in rows)
-    cache = DynamicCache()
     for row in rows:
         if row.request_id in aborted:
             row.finish = "abort"
-    while not all(r.finish for r in rows):
+    live = [r for r in rows if not r.finish]
+    if not live:
+        return
+    width = max(len(r.prompt) for r in live)
+    input_ids = torch.tensor([[pad_id] * (width - len(r.prompt)) + r.prompt for r in live],
+                             device=device)
+    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in live],
+                        device=device)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache()
+    while live:
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :].float()
-        chosen = choose(logits, temperature, top_k, top_p, generators).tolist()
-        logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-        for i, row in enumerate(rows):
-            if row.finish:
-                chosen[i] = pad_id
-            elif row.request_id in aborted:
+        chosen = choose(logits, *_params(live, device), [r.generator for r in live]).tolist()
+        logprobs = logits.log_softmax(dim=-1) if any(
+            r.logprobs is not None for r in live) else None
+        for i, row in enumerate(live):
+            if row.request_id in aborted:
                 row.finish = "abort"
-                chosen[i] = pad_id
             else:
-                row.push(chosen[i], logprobs[i] if row.logprobs is not None else None,
-                         tokenizer)
+                row.push(chosen[i], None if logprobs is None or row.logprobs is None
+                         else logprobs[i], tokenizer)
+        keep = [i for i, row in enumerate(live) if not row.finish]
+        if not keep:
+            break
+        if len(keep) < len(live):  # drop finished rows so they cost nothing more
+            index = torch.tensor(keep, device=device, dtype=torch.long)
+            cache.reorder_cache(index)
+            mask, positions = mask[index], positions[index]
+            live = [live[i] for i in keep]
+            chosen = [chosen[i] for i in keep]
         input_ids = torch.tensor(chosen, device=device)[:, None]
-        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=-1)
         positions = positions[:, -1:] + 1
+
+
+def _params(rows: list[Row], device: torch.device) -> tuple[torch.Tensor, ...]:
+    return (torch.tensor([r.temperature for r in rows], device=device),
+            torch.tensor([r.top_k for r in rows], device=device),
+            torch.tensor([r.top_p for r in rows], device=device))
