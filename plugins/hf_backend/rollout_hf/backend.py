@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import rollout
 from rollout import Capabilities, InvalidRequestError, Request
 from rollout.buckets import unpack
+from rollout.prompts import PromptEncoder
 
 from rollout_hf.decode import Row, decode_batch
 
@@ -40,6 +41,7 @@ class HFBackend:
         if self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
+        self.prompts = PromptEncoder(self.tokenizer, self.vocab_size, self.max_model_len)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = min(self.eos_ids) if self.eos_ids else 0
@@ -64,7 +66,7 @@ class HFBackend:
         rows: list[Row] = []
         for i, request in enumerate(requests):
             try:
-                prompt = self._prompt_ids(request)
+                prompt = self.prompts.encode(request)
             except InvalidRequestError as exc:
                 outputs[i] = exc
                 continue
@@ -85,33 +87,6 @@ class HFBackend:
                 outputs[row.slot] = [None] * requests[row.slot].sampling.n
             outputs[row.slot][row.index] = row.result(self.tokenizer)
         return outputs
-
-    def _prompt_ids(self, request: Request) -> list[int]:
-        if request.prompt_token_ids is not None:
-            ids = list(request.prompt_token_ids)
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]} is out of range",
-                                          f"0 to {self.vocab_size - 1}")
-        elif request.messages is not None:
-            ids = self._chat_ids(request)
-        else:
-            ids = self.tokenizer(request.prompt).input_ids
-        if len(ids) >= self.max_model_len:
-            field = "prompt_token_ids" if request.prompt_token_ids is not None else (
-                "messages" if request.messages is not None else "prompt")
-            raise InvalidRequestError(field, f"{len(ids)} tokens is too long",
-                                      f"at most {self.max_model_len - 1} tokens")
-        return ids
-
-    def _chat_ids(self, request: Request) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise InvalidRequestError("messages", "the model has no chat template",
-                                      "prompt or prompt_token_ids")
-        messages = [{"role": m.role, "content": m.text} for m in request.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def _row(self, slot: int, request: Request, prompt: list[int], index: int) -> Row:
         s = request.sampling

@@ -1,0 +1,36 @@
+"""An event loop on its own thread, for backends whose engines are asyncio-based, driven
+from the trainer's synchronous code. Every wait on it has a timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from rollout.errors import RolloutTimeoutError
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    def __init__(self, name: str = "rollout-loop"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
+        """Run `coro` on the loop and wait for it; cancel it and raise after `timeout` s."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise RolloutTimeoutError(f"{what} did not finish within {timeout:.0f} s") from None
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(30)
+        if not self.loop.is_running():
+            self.loop.close()

@@ -1,0 +1,94 @@
+"""An engine server run as a child process on the loopback address.
+
+Its output goes to a log file; waiting for it to become healthy has a timeout; if it dies,
+`check()` raises EngineDeadError carrying the end of its log, so callers fail in seconds
+instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from rollout.errors import EngineDeadError, RolloutTimeoutError
+
+HOST = "127.0.0.1"
+LOG_TAIL_LINES = 40
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None):
+        self.name = name
+        handle, path = tempfile.mkstemp(prefix=f"rollout-{name}-", suffix=".log")
+        self.log_path = Path(path)
+        self._log = os.fdopen(handle, "wb")
+        self.proc = subprocess.Popen(
+            list(argv), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, start_new_session=True,  # its own process group
+        )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def check(self) -> None:
+        """Raise EngineDeadError if the process has exited."""
+        code = self.proc.poll()
+        if code is not None:
+            raise EngineDeadError(
+                f"{self.name} server (pid {self.proc.pid}) exited with code {code}; "
+                f"end of its log ({self.log_path}):\n{self.log_tail()}")
+
+    def wait_healthy(self, url: str, timeout: float) -> None:
+        """Poll `url` until it answers 200; fail early if the process dies."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check()
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RolloutTimeoutError(
+            f"{self.name} server did not become healthy at {url} within {timeout:.0f} s; "
+            f"end of its log ({self.log_path}):\n{self.log_tail()}")
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left after `grace` s."""
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            except ProcessLookupError:
+                pass
+        else:
+            try:  # children (an engine core) may outlive their parent
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._log.close()

@@ -1,0 +1,6 @@
+"""The vLLM backend for rollout: vLLM's async engine, or its OpenAI server as a child
+process. vLLM is imported when the backend is created, not before."""
+
+from rollout_vllm.backend import VLLMBackend
+
+__all__ = ["VLLMBackend"]

@@ -1,0 +1,160 @@
+"""VLLMBackend: the rollout contract over vLLM, in process (`mode="engine"`) or over its
+OpenAI-compatible server in a child process (`mode="server"`)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import rollout
+from rollout import Capabilities, InvalidRequestError, Result, RolloutError, TokenLogprob
+from rollout.aio import LoopThread
+from rollout.buckets import DEFAULT_BUCKET_BYTES
+from rollout.prompts import PromptEncoder
+from rollout.schemas import SamplingParams
+
+from rollout_vllm.engines import AsyncEngine, Sample, ServerEngine
+from rollout_vllm.weights import checkpoint_shapes, layer_groups, to_bytes
+
+MODES = ("engine", "server")
+
+
+def sleep_unsupported_reason() -> str | None:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_sleep_mode_available():
+        return None
+    return (f"vLLM has no sleep mode on {type(current_platform).__name__} "
+            "(its sleep() returns without freeing anything)")
+
+
+def vllm_sampling(s: SamplingParams) -> dict:
+    return {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or 0,
+            "max_tokens": s.max_tokens, "stop": list(s.stop) or None,
+            "stop_token_ids": list(s.stop_token_ids) or None, "seed": s.seed,
+            "logprobs": s.logprobs, "ignore_eos": s.ignore_eos}
+
+
+class VLLMBackend:
+    def __init__(self, model: str, mode: str = "engine", dtype: str = "auto",
+                 max_model_len: int | None = None, enforce_eager: bool = False,
+                 engine_args: dict | None = None, startup_timeout: float = 600.0,
+                 request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES):
+        if mode not in MODES:
+            raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
+        from transformers import AutoConfig, AutoTokenizer
+
+        config = AutoConfig.from_pretrained(model)
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.prompts = PromptEncoder(self.tokenizer, config.vocab_size, self.max_model_len)
+        self.shapes = checkpoint_shapes(model)
+        self.weight_group_bytes = weight_group_bytes
+        self.sleep_reason = sleep_unsupported_reason()
+        args = {"model": model, "dtype": dtype, "max_model_len": self.max_model_len,
+                "enforce_eager": enforce_eager, "worker_extension_cls": _extension(),
+                "enable_sleep_mode": self.sleep_reason is None, **(engine_args or {})}
+        self.request_timeout = request_timeout
+        self.engine = AsyncEngine(args) if mode == "engine" else ServerEngine(
+            args, startup_timeout, request_timeout)
+        self.loop = LoopThread("rollout-vllm")
+        self._running: dict[str, str] = {}  # our request id -> vLLM's
+        self._aborted: set[str] = set()
+        try:
+            self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
+        except BaseException:
+            self.loop.run(self.engine.close(), 60, "stopping vLLM")
+            self.loop.stop()
+            raise
+
+    def describe(self) -> Capabilities:
+        unsupported = {"images": "this backend sends text and token prompts only (for now)"}
+        if self.sleep_reason:
+            unsupported["release"] = self.sleep_reason
+        return Capabilities(unsupported=unsupported)
+
+    @rollout.hookimpl
+    def capabilities(self) -> Capabilities:
+        return self.describe()
+
+    # --- generation ---------------------------------------------------------------------
+
+    @rollout.hookimpl
+    def generate(self, requests):
+        async def run_all():
+            return await asyncio.gather(*(self._one(r) for r in requests))
+
+        # Requests end on their own timeouts; this bound only guards against a lost wakeup.
+        return self.loop.run(run_all(), self.request_timeout + 60, "vLLM generate")
+
+    async def _one(self, request):
+        try:
+            prompt = self.prompts.encode(request)
+        except InvalidRequestError as exc:
+            return exc
+        if request.id in self._aborted:
+            return [_result(request, Sample([], "", "abort", None, None), len(prompt), i)
+                    for i in range(request.sampling.n)]
+        rid = f"{request.id}-{uuid.uuid4().hex[:12]}"  # unique: vLLM accepts duplicate ids
+        self._running[request.id] = rid
+        try:
+            samples = await self.engine.generate(rid, prompt, vllm_sampling(request.sampling))
+        except RolloutError as exc:
+            if isinstance(exc, rollout.EngineDeadError):
+                raise
+            return exc
+        finally:
+            self._running.pop(request.id, None)
+            self._aborted.discard(request.id)
+        return [_result(request, s, len(prompt), i) for i, s in enumerate(samples)]
+
+    @rollout.hookimpl
+    def abort(self, request_ids):
+        ids = list(self._running) if request_ids is None else list(request_ids)
+        self._aborted.update(i for i in ids if i in self._running)
+        rids = [self._running[i] for i in ids if i in self._running]
+        if rids:
+            self.loop.run(self.engine.abort(rids), 60, "vLLM abort")
+
+    # --- weights and memory -------------------------------------------------------------
+
+    @rollout.hookimpl
+    def update_weights(self, buckets):
+        for group in layer_groups(buckets, self.shapes, self.weight_group_bytes):
+            self.loop.run(self.engine.update_weights(to_bytes(group)), self.request_timeout,
+                          "vLLM weight update")
+
+    @rollout.hookimpl
+    def release(self, tags):
+        # vLLM's level 1 offloads weights to host memory and drops the KV cache.
+        self.loop.run(self.engine.release(1), 600, "vLLM sleep")
+        if "weights" not in tags:
+            self.loop.run(self.engine.resume(["weights"]), 600, "vLLM wake-up")
+
+    @rollout.hookimpl
+    def resume(self, tags):
+        self.loop.run(self.engine.resume(list(tags)), 600, "vLLM wake-up")
+
+    @rollout.hookimpl
+    def close(self):
+        try:
+            self.loop.run(self.engine.close(), 120, "stopping vLLM")
+        finally:
+            self.loop.stop()
+
+
+def _result(request, sample: Sample, prompt_tokens: int, index: int) -> Result:
+    return Result(
+        request_id=request.id, index=index, token_ids=tuple(sample.token_ids), text=sample.text,
+        finish_reason=sample.finish_reason, prompt_tokens=prompt_tokens,
+        logprobs=tuple(sample.logprobs) if sample.logprobs is not None else None,
+        top_logprobs=tuple(tuple(TokenLogprob(t, lp) for t, lp in step)
+                           for step in sample.top_logprobs)
+        if sample.top_logprobs is not None else None,
+    )
+
+
+def _extension() -> str:
+    from rollout_vllm.worker import WeightUpdateExtension
+
+    return f"{WeightUpdateExtension.__module__}.{WeightUpdateExtension.__qualname__}"

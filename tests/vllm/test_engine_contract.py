@@ -1,0 +1,14 @@
+"""The vLLM backend, in-process async engine, against the full contract suite."""
+
+import pytest
+from conftest import ENGINE
+
+import rollout
+from rollout.testing import BackendContract
+
+
+class TestVLLMEngine(BackendContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def make_backend(cls):
+        return lambda model: rollout.load_backend("vllm", model=str(model), mode="engine", **ENGINE)
