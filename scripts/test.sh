@@ -5,9 +5,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-# The core and the HF backend (transformers), in one environment.
+# The core and the HF backend (transformers).
 (
   source scripts/env.sh hf requirements/test.txt
   pip install -q --no-deps -e . -e plugins/hf_backend
-  python -m pytest tests "$@"
+  python -m pytest tests --ignore=tests/vllm "$@"
+)
+
+# The vLLM backend on the real engine (CPU build), in its own environment; the HF backend
+# is installed beside it for the cross-engine comparison.
+(
+  source scripts/env.sh vllm requirements/test.txt
+  pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
+  python -m pytest tests/vllm "$@"
 )
