@@ -9,7 +9,8 @@ set -euo pipefail
 name=$1; shift
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 reqs=("$root/requirements/$name.txt" "$@")
-key=$(cat "${reqs[@]}" "$root/requirements/$name".post.sh 2>/dev/null | sha256sum | cut -c1-12)
+post="$root/requirements/$name.post.sh"
+key=$( (cat "${reqs[@]}"; if [ -f "$post" ]; then cat "$post"; fi) | sha256sum | cut -c1-12)
 venvs=${ROLLOUT_VENVS:-$HOME/.cache/rollout/venvs}
 venv="$venvs/$name-$key"
 if [ ! -f "$venv/.complete" ]; then
@@ -20,7 +21,6 @@ if [ ! -f "$venv/.complete" ]; then
   args=()
   for r in "${reqs[@]}"; do args+=(-r "$r"); done
   "$venv/bin/pip" install -q "${args[@]}" >&2
-  post="$root/requirements/$name.post.sh"
   if [ -f "$post" ]; then (source "$venv/bin/activate" && source "$post") >&2; fi
   touch "$venv/.complete"
 fi
