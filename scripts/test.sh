@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 (
   source scripts/env.sh hf requirements/test.txt
   pip install -q --no-deps -e . -e plugins/hf_backend
-  python -m pytest tests --ignore=tests/vllm "$@"
+  python -m pytest tests --ignore=tests/vllm --ignore=tests/sglang "$@"
 )
 
 # The vLLM backend on the real engine (CPU build), in its own environment; the HF backend

@@ -67,15 +67,17 @@ class VLLMBackend:
             self.loop.stop()
             raise
 
-    def describe(self) -> Capabilities:
+    @classmethod
+    def describe_capabilities(cls, sleep_reason: str | None = None) -> Capabilities:
         unsupported = {"images": "this backend sends text and token prompts only (for now)"}
-        if self.sleep_reason:
-            unsupported["release"] = self.sleep_reason
+        reason = sleep_reason or sleep_unsupported_reason()
+        if reason:
+            unsupported["release"] = reason
         return Capabilities(unsupported=unsupported)
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
-        return self.describe()
+        return self.describe_capabilities(self.sleep_reason)
 
     # --- generation ---------------------------------------------------------------------
 

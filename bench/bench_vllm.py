@@ -1,0 +1,100 @@
+"""The vLLM backend against vLLM called directly, side by side in one process.
+
+1. Throughput: 256 prompts x 64 sampled tokens (EOS ignored), through `rollout` (engine
+   mode) and through `vllm.LLM.generate` with the same engine settings; rounds alternate
+   and medians are compared. Target: ratio >= 0.97.
+2. Weight update of the tiny model's full state: through `rollout` (buckets, safetensors
+   bytes to the worker, prefix-cache reset) against vLLM's own in-process
+   `collective_rpc("reload_weights")` of the same tensors plus its prefix-cache reset.
+
+Run in the vLLM environment (scripts/env.sh vllm):
+    python bench/bench_vllm.py [--prompts 256] [--tokens 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+SETTINGS = {"dtype": "float32", "enforce_eager": True}
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the direct LLM runs in this process
+
+    import rollout
+    from rollout.testing.models import load_weights
+    from rollout.tiny_model import build_tiny_model
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_tiny_model(tmp))
+        backend = rollout.load_backend("vllm", model=model, mode="engine", **SETTINGS)
+        llm = LLM(model=model, max_model_len=backend._backend.max_model_len, **SETTINGS)
+        tokenizer = llm.get_tokenizer()
+        words = "the ka lo mi ne su ta ri po def return print x y".split()
+        texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 13))
+                 for i in range(args.prompts)]
+        ids = [tokenizer(t).input_ids for t in texts]
+        requests = [{"prompt_token_ids": p, "sampling": {"temperature": 1.0, "max_tokens":
+                     args.tokens, "ignore_eos": True}} for p in ids]
+        params = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
+
+        def ours():
+            out = backend.generate(requests)
+            assert all(c.unwrap()[0].completion_tokens == args.tokens for c in out)
+
+        def direct():
+            out = llm.generate(prompts, params, use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == args.tokens for o in out)
+
+        ours(), direct()  # warm up
+        rollout_s, direct_s = [], []
+        for _ in range(args.rounds):
+            rollout_s.append(timed(ours))
+            direct_s.append(timed(direct))
+        a, b = statistics.median(rollout_s), statistics.median(direct_s)
+        total = args.prompts * args.tokens
+        print(f"generate {args.prompts} prompts x {args.tokens} tokens, median of {args.rounds}:")
+        print(f"  vllm LLM.generate direct: {b:7.3f} s  {total / b:9.1f} tokens/s")
+        print(f"  rollout vllm backend:     {a:7.3f} s  {total / a:9.1f} tokens/s")
+        print(f"  throughput ratio (rollout / direct): {b / a:.3f}  (target >= 0.97)")
+
+        state = load_weights(model)
+
+        def ours_update():
+            backend.update_weights(state.items())
+
+        def direct_update():
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})
+            llm.reset_prefix_cache()
+
+        ours_update(), direct_update()
+        ours_w = statistics.median(timed(ours_update) for _ in range(args.rounds * 3))
+        direct_w = statistics.median(timed(direct_update) for _ in range(args.rounds * 3))
+        print(f"weight update, {len(state)} tensors, {sum(t.nbytes for t in state.values())} bytes:")
+        print(f"  vllm reload_weights direct (in process): {direct_w * 1000:8.1f} ms")
+        print(f"  rollout update_weights:                  {ours_w * 1000:8.1f} ms")
+        print(f"  time ratio (rollout / direct): {ours_w / direct_w:.2f}")
+        backend.close()
+
+
+if __name__ == "__main__":
+    main()
