@@ -19,3 +19,12 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
   python -m pytest tests/vllm "$@"
 )
+
+# The SGLang backend on the real engine (the PyPI wheel, a CUDA build, run on CPU with the
+# test-only driver stub and start-up shim in tests/sglang/cpu/, which need gcc), in its
+# own environment; the HF backend is installed beside it for the cross-engine comparison.
+(
+  source scripts/env.sh sglang requirements/test.txt
+  pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/sglang_backend
+  python -m pytest tests/sglang "$@"
+)

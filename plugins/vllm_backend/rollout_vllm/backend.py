@@ -17,6 +17,7 @@ from rollout_vllm.engines import AsyncEngine, Sample, ServerEngine
 from rollout_vllm.weights import checkpoint_shapes, layer_groups, to_bytes
 
 MODES = ("engine", "server")
+ABORT_RETRY_S = 0.25
 
 
 def sleep_unsupported_reason() -> str | None:
@@ -100,7 +101,8 @@ class VLLMBackend:
         rid = f"{request.id}-{uuid.uuid4().hex[:12]}"  # unique: vLLM accepts duplicate ids
         self._running[request.id] = rid
         try:
-            samples = await self.engine.generate(rid, prompt, vllm_sampling(request.sampling))
+            samples = await self._until_done(request.id, rid, self.engine.generate(
+                rid, prompt, vllm_sampling(request.sampling)))
         except RolloutError as exc:
             if isinstance(exc, rollout.EngineDeadError):
                 raise
@@ -109,6 +111,20 @@ class VLLMBackend:
             self._running.pop(request.id, None)
             self._aborted.discard(request.id)
         return [_result(request, s, len(prompt), i) for i, s in enumerate(samples)]
+
+    async def _until_done(self, request_id: str, rid: str, call):
+        """Await `call`; once the request is marked aborted, repeat the abort until it ends:
+        an abort that reaches vLLM before the request does is otherwise lost."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=ABORT_RETRY_S)
+                if done:
+                    return task.result()
+                if request_id in self._aborted:
+                    await self.engine.abort([rid])
+        finally:
+            task.cancel()
 
     @rollout.hookimpl
     def abort(self, request_ids):

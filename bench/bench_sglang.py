@@ -1,0 +1,86 @@
+"""The SGLang backend against SGLang called directly, side by side in one process.
+
+Throughput: 256 prompts x 64 sampled tokens (EOS ignored), through `rollout` (engine mode)
+and through `sglang.Engine.generate` on one batch, with the same engine settings; rounds
+alternate and medians are compared. Target: ratio >= 0.97.
+
+Run in the SGLang environment (scripts/env.sh sglang), from the repository root:
+    python bench/bench_sglang.py [--prompts 256] [--tokens 64] [--rounds 3]
+Without a GPU it loads the test-only CPU scaffolding from tests/sglang/conftest.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SETTINGS = {"dtype": "float32"}
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "sglang"))
+        import conftest  # noqa: F401 - sets up the CPU scaffolding on import
+
+    import sglang
+
+    import rollout
+    from rollout.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_tiny_model(tmp))
+        backend = rollout.load_backend("sglang", model=model, mode="engine", **SETTINGS)
+        inner = backend._backend
+        llm = sglang.Engine(model_path=model, device=inner.device, max_total_tokens=4096,
+                            random_seed=0, sleep_on_idle=True, log_level="error", **SETTINGS)
+        words = "the ka lo mi ne su ta ri po def return print x y".split()
+        texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 13))
+                 for i in range(args.prompts)]
+        ids = [inner.tokenizer(t).input_ids for t in texts]
+        requests = [{"prompt_token_ids": p, "sampling": {"temperature": 1.0, "max_tokens":
+                     args.tokens, "ignore_eos": True}} for p in ids]
+        params = {"temperature": 1.0, "max_new_tokens": args.tokens, "ignore_eos": True}
+
+        def ours():
+            out = backend.generate(requests)
+            assert all(c.unwrap()[0].completion_tokens == args.tokens for c in out)
+
+        def direct():
+            out = llm.generate(input_ids=ids, sampling_params=params)
+            assert all(len(o["output_ids"]) == args.tokens for o in out)
+
+        ours(), direct()  # warm up
+        rollout_s, direct_s = [], []
+        for _ in range(args.rounds):
+            rollout_s.append(timed(ours))
+            direct_s.append(timed(direct))
+        a, b = statistics.median(rollout_s), statistics.median(direct_s)
+        total = args.prompts * args.tokens
+        print(f"generate {args.prompts} prompts x {args.tokens} tokens, median of {args.rounds}:")
+        print(f"  sglang Engine.generate direct: {b:7.3f} s  {total / b:9.1f} tokens/s")
+        print(f"  rollout sglang backend:        {a:7.3f} s  {total / a:9.1f} tokens/s")
+        print(f"  throughput ratio (rollout / direct): {b / a:.3f}  (target >= 0.97)")
+        llm.shutdown()
+        backend.close()
+
+
+if __name__ == "__main__":
+    main()

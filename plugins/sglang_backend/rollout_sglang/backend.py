@@ -1,0 +1,205 @@
+"""SGLangBackend: the rollout contract over SGLang, in process (`mode="engine"`) or over its
+native HTTP server in a child process on loopback (`mode="server"`).
+
+Prompts are tokenized and checked here (vocabulary, context length), and results are
+decoded here, so errors and texts are the same as with every other backend; SGLang crashes
+on an out-of-vocabulary token id instead of rejecting it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import rollout
+from rollout import Capabilities, InvalidRequestError, Result, RolloutError, TokenLogprob
+from rollout.buckets import DEFAULT_BUCKET_BYTES
+from rollout.prompts import PromptEncoder, prompt_field
+
+from rollout_sglang import protocol
+from rollout_sglang.engines import InProcessEngine, ServerEngine
+from rollout_sglang.weights import checked_groups, checkpoint_shapes
+
+MODES = ("engine", "server")
+ABORT_RETRY_S = 5.0  # how long an abort keeps chasing a request SGLang has not registered yet
+
+
+def cpu_reasons(device: str) -> dict[str, str]:
+    if device != "cpu":
+        return {}
+    return {
+        "seed": "SGLang uses per-request seeds only with deterministic inference, which it "
+                "refuses on CPU (no supported attention backend); sampling_seed is ignored",
+        "release": "SGLang's memory saver is CUDA-only: on CPU release/resume free nothing, "
+                   "and a release while a request runs crashes the scheduler",
+    }
+
+
+class SGLangBackend:
+    def __init__(self, model: str, mode: str = "engine", device: str | None = None,
+                 dtype: str = "auto", max_total_tokens: int = 4096, random_seed: int = 0,
+                 engine_args: dict | None = None, startup_timeout: float = 600.0,
+                 request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES):
+        if mode not in MODES:
+            raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
+        from transformers import AutoConfig, AutoTokenizer
+
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        config = AutoConfig.from_pretrained(model)
+        self.device = device
+        self.max_model_len = config.max_position_embeddings
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.prompts = PromptEncoder(self.tokenizer, config.vocab_size, self.max_model_len)
+        self.shapes = checkpoint_shapes(model)
+        self.weight_group_bytes = weight_group_bytes
+        self.request_timeout = request_timeout
+        args = {"model_path": model, "device": device, "dtype": dtype,
+                "max_total_tokens": max_total_tokens, "random_seed": random_seed,
+                "sleep_on_idle": True, "log_level": "error",
+                "enable_memory_saver": device != "cpu", **(engine_args or {})}
+        self.engine = InProcessEngine(args, startup_timeout) if mode == "engine" else \
+            ServerEngine(args, startup_timeout, request_timeout)
+        self._running: dict[str, list[str]] = {}  # our request id -> SGLang rids
+        self._aborted: set[str] = set()
+        try:
+            self.engine.start()
+        except BaseException:
+            self.engine.close()
+            raise
+
+    @classmethod
+    def describe_capabilities(cls, device: str = "cpu") -> Capabilities:
+        unsupported = {"images": "this backend sends text and token prompts only (for now)",
+                       **cpu_reasons(device)}
+        return Capabilities(unsupported=unsupported)
+
+    @rollout.hookimpl
+    def capabilities(self) -> Capabilities:
+        return self.describe_capabilities(self.device)
+
+    # --- generation ---------------------------------------------------------------------
+
+    @rollout.hookimpl
+    def generate(self, requests):
+        async def run_all():
+            return await asyncio.gather(*(self._one(r) for r in requests))
+
+        # Requests end on their own timeouts; this bound only guards against a lost wakeup.
+        return self.engine.run(run_all(), self.request_timeout + 60, "SGLang generate")
+
+    async def _one(self, request):
+        s = request.sampling
+        try:
+            prompt = self.prompts.encode(request)
+            if len(prompt) + s.max_tokens > self.max_model_len:
+                raise InvalidRequestError(
+                    "sampling.max_tokens", f"{len(prompt)} prompt tokens + {s.max_tokens} "
+                    f"exceed the context of {self.max_model_len}",
+                    f"at most {self.max_model_len - len(prompt)} for this prompt")
+        except InvalidRequestError as exc:
+            return exc
+        # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
+        rids = [uuid.uuid4().hex for _ in range(s.n)]
+        self._running[request.id] = rids
+        try:
+            outs = await asyncio.gather(
+                *(self.engine.generate(protocol.generate_body(rid, prompt, s)) for rid in rids))
+            samples = [protocol.parse_output(o, s.logprobs) for o in outs]
+        except RolloutError as exc:
+            if isinstance(exc, InvalidRequestError) and exc.field == "prompt_token_ids":
+                exc = InvalidRequestError(prompt_field(request), exc.message.split(": ", 1)[-1])
+            if isinstance(exc, rollout.EngineDeadError):
+                raise
+            return exc
+        finally:
+            self._running.pop(request.id, None)
+            self._aborted.discard(request.id)
+        return [self._result(request, sample, len(prompt), i) for i, sample in enumerate(samples)]
+
+    def _result(self, request, sample: protocol.Sample, prompt_tokens: int, index: int) -> Result:
+        text = self.prompts.decode(sample.token_ids)
+        cuts = [i for i in (text.find(stop) for stop in request.sampling.stop) if i >= 0]
+        if cuts:  # the text ends before the stop string, whatever SGLang's detokenizer did
+            text = text[: min(cuts)]
+        return Result(
+            request_id=request.id, index=index, token_ids=tuple(sample.token_ids), text=text,
+            finish_reason=sample.finish_reason, prompt_tokens=prompt_tokens,
+            logprobs=tuple(sample.logprobs) if sample.logprobs is not None else None,
+            top_logprobs=tuple(tuple(TokenLogprob(t, lp) for t, lp in step)
+                               for step in sample.top_logprobs)
+            if sample.top_logprobs is not None else None)
+
+    @rollout.hookimpl
+    def abort(self, request_ids):
+        async def abort_now():
+            if request_ids is None:
+                self._aborted.update(self._running)
+                await self.engine.abort(None)
+                return
+            for rid in self._targets(request_ids):
+                await self.engine.abort(rid)
+            # SGLang drops an abort for a rid it has not registered yet; try again shortly.
+            asyncio.ensure_future(self._chase(list(request_ids)))
+
+        self.engine.run(abort_now(), 60, "SGLang abort")
+
+    def _targets(self, request_ids) -> list[str]:
+        ids = [i for i in request_ids if i in self._running]
+        self._aborted.update(ids)
+        return [rid for i in ids for rid in self._running[i]]
+
+    async def _chase(self, request_ids: list[str]) -> None:
+        deadline = time.monotonic() + ABORT_RETRY_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            live = [i for i in request_ids if i in self._running]
+            if not live:
+                return
+            try:
+                for rid in self._targets(live):
+                    await self.engine.abort(rid)
+            except RolloutError:
+                return
+
+    # --- weights and memory -------------------------------------------------------------
+
+    @rollout.hookimpl
+    def update_weights(self, buckets):
+        timeout = self.request_timeout
+        self.engine.run(self.engine.begin_update(), 60, "SGLang begin_weight_update")
+        try:
+            for group in checked_groups(buckets, self.shapes, self.weight_group_bytes):
+                self.engine.run(self.engine.update_tensors(group), timeout, "SGLang weight update")
+        finally:
+            self.engine.run(self.engine.end_update(), 60, "SGLang end_weight_update")
+        self._flush()
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """Load a checkpoint folder with the model's architecture from this host's disk."""
+        self.engine.run(self.engine.update_from_disk(str(path)), self.request_timeout,
+                        "SGLang update_weights_from_disk")
+        self._flush()
+
+    def _flush(self) -> None:
+        # An aborted request can still be leaving the scheduler; the flush then fails.
+        deadline = time.monotonic() + 30
+        while not self.engine.run(self.engine.flush_cache(), 60, "SGLang flush_cache"):
+            if time.monotonic() > deadline:
+                raise rollout.GenerationError("SGLang did not flush its cache within 30 s")
+            time.sleep(0.2)
+
+    @rollout.hookimpl
+    def release(self, tags):
+        self.engine.run(self.engine.release(list(tags)), 600, "SGLang release")
+
+    @rollout.hookimpl
+    def resume(self, tags):
+        self.engine.run(self.engine.resume(list(tags)), 600, "SGLang resume")
+
+    @rollout.hookimpl
+    def close(self):
+        self.engine.close()

@@ -1,0 +1,343 @@
+"""The two ways the backend reaches SGLang, behind one small interface:
+
+- `InProcessEngine`: `sglang.Engine` created in this process, on a thread of its own whose
+  event loop runs forever (SGLang's coroutines must run on the engine's loop);
+- `ServerEngine`: `sglang.launch_server` as a child process on loopback, spoken to with
+  SGLang's native HTTP API through aiohttp.
+
+Both take the bodies built in `rollout_sglang.protocol`. `run()` waits for a coroutine on
+the engine's loop with a timeout, and fails within about a second once the engine is dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+
+from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
+from rollout.aio import LoopThread
+from rollout.process import HOST, ServerProcess, free_port
+
+from rollout_sglang import protocol
+
+POLL_S = 0.25
+# Without it SGLang returns logprobs divided by the temperature; the contract wants raw ones.
+ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+
+def wait(loop, coro, timeout: float, what: str, check) -> object:
+    """Run `coro` on `loop`; raise RolloutTimeoutError after `timeout` s, and whatever
+    `check()` raises (the engine died) within POLL_S of it happening."""
+    try:
+        check()
+    except BaseException:
+        coro.close()  # never started; closing it avoids a "never awaited" warning
+        raise
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return future.result(POLL_S)
+        except concurrent.futures.TimeoutError:
+            pass
+        try:
+            check()
+        except BaseException:
+            future.cancel()
+            raise
+        if time.monotonic() > deadline:
+            future.cancel()
+            raise RolloutTimeoutError(f"{what} did not finish within {timeout:.0f} s")
+
+
+# --- in process -------------------------------------------------------------------------
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_handler_installed = False
+
+
+def _on_sigquit(signum, frame) -> None:
+    # SGLang's scheduler signals its parent when it fails. Its default handler kills the
+    # whole process tree, the trainer included; ours marks the engines dead instead.
+    for engine in list(_LIVE):
+        engine.dead = ("SGLang's scheduler failed and sent SIGQUIT (its traceback is in "
+                       "this process's stderr); create a new backend")
+
+
+def _install_sigquit_handler() -> None:
+    global _handler_installed
+    if not _handler_installed and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGQUIT, _on_sigquit)
+        _handler_installed = True
+
+
+class InProcessEngine:
+    """sglang.Engine on its own thread. Created off the main thread, SGLang installs no
+    signal handler of its own, so a scheduler failure does not kill this process; the
+    backend must then be created from the main thread for our handler to be installed."""
+
+    def __init__(self, engine_args: dict, startup_timeout: float):
+        self.engine_args = engine_args
+        self.startup_timeout = startup_timeout
+        self.llm = None
+        self.loop = None
+        self.dead: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        os.environ.update(ENGINE_ENV)  # read by the scheduler process SGLang spawns
+        _install_sigquit_handler()
+        ready, failure = threading.Event(), []
+
+        def main():
+            try:
+                import sglang
+
+                self.llm = sglang.Engine(**self.engine_args)
+                self.loop = self.llm.loop
+            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_forever()
+
+        self._thread = threading.Thread(target=main, name="rollout-sglang", daemon=True)
+        self._thread.start()
+        if not ready.wait(self.startup_timeout):
+            raise RolloutTimeoutError(
+                f"sglang.Engine did not start within {self.startup_timeout:.0f} s")
+        if failure:
+            raise EngineDeadError(f"sglang.Engine failed to start: {failure[0]!r}") from failure[0]
+        _LIVE.add(self)
+
+    def check(self) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+
+    def run(self, coro, timeout: float, what: str):
+        return wait(self.loop, coro, timeout, what, self.check)
+
+    @property
+    def _tm(self):
+        return self.llm.tokenizer_manager
+
+    async def generate(self, body: dict) -> dict:
+        try:
+            return await self.llm.async_generate(
+                **{k: v for k, v in body.items() if k != "stream"})
+        except ValueError as exc:  # SGLang's request validation
+            raise protocol.engine_error(str(exc)) from None
+
+    async def abort(self, rid: str | None) -> None:
+        self._tm.abort_request(**protocol.abort_body(rid))
+
+    async def _call(self, name: str, method, body: dict):
+        result = await method(protocol.struct(name)(**body), None)
+        if isinstance(result, tuple) and not result[0]:
+            raise GenerationError(f"SGLang {name} failed: {result[1]}")
+        return result
+
+    async def begin_update(self) -> None:
+        await self._call("begin_weight_update", self._tm.begin_weight_update, {})
+
+    async def update_tensors(self, group: list) -> None:
+        from rollout_sglang.weights import serialize
+
+        # The scheduler is this process's child: tensors travel as file descriptors.
+        body = protocol.update_tensor_body(serialize(group, as_text=False))
+        await self._call("update_weights_from_tensor", self._tm.update_weights_from_tensor, body)
+
+    async def end_update(self) -> None:
+        await self._call("end_weight_update", self._tm.end_weight_update, {})
+
+    async def update_from_disk(self, path: str) -> None:
+        await self._call("update_weights_from_disk", self._tm.update_weights_from_disk,
+                         {"model_path": path})
+
+    async def flush_cache(self) -> bool:
+        return bool((await self._tm.flush_cache()).success)
+
+    async def release(self, tags: list[str]) -> None:
+        await self._call("release", self._tm.release_memory_occupation, {"tags": tags})
+
+    async def resume(self, tags: list[str]) -> None:
+        await self._call("resume", self._tm.resume_memory_occupation, {"tags": tags})
+
+    def close(self) -> None:
+        _LIVE.discard(self)
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+        if self.loop is not None and self.loop.is_running():
+            # SGLang's receive loops would otherwise be reported as destroyed at exit.
+            async def cancel_tasks():
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in tasks:
+                    task.cancel()
+                await asyncio.wait(tasks, timeout=5) if tasks else None
+
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_tasks(), self.loop).result(10)
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join(30)
+
+
+# --- HTTP server ------------------------------------------------------------------------
+
+
+class ServerEngine:
+    """SGLang's HTTP server, started by us as a child process on 127.0.0.1.
+
+    Weight updates send SGLang's tensor payload, which is pickle (SGLang unpickles it with an
+    allow-list, but it is still pickle). This engine only ever sends it to the server it
+    started itself on the loopback address; there is deliberately no way to point it at a
+    user-supplied URL.
+    """
+
+    def __init__(self, engine_args: dict, startup_timeout: float, request_timeout: float):
+        self.engine_args = engine_args
+        self.startup_timeout = startup_timeout
+        self.request_timeout = request_timeout
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.process: ServerProcess | None = None
+        self.session = None
+        self.loop_thread = LoopThread("rollout-sglang-http")
+        self.loop = self.loop_thread.loop
+
+    def argv(self) -> list[str]:
+        args = dict(self.engine_args)
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path",
+                args.pop("model_path"), "--host", HOST, "--port", str(self.port)]
+        for key, value in args.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                argv.append(flag)
+            elif value not in (False, None):
+                argv += [flag, str(value)]
+        return argv
+
+    def start(self) -> None:
+        self.process = ServerProcess("sglang", self.argv(), env=ENGINE_ENV)
+        self.process.wait_healthy(f"{self.url}/health", self.startup_timeout)
+
+        async def open_session():
+            import aiohttp
+
+            self.session = aiohttp.ClientSession()
+
+        self.run(open_session(), 30, "opening an HTTP session")
+
+    def check(self) -> None:
+        self.process.check()
+
+    def run(self, coro, timeout: float, what: str):
+        return wait(self.loop, coro, timeout, what, self.check)
+
+    async def _once(self, path: str, body: dict | None, timeout: float):
+        import aiohttp
+
+        async with self.session.post(self.url + path, json=body if body is not None else {},
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            text = await response.text()
+            try:
+                import json
+
+                data = json.loads(text) if text else None
+            except ValueError:
+                data = text
+            return response.status, data
+
+    async def _call(self, path: str, body: dict | None = None, timeout: float | None = None,
+                    retries: int = 0):
+        """POST and return the answer. Connection errors are retried `retries` times with
+        backoff (only idempotent calls pass retries); a dead server raises EngineDeadError."""
+        import aiohttp
+
+        for attempt in range(retries + 1):
+            self.check()
+            try:
+                status, data = await self._once(path, body, timeout or self.request_timeout)
+                break
+            except aiohttp.ClientConnectionError as exc:
+                await asyncio.sleep(0.2)  # let a dying server finish exiting
+                self.check()
+                if attempt == retries:
+                    raise GenerationError(f"SGLang server call {path} failed: {exc!r}") from None
+                await asyncio.sleep(0.25 * 2**attempt)
+        if status == 400:
+            raise protocol.engine_error(_message(data))
+        if status != 200:
+            raise GenerationError(f"SGLang server answered {status} on {path}: {data}")
+        if isinstance(data, dict) and data.get("success") is False:
+            raise GenerationError(f"SGLang {path} failed: {data.get('message')}")
+        return data
+
+    async def generate(self, body: dict) -> dict:
+        return await self._call("/generate", body)
+
+    async def abort(self, rid: str | None) -> None:
+        await self._call("/abort_request", protocol.abort_body(rid), timeout=30, retries=2)
+
+    async def begin_update(self) -> None:
+        await self._call("/begin_weight_update", {}, timeout=60)
+
+    async def update_tensors(self, group: list) -> None:
+        import torch.multiprocessing
+
+        from rollout_sglang.weights import serialize
+
+        # The server is not our child, so tensors cannot travel as file descriptors.
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        body = protocol.update_tensor_body(serialize(group, as_text=True))
+        await self._call("/update_weights_from_tensor", body)  # `group` stays alive until here
+
+    async def end_update(self) -> None:
+        await self._call("/end_weight_update", {}, timeout=60)
+
+    async def update_from_disk(self, path: str) -> None:
+        await self._call("/update_weights_from_disk", {"model_path": path})
+
+    async def flush_cache(self) -> bool:
+        try:
+            await self._call("/flush_cache", None, timeout=60, retries=2)
+        except GenerationError:
+            return False
+        return True
+
+    async def release(self, tags: list[str]) -> None:
+        await self._call("/release_memory_occupation", {"tags": tags}, timeout=300)
+
+    async def resume(self, tags: list[str]) -> None:
+        await self._call("/resume_memory_occupation", {"tags": tags}, timeout=300)
+
+    def close(self) -> None:
+        async def close_session():
+            if self.session is not None:
+                await self.session.close()
+
+        try:
+            if self.loop.is_running():
+                asyncio.run_coroutine_threadsafe(close_session(), self.loop).result(10)
+        finally:
+            self.loop_thread.stop()
+            if self.process is not None:
+                self.process.stop()
+
+
+def _message(data) -> str:
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict):
+            return str(error.get("message", error))
+        return str(error or data.get("message") or data)
+    return str(data)
