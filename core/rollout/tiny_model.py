@@ -54,7 +54,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        max_position_embeddings=1024, tie_word_embeddings=False,
+        max_position_embeddings=2048, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         # Wide initial weights make logits far apart, so greedy decoding has few near-ties

@@ -236,6 +236,14 @@ class BackendContract:
         assert error.field.startswith(field), (error.field, field)
         check_completions(good, [completions[0], completions[2]], harness.caps)
 
+    def test_generation_stops_at_the_context_length(self, harness):
+        room = 8  # engines may keep a few tokens of the context for themselves
+        request = {"id": "edge", "prompt_token_ids": [5] * (harness.max_model_len - room),
+                   "sampling": {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}}
+        result = harness.backend.generate([request])[0].unwrap()[0]
+        assert result.finish_reason == "length"
+        assert 0 < result.completion_tokens <= room
+
     # --- abort --------------------------------------------------------------------------
 
     def _long_request(self, harness, rid: str) -> dict:
@@ -266,10 +274,11 @@ class BackendContract:
 
     def test_timeout_aborts_what_is_still_running(self, harness):
         skip_unless(harness.caps, "abort")
-        long = self._long_request(harness, "slow")
-        result = harness.backend.generate([long], timeout=0.5)[0].unwrap()[0]
-        assert result.finish_reason == "abort"
-        assert result.completion_tokens < long["sampling"]["max_tokens"]
+        batch = [self._long_request(harness, f"slow-{i}") for i in range(4)]
+        for completion in harness.backend.generate(batch, timeout=0.5):
+            result = completion.unwrap()[0]
+            assert result.finish_reason == "abort"
+            assert result.completion_tokens < batch[0]["sampling"]["max_tokens"]
 
     # --- weights and memory -------------------------------------------------------------
 

@@ -12,6 +12,8 @@ import asyncio
 import time
 import uuid
 
+import attrs
+
 import rollout
 from rollout import Capabilities, InvalidRequestError, Result, RolloutError, TokenLogprob
 from rollout.buckets import DEFAULT_BUCKET_BYTES
@@ -67,6 +69,10 @@ class SGLangBackend:
         self._aborted: set[str] = set()
         try:
             self.engine.start()
+            # SGLang's scheduler keeps a few tokens of the context for itself and refuses
+            # longer prompts; they get our typed error instead.
+            limit = self.engine.run(self.engine.max_input_tokens(), 60, "SGLang server info")
+            self.prompts.max_model_len = min(self.max_model_len, limit + 1)
         except BaseException:
             self.engine.close()
             raise
@@ -92,16 +98,14 @@ class SGLangBackend:
         return self.engine.run(run_all(), self.request_timeout + 60, "SGLang generate")
 
     async def _one(self, request):
-        s = request.sampling
         try:
             prompt = self.prompts.encode(request)
-            if len(prompt) + s.max_tokens > self.max_model_len:
-                raise InvalidRequestError(
-                    "sampling.max_tokens", f"{len(prompt)} prompt tokens + {s.max_tokens} "
-                    f"exceed the context of {self.max_model_len}",
-                    f"at most {self.max_model_len - len(prompt)} for this prompt")
         except InvalidRequestError as exc:
             return exc
+        # Like the other backends, generation stops at the context length (reason "length");
+        # SGLang would reject the request instead.
+        room = self.max_model_len - len(prompt)
+        s = attrs.evolve(request.sampling, max_tokens=min(request.sampling.max_tokens, room))
         # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
         rids = [uuid.uuid4().hex for _ in range(s.n)]
         self._running[request.id] = rids

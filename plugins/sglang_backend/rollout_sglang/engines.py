@@ -129,6 +129,9 @@ class InProcessEngine:
     def _tm(self):
         return self.llm.tokenizer_manager
 
+    async def max_input_tokens(self) -> int:
+        return int(self._tm.max_req_input_len)
+
     async def generate(self, body: dict) -> dict:
         try:
             return await self.llm.async_generate(
@@ -281,6 +284,13 @@ class ServerEngine:
         if isinstance(data, dict) and data.get("success") is False:
             raise GenerationError(f"SGLang {path} failed: {data.get('message')}")
         return data
+
+    async def max_input_tokens(self) -> int:
+        import aiohttp
+
+        async with self.session.get(self.url + "/server_info",
+                                    timeout=aiohttp.ClientTimeout(total=60)) as response:
+            return int((await response.json(content_type=None))["max_req_input_len"])
 
     async def generate(self, body: dict) -> dict:
         return await self._call("/generate", body)
