@@ -277,7 +277,8 @@ class BackendContract:
         batch = [self._long_request(harness, f"slow-{i}") for i in range(4)]
         for completion in harness.backend.generate(batch, timeout=0.5):
             result = completion.unwrap()[0]
-            assert result.finish_reason == "abort"
+            assert result.finish_reason == "abort", (result.request_id, result.finish_reason,
+                                                     result.completion_tokens)
             assert result.completion_tokens < batch[0]["sampling"]["max_tokens"]
 
     # --- weights and memory -------------------------------------------------------------

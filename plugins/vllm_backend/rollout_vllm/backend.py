@@ -4,6 +4,7 @@ OpenAI-compatible server in a child process (`mode="server"`)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import rollout
@@ -18,6 +19,7 @@ from rollout_vllm.weights import checkpoint_shapes, layer_groups, to_bytes
 
 MODES = ("engine", "server")
 ABORT_RETRY_S = 0.25
+ABORT_HOLD_S = 5.0
 
 
 def sleep_unsupported_reason() -> str | None:
@@ -60,7 +62,7 @@ class VLLMBackend:
             args, startup_timeout, request_timeout)
         self.loop = LoopThread("rollout-vllm")
         self._running: dict[str, str] = {}  # our request id -> vLLM's
-        self._aborted: set[str] = set()
+        self._aborted: dict[str, float] = {}  # request id -> until when the abort holds
         try:
             self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
         except BaseException:
@@ -95,7 +97,7 @@ class VLLMBackend:
             prompt = self.prompts.encode(request)
         except InvalidRequestError as exc:
             return exc
-        if request.id in self._aborted:
+        if self._is_aborted(request.id):
             return [_result(request, Sample([], "", "abort", None, None), len(prompt), i)
                     for i in range(request.sampling.n)]
         rid = f"{request.id}-{uuid.uuid4().hex[:12]}"  # unique: vLLM accepts duplicate ids
@@ -109,7 +111,7 @@ class VLLMBackend:
             return exc
         finally:
             self._running.pop(request.id, None)
-            self._aborted.discard(request.id)
+            self._aborted.pop(request.id, None)
         return [_result(request, s, len(prompt), i) for i, s in enumerate(samples)]
 
     async def _until_done(self, request_id: str, rid: str, call):
@@ -121,15 +123,21 @@ class VLLMBackend:
                 done, _ = await asyncio.wait({task}, timeout=ABORT_RETRY_S)
                 if done:
                     return task.result()
-                if request_id in self._aborted:
+                if self._is_aborted(request_id):
                     await self.engine.abort([rid])
         finally:
             task.cancel()
 
+    def _is_aborted(self, request_id: str) -> bool:
+        return self._aborted.get(request_id, 0.0) > time.monotonic()
+
     @rollout.hookimpl
     def abort(self, request_ids):
         ids = list(self._running) if request_ids is None else list(request_ids)
-        self._aborted.update(i for i in ids if i in self._running)
+        # An abort can overtake its request on the way to vLLM: it holds for a few seconds,
+        # so a request that starts just after it is still aborted.
+        until = time.monotonic() + ABORT_HOLD_S
+        self._aborted.update((i, until) for i in ids)
         rids = [self._running[i] for i in ids if i in self._running]
         if rids:
             self.loop.run(self.engine.abort(rids), 60, "vLLM abort")
