@@ -118,12 +118,14 @@ class VLLMBackend:
         """Await `call`; once the request is marked aborted, repeat the abort until it ends:
         an abort that reaches vLLM before the request does is otherwise lost."""
         task = asyncio.ensure_future(call)
+        aborted = False
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=ABORT_RETRY_S)
                 if done:
                     return task.result()
-                if self._is_aborted(request_id):
+                aborted = aborted or self._is_aborted(request_id)
+                if aborted:  # until the request ends, however long vLLM takes to see it
                     await self.engine.abort([rid])
         finally:
             task.cancel()
