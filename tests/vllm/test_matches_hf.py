@@ -1,52 +1,25 @@
-"""vLLM and the HF backend agree on the tiny model.
-
-Tolerance: both run float32 on the CPU, but with different kernels (oneDNN in vLLM, torch's
-matmul in transformers), so logprobs differ by rounding, about 1e-5. We allow 1e-3 on
-first-token logprobs: far below any real difference between distributions. Greedy tokens
-must be identical, except after a near-tie (the top two HF logprobs within 2e-3), where
-rounding may legitimately pick the other token; the test says where that happened.
-"""
+"""vLLM and the HF backend agree on the tiny model, within the tolerance that
+rollout.testing.agreement states and explains."""
 
 import pytest
 from conftest import ENGINE
 
 import rollout
-from rollout.testing.contract import PROBE_PROMPTS
-
-TOLERANCE = 1e-3
-CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the ka lo"}]
+from rollout.testing.agreement import check_first_token_logprobs, check_greedy_tokens, greedy_outputs
 
 
 @pytest.fixture(scope="module")
-def outputs(tiny_model):
-    requests = [{"id": f"p{i}", "prompt": p,
-                 "sampling": {"temperature": 0.0, "max_tokens": 24, "logprobs": 3,
-                              "ignore_eos": True}} for i, p in enumerate(PROBE_PROMPTS)]
-    requests.append({"id": "chat", "messages": CHAT,
-                     "sampling": {"temperature": 0.0, "max_tokens": 24, "logprobs": 3}})
+def pairs(tiny_model):
     with rollout.load_backend("hf", model=str(tiny_model)) as hf:
-        expected = [c.unwrap()[0] for c in hf.generate(requests)]
-    with rollout.load_backend("vllm", model=str(tiny_model), mode="engine", **ENGINE) as vllm:
-        got = [c.unwrap()[0] for c in vllm.generate(requests)]
+        expected = greedy_outputs(hf)
+    with rollout.load_backend("vllm", model=str(tiny_model), mode="engine", **ENGINE) as other:
+        got = greedy_outputs(other)
     return list(zip(expected, got))
 
 
-def test_first_token_logprobs_agree(outputs):
-    for hf, vllm in outputs:
-        assert hf.prompt_tokens == vllm.prompt_tokens
-        assert abs(hf.logprobs[0] - vllm.logprobs[0]) < TOLERANCE
-        for a, b in zip(hf.top_logprobs[0], vllm.top_logprobs[0]):
-            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < TOLERANCE
+def test_first_token_logprobs_agree(pairs):
+    check_first_token_logprobs(pairs)
 
 
-def test_greedy_tokens_agree_up_to_a_near_tie(outputs):
-    for hf, vllm in outputs:
-        for j, (a, b) in enumerate(zip(hf.token_ids, vllm.token_ids)):
-            if a != b:
-                top = hf.top_logprobs[j]
-                gap = top[0].logprob - top[1].logprob
-                assert gap < 2 * TOLERANCE, f"differ at token {j} with a clear winner (gap {gap})"
-                break
-        else:
-            assert hf.token_ids == vllm.token_ids
-            assert hf.text == vllm.text
+def test_greedy_tokens_agree_up_to_a_near_tie(pairs):
+    check_greedy_tokens(pairs)

@@ -17,11 +17,12 @@ import attrs
 import rollout
 from rollout import Capabilities, InvalidRequestError, Result, RolloutError, TokenLogprob
 from rollout.buckets import DEFAULT_BUCKET_BYTES
+from rollout.checkpoint import checkpoint_shapes
 from rollout.prompts import PromptEncoder, prompt_field
 
 from rollout_sglang import protocol
 from rollout_sglang.engines import InProcessEngine, ServerEngine
-from rollout_sglang.weights import checked_groups, checkpoint_shapes
+from rollout_sglang.weights import checked_groups
 
 MODES = ("engine", "server")
 ABORT_RETRY_S = 5.0  # how long an abort keeps chasing a request SGLang has not registered yet

@@ -11,11 +11,12 @@ import rollout
 from rollout import Capabilities, InvalidRequestError, Result, RolloutError, TokenLogprob
 from rollout.aio import LoopThread
 from rollout.buckets import DEFAULT_BUCKET_BYTES
+from rollout.checkpoint import checkpoint_shapes
 from rollout.prompts import PromptEncoder
 from rollout.schemas import SamplingParams
 
 from rollout_vllm.engines import AsyncEngine, Sample, ServerEngine
-from rollout_vllm.weights import checkpoint_shapes, layer_groups, to_bytes
+from rollout_vllm.weights import layer_groups, to_bytes
 
 MODES = ("engine", "server")
 ABORT_RETRY_S = 0.25
