@@ -15,11 +15,7 @@ import time
 import rollout
 from rollout.tiny_model import build_tiny_model
 
-
-def prompts(count: int) -> list[str]:
-    words = "the ka lo mi ne su ta ri po def return print x y".split()
-    return [" ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 13))
-            for i in range(count)]
+from common import prompts
 
 
 def plain_loop(model, tokenizer, texts, tokens, device) -> float:

@@ -15,16 +15,11 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from common import prompts, timed
+
 SETTINGS = {"dtype": "float32"}
-
-
-def timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -51,9 +46,7 @@ def main() -> None:
         inner = backend._backend
         llm = sglang.Engine(model_path=model, device=inner.device, max_total_tokens=4096,
                             random_seed=0, sleep_on_idle=True, log_level="error", **SETTINGS)
-        words = "the ka lo mi ne su ta ri po def return print x y".split()
-        texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 13))
-                 for i in range(args.prompts)]
+        texts = prompts(args.prompts)
         ids = [inner.tokenizer(t).input_ids for t in texts]
         requests = [{"prompt_token_ids": p, "sampling": {"temperature": 1.0, "max_tokens":
                      args.tokens, "ignore_eos": True}} for p in ids]

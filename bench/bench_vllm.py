@@ -17,15 +17,10 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
+
+from common import prompts, timed
 
 SETTINGS = {"dtype": "float32", "enforce_eager": True}
-
-
-def timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -48,9 +43,7 @@ def main() -> None:
         backend = rollout.load_backend("vllm", model=model, mode="engine", **SETTINGS)
         llm = LLM(model=model, max_model_len=backend._backend.max_model_len, **SETTINGS)
         tokenizer = llm.get_tokenizer()
-        words = "the ka lo mi ne su ta ri po def return print x y".split()
-        texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 13))
-                 for i in range(args.prompts)]
+        texts = prompts(args.prompts)
         ids = [tokenizer(t).input_ids for t in texts]
         requests = [{"prompt_token_ids": p, "sampling": {"temperature": 1.0, "max_tokens":
                      args.tokens, "ignore_eos": True}} for p in ids]

@@ -29,6 +29,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cli_flags(options: Mapping[str, object]) -> list[str]:
+    """Engine arguments as a server's command-line flags: `True` is a bare flag, `False`
+    and `None` are left out, anything else is `--key value`."""
+    argv: list[str] = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value not in (False, None):
+            argv += [flag, str(value)]
+    return argv
+
+
 class ServerProcess:
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None):
         self.name = name

@@ -22,7 +22,7 @@ import weakref
 
 from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
 from rollout.aio import LoopThread
-from rollout.process import HOST, ServerProcess, free_port
+from rollout.process import HOST, ServerProcess, cli_flags, free_port
 
 from rollout_sglang import protocol
 
@@ -221,13 +221,7 @@ class ServerEngine:
         args = dict(self.engine_args)
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path",
                 args.pop("model_path"), "--host", HOST, "--port", str(self.port)]
-        for key, value in args.items():
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                argv.append(flag)
-            elif value not in (False, None):
-                argv += [flag, str(value)]
-        return argv
+        return argv + cli_flags(args)
 
     def start(self) -> None:
         self.process = ServerProcess("sglang", self.argv(), env=ENGINE_ENV)

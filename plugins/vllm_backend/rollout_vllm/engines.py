@@ -17,7 +17,7 @@ import sys
 from typing import NamedTuple
 
 from rollout import EngineDeadError, GenerationError, InvalidRequestError, RolloutError
-from rollout.process import HOST, ServerProcess, free_port
+from rollout.process import HOST, ServerProcess, cli_flags, free_port
 
 EXTENSION = "rollout_vllm.worker.WeightUpdateExtension"
 SERVED_NAME = "rollout"
@@ -119,13 +119,7 @@ class ServerEngine:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", args.pop("model"), "--host", HOST, "--port", str(self.port),
                 "--served-model-name", SERVED_NAME]
-        for key, value in args.items():
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                argv.append(flag)
-            elif value not in (False, None):
-                argv += [flag, str(value)]
-        return argv
+        return argv + cli_flags(args)
 
     async def start(self) -> None:
         import aiohttp
