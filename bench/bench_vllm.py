@@ -48,14 +48,14 @@ def main() -> None:
         requests = [{"prompt_token_ids": p, "sampling": {"temperature": 1.0, "max_tokens":
                      args.tokens, "ignore_eos": True}} for p in ids]
         params = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
+        token_prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
 
         def ours():
             out = backend.generate(requests)
             assert all(c.unwrap()[0].completion_tokens == args.tokens for c in out)
 
         def direct():
-            out = llm.generate(prompts, params, use_tqdm=False)
+            out = llm.generate(token_prompts, params, use_tqdm=False)
             assert all(len(o.outputs[0].token_ids) == args.tokens for o in out)
 
         ours(), direct()  # warm up

@@ -1,4 +1,4 @@
-"""The vLLM backend, in-process async engine, against the full contract suite."""
+"""The vLLM backend, engine in this process, against the full contract suite."""
 
 import pytest
 from conftest import ENGINE

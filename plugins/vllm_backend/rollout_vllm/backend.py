@@ -15,8 +15,8 @@ from rollout.checkpoint import checkpoint_shapes
 from rollout.prompts import PromptEncoder
 from rollout.schemas import SamplingParams
 
-from rollout_vllm.engines import AsyncEngine, Sample, ServerEngine
-from rollout_vllm.weights import layer_groups, to_bytes
+from rollout_vllm.engines import InProcessEngine, Sample, ServerEngine
+from rollout_vllm.weights import layer_groups
 
 MODES = ("engine", "server")
 ABORT_RETRY_S = 0.25
@@ -59,10 +59,10 @@ class VLLMBackend:
                 "enforce_eager": enforce_eager, "worker_extension_cls": _extension(),
                 "enable_sleep_mode": self.sleep_reason is None, **(engine_args or {})}
         self.request_timeout = request_timeout
-        self.engine = AsyncEngine(args) if mode == "engine" else ServerEngine(
+        self.engine = InProcessEngine(args) if mode == "engine" else ServerEngine(
             args, startup_timeout, request_timeout)
         self.loop = LoopThread("rollout-vllm")
-        self._running: dict[str, str] = {}  # our request id -> vLLM's
+        self._running: dict[str, tuple[str, asyncio.Future]] = {}  # ours -> vLLM id, abort
         self._aborted: dict[str, float] = {}  # request id -> until when the abort holds
         try:
             self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
@@ -98,14 +98,17 @@ class VLLMBackend:
             prompt = self.prompts.encode(request)
         except InvalidRequestError as exc:
             return exc
-        if self._is_aborted(request.id):
-            return [_result(request, Sample([], "", "abort", None, None), len(prompt), i)
-                    for i in range(request.sampling.n)]
         rid = f"{request.id}-{uuid.uuid4().hex[:12]}"  # unique: vLLM accepts duplicate ids
-        self._running[request.id] = rid
+        aborted = asyncio.get_running_loop().create_future()  # set by abort()
+        # Registered before the abort check: an abort from another thread then either sees
+        # this request running or has already marked it.
+        self._running[request.id] = (rid, aborted)
         try:
-            samples = await self._until_done(request.id, rid, self.engine.generate(
-                rid, prompt, vllm_sampling(request.sampling)))
+            if self._is_aborted(request.id):
+                samples = [Sample([], "", "abort", None, None)] * request.sampling.n
+            else:
+                samples = await self._until_done(rid, aborted, self.engine.generate(
+                    rid, prompt, vllm_sampling(request.sampling)))
         except RolloutError as exc:
             if isinstance(exc, rollout.EngineDeadError):
                 raise
@@ -115,19 +118,16 @@ class VLLMBackend:
             self._aborted.pop(request.id, None)
         return [_result(request, s, len(prompt), i) for i, s in enumerate(samples)]
 
-    async def _until_done(self, request_id: str, rid: str, call):
-        """Await `call`; once the request is marked aborted, repeat the abort until it ends:
-        an abort that reaches vLLM before the request does is otherwise lost."""
+    async def _until_done(self, rid: str, aborted: asyncio.Future, call):
+        """Await `call`; once `aborted` is done, repeat the abort until the request ends: an
+        abort that reaches a vLLM server before its request does is otherwise lost."""
         task = asyncio.ensure_future(call)
-        aborted = False
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=ABORT_RETRY_S)
-                if done:
-                    return task.result()
-                aborted = aborted or self._is_aborted(request_id)
-                if aborted:  # until the request ends, however long vLLM takes to see it
-                    await self.engine.abort([rid])
+            await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            while not task.done():
+                await self.engine.abort([rid])
+                await asyncio.wait({task}, timeout=ABORT_RETRY_S)
+            return task.result()
         finally:
             task.cancel()
 
@@ -137,20 +137,21 @@ class VLLMBackend:
     @rollout.hookimpl
     def abort(self, request_ids):
         ids = list(self._running) if request_ids is None else list(request_ids)
-        # An abort can overtake its request on the way to vLLM: it holds for a few seconds,
-        # so a request that starts just after it is still aborted.
+        # An abort can come before its request: it holds for a few seconds, so a request
+        # that starts just after it is still aborted.
         until = time.monotonic() + ABORT_HOLD_S
         self._aborted.update((i, until) for i in ids)
-        rids = [self._running[i] for i in ids if i in self._running]
-        if rids:
-            self.loop.run(self.engine.abort(rids), 60, "vLLM abort")
+        for request_id in ids:
+            running = self._running.get(request_id)
+            if running is not None:
+                self.loop.loop.call_soon_threadsafe(_set, running[1])
 
     # --- weights and memory -------------------------------------------------------------
 
     @rollout.hookimpl
     def update_weights(self, buckets):
         for group in layer_groups(buckets, self.shapes, self.weight_group_bytes):
-            self.loop.run(self.engine.update_weights(to_bytes(group)), self.request_timeout,
+            self.loop.run(self.engine.update_weights(group), self.request_timeout,
                           "vLLM weight update")
 
     @rollout.hookimpl
@@ -181,6 +182,11 @@ def _result(request, sample: Sample, prompt_tokens: int, index: int) -> Result:
                            for step in sample.top_logprobs)
         if sample.top_logprobs is not None else None,
     )
+
+
+def _set(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _extension() -> str:

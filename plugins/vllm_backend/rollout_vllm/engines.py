@@ -1,19 +1,22 @@
 """The two ways the backend reaches vLLM, behind one small async interface:
 
-- `AsyncEngine`: vLLM's AsyncLLM, created in this process (its engine core runs in a
-  child process that vLLM manages);
+- `InProcessEngine`: vLLM's LLMEngine with its engine core in this process, stepped by a
+  thread of ours, as `vllm.LLM` does, so that concurrent calls share continuous batching;
 - `ServerEngine`: vLLM's OpenAI-compatible server started as a child process on loopback,
   spoken to over HTTP.
 
-Both return samples as `Sample`s, and both move weights as safetensors bytes through
-`rollout_vllm.worker.WeightUpdateExtension`.
+Both return samples as `Sample`s, and both load weights through
+`rollout_vllm.worker.WeightUpdateExtension`: in process as tensors, over HTTP as
+safetensors bytes (never pickle).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import queue
 import sys
+import threading
 from typing import NamedTuple
 
 from rollout import EngineDeadError, GenerationError, InvalidRequestError, RolloutError
@@ -40,56 +43,196 @@ def request_error(message: str, parameter: str | None = None) -> RolloutError:
     return GenerationError(message)
 
 
-class AsyncEngine:
+class InProcessEngine:
+    """LLMEngine is not thread-safe, so one thread owns it: between engine steps it runs the
+    commands queued by the event loop (add, abort, RPCs), and it hands each finished
+    request's output back to the loop."""
+
     def __init__(self, engine_args: dict):
         self.engine_args = engine_args
         self.engine = None
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # (fn(engine), future or None)
+        self.waiting: dict[str, asyncio.Future] = {}  # vLLM request id -> its caller
+        self.adds: list[tuple] = []  # requests not yet handed to the engine's thread
+        self.dead: str | None = None
+        self.thread: threading.Thread | None = None
 
     async def start(self) -> None:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        self.loop = asyncio.get_running_loop()
+        ready = self.loop.create_future()
+        self.thread = threading.Thread(target=self._serve, args=(ready,),
+                                       name="rollout-vllm-engine", daemon=True)
+        self.thread.start()
+        await ready
 
-        # Created on the loop that will drive it: its output handler binds to that loop.
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+    def _create(self):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.executor import Executor
+
+        # vLLM's defaults for offline batches (e.g. twice the running sequences of its
+        # server's), as `vllm.LLM` gets: rollouts are batch work.
+        config = EngineArgs(**self.engine_args).create_engine_config(UsageContext.LLM_CLASS)
+        return LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
+                         log_stats=False, multiprocess_mode=False)
+
+    # --- on the engine's thread -----------------------------------------------------------
+
+    def _serve(self, ready: asyncio.Future) -> None:
+        try:
+            self.engine = self._create()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of start()
+            self._settle(ready, exception=exc)
+            return
+        self._settle(ready)
+        try:
+            while self._run_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        if output.finished:
+                            self._finish(output.request_id, output)
+        except BaseException as exc:  # noqa: BLE001 - every waiting call learns of it
+            self.dead = f"vLLM engine failed: {exc!r}"
+            for rid in list(self.waiting):
+                self._finish(rid, exception=EngineDeadError(self.dead))
+            while not self.commands.empty():
+                _, future = self.commands.get_nowait()
+                self._settle(future, exception=EngineDeadError(self.dead))
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run every queued command (waiting for one if `block`); False once told to stop."""
+        try:
+            fn, future = self.commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if fn is None:
+                self._settle(future)
+                return False
+            try:
+                self._settle(future, fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                self._settle(future, exception=exc)
+            try:
+                fn, future = self.commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add_all(self, adds: list[tuple]) -> None:
+        for rid, prompt, sampling in adds:
+            if rid in self.waiting:  # else aborted before it got here
+                try:
+                    self.engine.add_request(rid, {"prompt_token_ids": prompt}, sampling)
+                except Exception as exc:  # noqa: BLE001 - handed to that request's caller
+                    self._finish(rid, exception=exc)
+
+    def _settle(self, future: asyncio.Future | None, result=None, exception=None) -> None:
+        def settle():
+            if not future.done():
+                if exception is not None:
+                    future.set_exception(exception)
+                else:
+                    future.set_result(result)
+
+        if future is not None:
+            self.loop.call_soon_threadsafe(settle)
+
+    def _finish(self, rid: str, output=None, exception=None) -> None:
+        self._settle(self.waiting.pop(rid, None), output, exception)
+
+    # --- on the event loop ----------------------------------------------------------------
+
+    def _submit(self, fn) -> asyncio.Future:
+        """Queue `fn(engine)` for the engine's thread; the future gets its result."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        future = self.loop.create_future()
+        self.commands.put((fn, future))
+        return future
+
+    def _send_adds(self) -> None:
+        adds, self.adds = self.adds, []
+        self.commands.put((lambda engine: self._add_all(adds), None))
 
     async def generate(self, rid: str, prompt: list[int], params: dict) -> list[Sample]:
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
 
-        sampling = SamplingParams(**params, output_kind=RequestOutputKind.FINAL_ONLY)
-        final = None
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        future = self.waiting[rid] = self.loop.create_future()
+        self.adds.append((rid, prompt, SamplingParams(
+            **params, output_kind=RequestOutputKind.FINAL_ONLY)))
+        if len(self.adds) == 1:
+            # Sent once this loop iteration is over, with every request of the batch: the
+            # engine then schedules them together instead of stepping on a trickle.
+            self.loop.call_soon(self._send_adds)
         try:
-            async for output in self.engine.generate({"prompt_token_ids": prompt}, sampling, rid):
-                final = output
+            final = await future
         except VLLMClientError as exc:
             raise request_error(str(exc), getattr(exc, "parameter", None)) from None
-        except VLLMEngineDead as exc:
-            raise EngineDeadError(f"vLLM engine died: {exc}") from None
-        k = params.get("logprobs")
-        return [Sample(list(o.token_ids), o.text, o.finish_reason or "abort",
-                       _chosen(o.token_ids, o.logprobs) if k is not None else None,
-                       _top(o.logprobs, k) if k else None)
-                for o in sorted(final.outputs, key=lambda o: o.index)]
+        except ValueError as exc:
+            raise request_error(str(exc)) from None
+        finally:
+            self.waiting.pop(rid, None)
+        return samples_of(final, params)
 
     async def abort(self, rids: list[str]) -> None:
-        await self.engine.abort(rids)
+        def abort(engine):
+            for rid in rids:
+                partial = _partial_output(engine, rid)
+                engine.abort_request([rid])
+                self._finish(rid, partial)
 
-    async def update_weights(self, data: bytes) -> None:
-        await self.engine.collective_rpc("rollout_update_weights", args=(data,))
-        await self.engine.reset_prefix_cache()
+        await self._submit(abort)
+
+    async def update_weights(self, tensors: dict) -> None:
+        def load(engine):  # in process: the tensors themselves, no copy through bytes
+            engine.collective_rpc("rollout_load_tensors", args=(list(tensors.items()),))
+            engine.reset_prefix_cache()
+
+        await self._submit(load)
 
     async def release(self, level: int) -> None:
-        await self.engine.sleep(level=level)
+        await self._submit(lambda engine: engine.sleep(level=level))
 
     async def resume(self, tags: list[str]) -> None:
-        await self.engine.wake_up(tags=tags)
+        await self._submit(lambda engine: engine.wake_up(tags=tags))
 
     async def close(self) -> None:
+        if self.thread is not None and self.thread.is_alive() and not self.dead:
+            self.commands.put((None, None))
+            await asyncio.to_thread(self.thread.join, 60)
         if self.engine is not None:
-            self.engine.shutdown()
+            self.engine.engine_core.shutdown()
             self.engine = None
+
+
+def _partial_output(engine, rid: str):
+    """What an aborted request has made so far, as its final output: LLMEngine drops an
+    aborted request without a word (only AsyncLLM's queues get one)."""
+    from vllm.v1.engine import FinishReason
+
+    processor = engine.output_processor
+    output = None
+    for internal in list(processor.external_req_ids.get(rid, ())):
+        state = processor.request_states.get(internal)
+        if state is not None:  # with n > 1 the last child's output carries every sample
+            output = state.make_request_output([], None, FinishReason.ABORT, None) or output
+    return output
+
+
+def samples_of(final, params: dict) -> list[Sample]:
+    k = params.get("logprobs")
+    if final is None:  # aborted before vLLM made anything
+        return [Sample([], "", "abort", [] if k is not None else None, [] if k else None)
+                for _ in range(params["n"])]
+    return [Sample(list(o.token_ids), o.text, o.finish_reason or "abort",
+                   _chosen(o.token_ids, o.logprobs) if k is not None else None,
+                   _top(o.logprobs, k) if k else None)
+            for o in sorted(final.outputs, key=lambda o: o.index)]
 
 
 def _chosen(token_ids, logprobs) -> list[float]:
@@ -188,9 +331,11 @@ class ServerEngine:
         await self._call("/abort_requests", {"request_ids": [f"cmpl-{r}-0" for r in rids]},
                          timeout=30)
 
-    async def update_weights(self, data: bytes) -> None:
-        await self._call("/collective_rpc", {"method": "rollout_update_weights",
-                                             "args": [base64.b64encode(data).decode()]})
+    async def update_weights(self, tensors: dict) -> None:
+        from rollout_vllm.weights import to_bytes
+
+        data = base64.b64encode(to_bytes(tensors)).decode()
+        await self._call("/collective_rpc", {"method": "rollout_update_weights", "args": [data]})
         await self._call("/reset_prefix_cache", timeout=60)
 
     async def release(self, level: int) -> None:

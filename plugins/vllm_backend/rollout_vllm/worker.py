@@ -1,5 +1,6 @@
-"""Runs inside vLLM's worker process (`worker_extension_cls`): weight updates arrive as
-safetensors bytes, never as pickle, whether over RPC or over HTTP (as base64)."""
+"""Runs inside vLLM's worker (`worker_extension_cls`). Weight updates arrive as tensors
+when the worker is in this process, and as safetensors bytes (base64 over HTTP), never as
+pickle, when it is not."""
 
 from __future__ import annotations
 
@@ -14,4 +15,8 @@ class WeightUpdateExtension:
             data = base64.b64decode(data)
         tensors = load(bytes(data))
         self.reload_weights(weights_iterator=list(tensors.items()))
+        return len(tensors)
+
+    def rollout_load_tensors(self, tensors: list) -> int:
+        self.reload_weights(weights_iterator=tensors)
         return len(tensors)
