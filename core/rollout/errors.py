@@ -70,6 +70,12 @@ class EngineDeadError(RolloutError, RuntimeError):
     kind = "engine_dead"
 
 
+class NoReplicaError(RolloutError, RuntimeError):
+    """No healthy replica is left to serve a request."""
+
+    kind = "no_replica"
+
+
 class RolloutTimeoutError(RolloutError, TimeoutError):
     kind = "timeout"
 

@@ -71,13 +71,15 @@ class ServerProcess:
                 f"{self.name} server (pid {self.proc.pid}) exited with code {code}; "
                 f"end of its log ({self.log_path}):\n{self.log_tail()}")
 
-    def wait_healthy(self, url: str, timeout: float) -> None:
+    def wait_healthy(self, url: str, timeout: float,
+                     headers: Mapping[str, str] | None = None) -> None:
         """Poll `url` until it answers 200; fail early if the process dies."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check()
             try:
-                with urllib.request.urlopen(url, timeout=2) as response:
+                request = urllib.request.Request(url, headers=dict(headers or {}))
+                with urllib.request.urlopen(request, timeout=2) as response:
                     if response.status == 200:
                         return
             except OSError:

@@ -260,10 +260,12 @@ TAGS = ("weights", "kv_cache")
 class Capabilities:
     """What a backend supports. `unsupported` maps a capability name to the reason it is
     missing here; `auto_resume` means generate() on a released backend resumes it instead
-    of raising."""
+    of raising; `concurrent_generate` means concurrent generate() calls share the engine's
+    continuous batching (otherwise they run one after another)."""
 
     unsupported: dict[str, str] = attrs.field(factory=dict)
     auto_resume: bool = False
+    concurrent_generate: bool = False
 
     def __attrs_post_init__(self):
         for name in self.unsupported:

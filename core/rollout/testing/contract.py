@@ -272,6 +272,24 @@ class BackendContract:
         assert spared.unwrap()[0].finish_reason == "length"
         assert spared.unwrap()[0].completion_tokens == 4
 
+    def test_concurrent_calls_share_the_engine(self, harness):
+        if not harness.caps.concurrent_generate:
+            pytest.skip("the backend runs concurrent generate calls one after another")
+        batch = [self._long_request(harness, f"long-{i}") for i in range(8)]
+        long_done: list = []
+        worker = threading.Thread(target=lambda: long_done.append(
+            harness.backend.generate(batch, timeout=60)))
+        worker.start()
+        try:
+            time.sleep(0.2)
+            short = harness.backend.generate(
+                [{"prompt": "def x", "sampling": {"max_tokens": 2, "ignore_eos": True}}])
+            assert short[0].unwrap()[0].completion_tokens == 2
+            assert worker.is_alive(), "a short call waited for a long one to finish"
+        finally:
+            harness.backend.abort([r["id"] for r in batch])
+            worker.join(120)
+
     def test_timeout_aborts_what_is_still_running(self, harness):
         skip_unless(harness.caps, "abort")
         # A fast engine makes these 8 x 2000 tokens in about a second: stop them well before.

@@ -82,7 +82,7 @@ class SGLangBackend:
     def describe_capabilities(cls, device: str = "cpu") -> Capabilities:
         unsupported = {"images": "this backend sends text and token prompts only (for now)",
                        **cpu_reasons(device)}
-        return Capabilities(unsupported=unsupported)
+        return Capabilities(unsupported=unsupported, concurrent_generate=True)
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:

@@ -77,7 +77,7 @@ class VLLMBackend:
         reason = sleep_reason or sleep_unsupported_reason()
         if reason:
             unsupported["release"] = reason
-        return Capabilities(unsupported=unsupported)
+        return Capabilities(unsupported=unsupported, concurrent_generate=True)
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
