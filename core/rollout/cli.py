@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -86,11 +88,19 @@ def _parse_options(values: tuple[str, ...]) -> dict:
 @click.option("--chunk-size", type=int, help="Prompts per written chunk (default 256).")
 @click.option("--backend-option", "-o", multiple=True, metavar="KEY=VALUE",
               help="Passed to the backend, e.g. -o batch_size=64.")
+@click.option("--replicas", type=int, help="Run N replicas of the backend, each in its own process.")
+@click.option("--placement", type=click.Choice(["local", "ray"]),
+              help="Where replicas run: local processes (default) or placed by Ray.")
+@click.option("--server", help="URL of a running `rollout serve` to use instead of a backend.")
+@click.option("--api-key", envvar="ROLLOUT_CLIENT_API_KEY", help="API key for --server.")
+@click.option("--in-flight", type=int, help="Requests out at once (default 256).")
+@click.option("--summary", type=click.Path(dir_okay=False),
+              help="Where to write the JSON summary (default: OUTPUT with .summary.json).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def generate(config, backend, model, input_, output, n, temperature, top_p, top_k,
-             max_tokens, seed, chunk_size, backend_option, quiet) -> None:
-    """Generate responses for every prompt of a parquet file."""
-    from rollout.backend import load_backend
+             max_tokens, seed, chunk_size, backend_option, replicas, placement, server,
+             api_key, in_flight, summary, quiet) -> None:
+    """Generate responses for every prompt of a parquet file (resumable)."""
     from rollout.job import Job, load_config
 
     try:
@@ -98,12 +108,86 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
             "backend": backend, "model": model, "input": input_, "output": output, "n": n,
             "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "max_tokens": max_tokens, "seed": seed, "chunk_size": chunk_size,
+            "replicas": replicas, "placement": placement, "server": server,
+            "api_key": api_key, "in_flight": in_flight,
         })
         options = {**settings.backend_options, **_parse_options(backend_option)}
         job = Job(settings)  # reads and checks the input before any model loads
-        with load_backend(settings.backend, model=settings.model, **options) as engine:
-            stats = job.run(engine, progress=not quiet)
+        stats = asyncio.run(_run_job(job, settings, options, progress=not quiet))
     except RolloutError as exc:
         _fail(exc)
+    path = Path(summary) if summary else Path(settings.output).with_suffix(".summary.json")
+    path.write_text(json.dumps(stats, indent=2) + "\n")
+    latency = stats["latency_s"]
+    click.echo(f"{stats['prompts']} prompts, {stats['samples']} samples, "
+               f"{stats['completion_tokens']} tokens in {stats['seconds']} s "
+               f"({stats['tokens_per_second']} tokens/s); latency p50 {latency['p50']} s, "
+               f"p99 {latency['p99']} s; errors {stats['errors']} {stats['errors_by_kind']}; "
+               f"summary in {path}", err=True)
     click.echo(json.dumps(stats), err=True)
     click.echo(settings.output)
+
+
+async def _run_job(job, settings, options: dict, progress: bool) -> dict:
+    from rollout.serving.connect import connect
+
+    service = await connect(settings.backend, settings.model, options, settings.replicas,
+                            settings.placement, settings.server, settings.api_key)
+    try:
+        return await job.run(service, progress=progress, in_flight=settings.in_flight)
+    finally:
+        await service.close()
+
+
+@main.command()
+@click.option("--backend", required=True, help="Backend name, e.g. hf, vllm, sglang.")
+@click.option("--model", required=True, help="Model folder.")
+@click.option("--replicas", type=int, default=1, show_default=True,
+              help="1: the backend runs in this process; N > 1: N replica processes, balanced.")
+@click.option("--placement", type=click.Choice(["local", "ray"]), default="local",
+              show_default=True, help="Where replicas run.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; 0.0.0.0 exposes the server to the network.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="ROLLOUT_API_KEY",
+              help="Every call must send `Authorization: Bearer KEY` (or set ROLLOUT_API_KEY).")
+@click.option("--backend-option", "-o", multiple=True, metavar="KEY=VALUE",
+              help="Passed to the backend, e.g. -o batch_size=64.")
+@click.option("--watch-parent", type=int, hidden=True,
+              help="Exit when this process is gone (for replicas started by a pool).")
+def serve(backend, model, replicas, placement, host, port, api_key, backend_option,
+          watch_parent) -> None:
+    """Serve a backend over an OpenAI-compatible HTTP API."""
+    from rollout.serving.app import serve as serve_http
+    from rollout.serving.connect import connect
+
+    if watch_parent:
+        _exit_with_parent(watch_parent)
+    options = _parse_options(backend_option)
+
+    async def run():
+        service = await connect(backend, model, options,
+                                replicas if replicas > 1 or placement == "ray" else None,
+                                placement)
+        await serve_http(service, model_name=model, host=host, port=port, api_key=api_key)
+
+    try:
+        asyncio.run(run())
+    except RolloutError as exc:
+        _fail(exc)
+
+
+def _exit_with_parent(pid: int) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == pid:
+            time.sleep(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(20)  # then without waiting for a clean shutdown
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rollout-watch-parent", daemon=True).start()

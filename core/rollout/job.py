@@ -8,6 +8,7 @@ stop the others.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import attrs
 from rollout import convert
 from rollout.errors import InvalidRequestError, RolloutError
 from rollout.schemas import Completion, Message, Request, SamplingParams
+from rollout.serving.service import Service
 
 PROMPT_COLUMN = "prompt"
 OUTPUT_COLUMNS = ("responses", "response_token_ids", "prompt_tokens", "completion_tokens",
@@ -28,17 +30,35 @@ OUTPUT_COLUMNS = ("responses", "response_token_ids", "prompt_tokens", "completio
 
 @attrs.frozen
 class GenerateConfig:
-    backend: str
-    model: str
+    """Where the job runs: a backend in this process (the default), `replicas` processes of
+    it (placed locally or by Ray), or a running `rollout serve` at `server`."""
+
     input: str
     output: str
+    backend: str | None = None
+    model: str | None = None
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     backend_options: dict = attrs.field(factory=dict)
     chunk_size: int = 256
+    replicas: int | None = None
+    placement: str = "local"
+    server: str | None = None
+    api_key: str | None = None
+    in_flight: int = 256
 
     def __attrs_post_init__(self):
-        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise InvalidRequestError("chunk_size", f"got {self.chunk_size!r}", "an integer >= 1")
+        for name in ("chunk_size", "in_flight", "replicas"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidRequestError(name, f"got {value!r}", "an integer >= 1")
+        if self.server and self.replicas:
+            raise InvalidRequestError("server", "given with replicas",
+                                      "either --server URL or --replicas N")
+        if not self.server:
+            for key in ("backend", "model"):
+                if getattr(self, key) is None:
+                    raise InvalidRequestError(key, "missing",
+                                              f"--{key} or `{key}:` in the config file")
 
 
 def load_config(path: str | None, overrides: dict[str, Any]) -> GenerateConfig:
@@ -62,7 +82,7 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> GenerateConfig:
         else:
             data[key] = value
     data["sampling"] = sampling
-    for key in ("backend", "model", "input", "output"):
+    for key in ("input", "output"):
         if key not in data:
             raise InvalidRequestError(key, "missing", f"--{key} or `{key}:` in the config file")
     return convert.structure(data, GenerateConfig)
@@ -139,7 +159,8 @@ class Job:
     def _fingerprint(self) -> dict:
         c = self.config
         return {"input": os.path.abspath(c.input), "rows": self.table.num_rows,
-                "model": c.model, "backend": c.backend, "chunk_size": c.chunk_size,
+                "model": c.model, "backend": c.backend, "server": c.server,
+                "chunk_size": c.chunk_size,
                 "sampling": convert.unstructure(c.sampling)}
 
     def _open_parts(self) -> set[int]:
@@ -155,44 +176,71 @@ class Job:
             _atomic_write(stamp, json.dumps(self._fingerprint()).encode())
         return {int(p.stem.split("-")[1]) for p in self.parts.glob("part-*.parquet")}
 
-    def run(self, backend, progress: bool = True) -> dict:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    async def run(self, service: Service, progress: bool = True, in_flight: int = 256) -> dict:
+        """Generate every prompt not done by an earlier run, with at most `in_flight`
+        requests out at once, and write each chunk as soon as its rows are done. A service
+        that cannot serve at all (dead engine, no replica) stops the job; the chunks already
+        written stay for the next run."""
         from tqdm import tqdm
 
         done = self._open_parts()
         size, rows = self.config.chunk_size, self.table.num_rows
         prompts = self.table.column(PROMPT_COLUMN).to_pylist()
-        stats = {"prompts": rows, "samples": 0, "completion_tokens": 0, "errors": 0}
-        started = time.monotonic()
+        summary = Summary(rows)
         bar = tqdm(total=rows, unit="prompt", disable=not progress,
                    initial=sum(min(size, rows - s) for s in done))
-        for start in range(0, rows, size):
-            if start in done:
-                continue
-            batch, failed = [], {}
-            for row in range(start, min(start + size, rows)):
-                try:
-                    batch.append(to_request(row, prompts[row], self.config.sampling))
-                except RolloutError as exc:
-                    failed[row] = Completion(f"row-{row}", error=exc)
-            completions = iter(backend.generate(batch))
-            ordered = [failed.get(row) or next(completions)
-                       for row in range(start, min(start + size, rows))]
-            out = pa.Table.from_pylist([output_row(c) for c in ordered], schema=_output_schema())
-            _atomic_write_table(self.parts / f"part-{start:09d}.parquet", out, pq)
-            for c in ordered:
-                stats["samples"] += len(c.results)
-                stats["completion_tokens"] += sum(r.completion_tokens for r in c.results)
-                stats["errors"] += not c.ok
-            bar.update(len(ordered))
-        bar.close()
-        self._join(pa, pq)
-        stats["seconds"] = round(time.monotonic() - started, 3)
-        stats["tokens_per_second"] = round(stats["completion_tokens"] / max(stats["seconds"], 1e-9), 1)
-        return stats
+        window = asyncio.Semaphore(in_flight)
 
-    def _join(self, pa, pq) -> None:
+        async def one(request: Request) -> Completion:
+            try:
+                started = time.monotonic()
+                (completion,) = await service.generate([request])
+                summary.latencies.append(time.monotonic() - started)
+                return completion
+            finally:
+                window.release()
+
+        async def write_chunk(start: int, pending: list) -> None:
+            completions = await asyncio.gather(*pending)
+            await asyncio.to_thread(self._write_part, start, completions)
+            summary.add(completions)
+            bar.update(len(completions))
+
+        writers = []
+        try:
+            for start in range(0, rows, size):
+                if start in done:
+                    continue
+                pending = []
+                for row in range(start, min(start + size, rows)):
+                    try:
+                        request = to_request(row, prompts[row], self.config.sampling)
+                    except RolloutError as exc:
+                        pending.append(_ready(Completion(f"row-{row}", error=exc)))
+                        continue
+                    await window.acquire()
+                    pending.append(asyncio.ensure_future(one(request)))
+                writers.append(asyncio.ensure_future(write_chunk(start, pending)))
+                await _raise_first_failure(writers)
+            await asyncio.gather(*writers)
+        finally:
+            for writer in writers:
+                writer.cancel()
+            bar.close()
+        await asyncio.to_thread(self._join)
+        return summary.finish()
+
+    def _write_part(self, start: int, completions: list[Completion]) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        out = pa.Table.from_pylist([output_row(c) for c in completions], schema=_output_schema())
+        _atomic_write_table(self.parts / f"part-{start:09d}.parquet", out, pq)
+
+    def _join(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         parts = sorted(self.parts.glob("part-*.parquet"))
         generated = pa.concat_tables([pq.read_table(p) for p in parts]) if parts else (
             _output_schema().empty_table())
@@ -201,6 +249,53 @@ class Job:
             table = table.append_column(name, generated.column(name))
         _atomic_write_table(self.output, table, pq)
         shutil.rmtree(self.parts)
+
+
+def _ready(value) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+async def _raise_first_failure(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        if task.done() and task.exception() is not None:
+            raise task.exception()
+
+
+class Summary:
+    """What a run did: counts, throughput, latency percentiles, errors by kind."""
+
+    def __init__(self, prompts: int):
+        self.stats = {"prompts": prompts, "samples": 0, "completion_tokens": 0, "errors": 0}
+        self.errors_by_kind: dict[str, int] = {}
+        self.latencies: list[float] = []
+        self.started = time.monotonic()
+
+    def add(self, completions: list[Completion]) -> None:
+        for c in completions:
+            self.stats["samples"] += len(c.results)
+            self.stats["completion_tokens"] += sum(r.completion_tokens for r in c.results)
+            if not c.ok:
+                self.stats["errors"] += 1
+                kind = getattr(c.error, "kind", "error")
+                self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
+
+    def finish(self) -> dict:
+        seconds = time.monotonic() - self.started
+        latencies = sorted(self.latencies)
+
+        def percentile(q: float) -> float | None:
+            if not latencies:
+                return None
+            return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 4)
+
+        return {**self.stats, "seconds": round(seconds, 3),
+                "tokens_per_second": round(self.stats["completion_tokens"] / max(seconds, 1e-9), 1),
+                "requests_this_run": len(latencies),
+                "latency_s": {"p50": percentile(0.5), "p90": percentile(0.9),
+                              "p99": percentile(0.99), "max": latencies[-1] if latencies else None},
+                "errors_by_kind": self.errors_by_kind}
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
