@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 # The core and the HF backend (transformers).
 (
-  source scripts/env.sh hf requirements/test.txt
+  source scripts/env.sh hf requirements/test.txt requirements/ray.txt
   pip install -q --no-deps -e . -e plugins/hf_backend
   python -m pytest tests --ignore=tests/vllm --ignore=tests/sglang "$@"
 )

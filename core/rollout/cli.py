@@ -93,7 +93,8 @@ def _parse_options(values: tuple[str, ...]) -> dict:
               help="Where replicas run: local processes (default) or placed by Ray.")
 @click.option("--server", help="URL of a running `rollout serve` to use instead of a backend.")
 @click.option("--api-key", envvar="ROLLOUT_CLIENT_API_KEY", help="API key for --server.")
-@click.option("--in-flight", type=int, help="Requests out at once (default 256).")
+@click.option("--in-flight", type=int,
+              help="Requests out at once (default: the chunk size, or 64 per replica).")
 @click.option("--summary", type=click.Path(dir_okay=False),
               help="Where to write the JSON summary (default: OUTPUT with .summary.json).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -134,7 +135,9 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
     service = await connect(settings.backend, settings.model, options, settings.replicas,
                             settings.placement, settings.server, settings.api_key)
     try:
-        return await job.run(service, progress=progress, in_flight=settings.in_flight)
+        # A backend here gets a chunk per call; replicas get enough to fill their batches.
+        in_flight = settings.in_flight or max(settings.chunk_size, 64 * (settings.replicas or 0))
+        return await job.run(service, progress=progress, in_flight=in_flight)
     finally:
         await service.close()
 

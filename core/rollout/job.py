@@ -44,7 +44,7 @@ class GenerateConfig:
     placement: str = "local"
     server: str | None = None
     api_key: str | None = None
-    in_flight: int = 256
+    in_flight: int | None = None
 
     def __attrs_post_init__(self):
         for name in ("chunk_size", "in_flight", "replicas"):
@@ -176,7 +176,8 @@ class Job:
             _atomic_write(stamp, json.dumps(self._fingerprint()).encode())
         return {int(p.stem.split("-")[1]) for p in self.parts.glob("part-*.parquet")}
 
-    async def run(self, service: Service, progress: bool = True, in_flight: int = 256) -> dict:
+    async def run(self, service: Service, progress: bool = True, in_flight: int | None = None
+                  ) -> dict:
         """Generate every prompt not done by an earlier run, with at most `in_flight`
         requests out at once, and write each chunk as soon as its rows are done. A service
         that cannot serve at all (dead engine, no replica) stops the job; the chunks already
@@ -189,7 +190,7 @@ class Job:
         summary = Summary(rows)
         bar = tqdm(total=rows, unit="prompt", disable=not progress,
                    initial=sum(min(size, rows - s) for s in done))
-        window = asyncio.Semaphore(in_flight)
+        window = asyncio.Semaphore(in_flight or self.config.in_flight or size)
 
         async def one(request: Request) -> Completion:
             try:

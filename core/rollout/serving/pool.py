@@ -146,10 +146,10 @@ class ReplicaPool:
             raise NoReplicaError(self._no_replica_message())
         return {"replicas": states, "healthy": sum(r.healthy for r in self.replicas)}
 
-    async def close(self) -> None:
+    async def close(self, stop_replicas: bool = True) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
         for replica in self.replicas:
             await replica.service.close()
-            if replica.process is not None:
+            if stop_replicas and replica.process is not None:
                 await asyncio.to_thread(replica.process.stop)

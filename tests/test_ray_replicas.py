@@ -1,0 +1,40 @@
+"""Replicas placed by Ray, on a local Ray cluster started by the test: each replica is a
+`rollout serve` process started by an actor in a placement-group bundle."""
+
+import asyncio
+
+import pytest
+
+ray = pytest.importorskip("ray", reason='Ray is not installed (pip install "rollout-core[ray]")')
+
+from rollout import convert  # noqa: E402
+from rollout.schemas import Request  # noqa: E402
+from rollout.serving.replicas import RayReplicaProcess, start_replicas  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_replicas_placed_by_ray_serve_and_stop(tiny_model, local_ray):
+    async def main():
+        pool = await start_replicas("hf", str(tiny_model), {}, 2, placement="ray")
+        try:
+            requests = [convert.structure({"id": f"r{i}", "prompt": f"the ka {i}", "sampling":
+                                           {"max_tokens": 4, "temperature": 0.0}}, Request)
+                        for i in range(8)]
+            completions = await pool.generate(requests)
+            return pool, completions, await pool.health()
+        finally:
+            await pool.close()
+
+    pool, completions, health = asyncio.run(main())
+    assert [c.request_id for c in completions] == [f"r{i}" for i in range(8)]
+    assert all(c.ok and c.results[0].completion_tokens == 4 for c in completions)
+    assert health["healthy"] == 2
+    assert all(isinstance(r.process, RayReplicaProcess) for r in pool.replicas)
+    # Each replica ran in an actor of the placement group, and is gone after close().
+    assert not any(r.process.alive() for r in pool.replicas)

@@ -1,0 +1,118 @@
+"""Replicas of the real HF backend, each a `rollout serve` process on the tiny model, behind
+the least-in-flight pool: killing a replica mid-batch or the job itself loses nothing."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from rollout.job import GenerateConfig, Job  # noqa: E402
+from rollout.serving.replicas import start_replicas  # noqa: E402
+
+LONG = {"max_tokens": 48, "ignore_eos": True, "temperature": 0.7, "seed": 5}
+
+
+def write_prompts(path, count):
+    pq.write_table(pa.table({"prompt": [f"the ka {i}" for i in range(count)],
+                             "idx": list(range(count))}), path)
+    return str(path)
+
+
+def check_complete(out, count, n=1):
+    table = pq.read_table(out).to_pylist()
+    assert [r["idx"] for r in table] == list(range(count))
+    for row in table:
+        assert row["error"] is None, row["error"]
+        assert len(row["responses"]) == n and row["completion_tokens"] == [LONG["max_tokens"]] * n
+    return table
+
+
+def test_job_completes_when_a_replica_is_killed_mid_batch(tiny_model, tmp_path):
+    count = 48
+    config = GenerateConfig(input=write_prompts(tmp_path / "in.parquet", count),
+                            output=str(tmp_path / "out.parquet"), backend="hf",
+                            model=str(tiny_model), sampling=LONG, chunk_size=4)
+
+    async def main():
+        pool = await start_replicas("hf", str(tiny_model), {"batch_size": 4}, 2,
+                                    max_in_flight=4)
+        try:
+            job = asyncio.ensure_future(Job(config).run(pool, progress=False, in_flight=16))
+            victim = pool.replicas[0]
+            deadline = time.monotonic() + 120
+            while victim.in_flight == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert victim.in_flight > 0 and not job.done()
+            os.killpg(victim.process.proc.pid, signal.SIGKILL)
+            stats = await asyncio.wait_for(job, 300)
+            health = await pool.health()
+            return stats, health
+        finally:
+            await pool.close()
+
+    stats, health = asyncio.run(main())
+    assert stats["errors"] == 0 and stats["samples"] == count
+    assert health["healthy"] == 1 and not health["replicas"][0]["healthy"]
+    check_complete(tmp_path / "out.parquet", count)
+
+
+def _replicas_of(job_pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", f"--watch-parent {job_pid}"], capture_output=True,
+                           text=True)
+    return [int(p) for p in found.stdout.split()]
+
+
+def test_killed_job_with_replicas_reruns_to_exact_counts(tiny_model, tmp_path):
+    count = 40
+    out = tmp_path / "out.parquet"
+    args = ["generate", "--backend", "hf", "--model", tiny_model,
+            "--input", write_prompts(tmp_path / "in.parquet", count), "--output", out,
+            "--replicas", 2, "--chunk-size", 2, "--in-flight", 4, "--n", 2,
+            "--max-tokens", LONG["max_tokens"], "--temperature", 0.7, "--seed", 3,
+            "--quiet", "-o", "batch_size=2"]
+    config = tmp_path / "job.yaml"  # the CLI has no flag for ignore_eos
+    config.write_text("sampling: {ignore_eos: true}\n")
+    command = [sys.executable, "-m", "rollout", *map(str, args), "--config", str(config)]
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parts = Path(str(out) + ".parts")
+    deadline = time.monotonic() + 180
+    while len(list(parts.glob("part-*.parquet"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    replicas = _replicas_of(job.pid)
+    assert len(replicas) == 2
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait(30)
+    done_before = len(list(parts.glob("part-*.parquet")))
+    assert 2 <= done_before < count // 2 and not out.exists()
+    deadline = time.monotonic() + 40  # the replicas notice their parent is gone
+    while any(_alive(p) for p in replicas) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in replicas), "replicas outlived their job"
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stderr.strip().splitlines()[-1])
+    assert stats["samples"] == 2 * (count - 2 * done_before)  # finished chunks were kept
+    assert stats["latency_s"]["p50"] > 0 and stats["errors_by_kind"] == {}
+    check_complete(out, count, n=2)
+    summary = json.loads(out.with_suffix(".summary.json").read_text())
+    assert summary["prompts"] == count and summary["latency_s"]["p99"] >= summary["latency_s"]["p50"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() else "X"
+    return state != "Z"
