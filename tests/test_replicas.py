@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
+from rollout import convert  # noqa: E402
 from rollout.job import GenerateConfig, Job  # noqa: E402
 from rollout.serving.replicas import start_replicas  # noqa: E402
 
@@ -39,9 +40,10 @@ def check_complete(out, count, n=1):
 
 def test_job_completes_when_a_replica_is_killed_mid_batch(tiny_model, tmp_path):
     count = 48
-    config = GenerateConfig(input=write_prompts(tmp_path / "in.parquet", count),
-                            output=str(tmp_path / "out.parquet"), backend="hf",
-                            model=str(tiny_model), sampling=LONG, chunk_size=4)
+    config = convert.structure({"input": write_prompts(tmp_path / "in.parquet", count),
+                                "output": str(tmp_path / "out.parquet"), "backend": "hf",
+                                "model": str(tiny_model), "sampling": LONG, "chunk_size": 4},
+                               GenerateConfig)
 
     async def main():
         pool = await start_replicas("hf", str(tiny_model), {"batch_size": 4}, 2,
@@ -50,7 +52,7 @@ def test_job_completes_when_a_replica_is_killed_mid_batch(tiny_model, tmp_path):
             job = asyncio.ensure_future(Job(config).run(pool, progress=False, in_flight=16))
             victim = pool.replicas[0]
             deadline = time.monotonic() + 120
-            while victim.in_flight == 0 and time.monotonic() < deadline:
+            while victim.in_flight == 0 and not job.done() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             assert victim.in_flight > 0 and not job.done()
             os.killpg(victim.process.proc.pid, signal.SIGKILL)
@@ -67,9 +69,16 @@ def test_job_completes_when_a_replica_is_killed_mid_batch(tiny_model, tmp_path):
 
 
 def _replicas_of(job_pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-f", f"--watch-parent {job_pid}"], capture_output=True,
-                           text=True)
-    return [int(p) for p in found.stdout.split()]
+    """The processes started with `--watch-parent job_pid`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--watch-parent" in argv and argv[argv.index(b"--watch-parent") + 1] == str(job_pid).encode():
+            found.append(int(cmdline.parent.name))
+    return found
 
 
 def test_killed_job_with_replicas_reruns_to_exact_counts(tiny_model, tmp_path):
