@@ -18,6 +18,8 @@ pytest.importorskip("aiohttp")
 
 from rollout import convert  # noqa: E402
 from rollout.job import GenerateConfig, Job  # noqa: E402
+from rollout.errors import InvalidRequestError  # noqa: E402
+from rollout.serving.connect import resolve_mode  # noqa: E402
 from rollout.serving.replicas import start_replicas  # noqa: E402
 
 LONG = {"max_tokens": 48, "ignore_eos": True, "temperature": 0.7, "seed": 5}
@@ -125,3 +127,23 @@ def _alive(pid: int) -> bool:
         return False
     state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() else "X"
     return state != "Z"
+
+
+@pytest.mark.parametrize("mode, replicas, placement, server, expected", [
+    (None, None, "local", None, "hybrid"),
+    (None, 2, "local", None, "colocated"),
+    (None, 2, "ray", None, "standalone"),
+    (None, None, "local", "http://h:1", "standalone"),
+    ("standalone", 2, "local", None, "standalone"),
+    ("colocated", None, "local", None, "colocated"),
+    ("hybrid", 2, "local", None, "mode"),
+    ("colocated", 2, "ray", None, "mode"),
+    ("serverless", None, "local", None, "mode"),
+])
+def test_deployment_modes(mode, replicas, placement, server, expected):
+    if expected == "mode":
+        with pytest.raises(InvalidRequestError) as error:
+            resolve_mode(mode, replicas, placement, server)
+        assert error.value.field == "mode"
+    else:
+        assert resolve_mode(mode, replicas, placement, server) == expected

@@ -88,6 +88,9 @@ def _parse_options(values: tuple[str, ...]) -> dict:
 @click.option("--chunk-size", type=int, help="Prompts per written chunk (default 256).")
 @click.option("--backend-option", "-o", multiple=True, metavar="KEY=VALUE",
               help="Passed to the backend, e.g. -o batch_size=64.")
+@click.option("--mode", type=click.Choice(["hybrid", "colocated", "standalone"]),
+              help="hybrid: the backend in this process (default); colocated: replica "
+                   "processes on this machine; standalone: replicas of their own or --server.")
 @click.option("--replicas", type=int, help="Run N replicas of the backend, each in its own process.")
 @click.option("--placement", type=click.Choice(["local", "ray"]),
               help="Where replicas run: local processes (default) or placed by Ray.")
@@ -99,7 +102,7 @@ def _parse_options(values: tuple[str, ...]) -> dict:
               help="Where to write the JSON summary (default: OUTPUT with .summary.json).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def generate(config, backend, model, input_, output, n, temperature, top_p, top_k,
-             max_tokens, seed, chunk_size, backend_option, replicas, placement, server,
+             max_tokens, seed, chunk_size, backend_option, mode, replicas, placement, server,
              api_key, in_flight, summary, quiet) -> None:
     """Generate responses for every prompt of a parquet file (resumable)."""
     from rollout.job import Job, load_config
@@ -109,7 +112,7 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
             "backend": backend, "model": model, "input": input_, "output": output, "n": n,
             "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "max_tokens": max_tokens, "seed": seed, "chunk_size": chunk_size,
-            "replicas": replicas, "placement": placement, "server": server,
+            "mode": mode, "replicas": replicas, "placement": placement, "server": server,
             "api_key": api_key, "in_flight": in_flight,
         })
         options = {**settings.backend_options, **_parse_options(backend_option)}
@@ -133,7 +136,8 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
     from rollout.serving.connect import connect
 
     service = await connect(settings.backend, settings.model, options, settings.replicas,
-                            settings.placement, settings.server, settings.api_key)
+                            settings.placement, settings.server, settings.api_key,
+                            settings.mode)
     try:
         # A backend here gets a chunk per call; replicas get enough to fill their batches.
         in_flight = settings.in_flight or max(settings.chunk_size, 64 * (settings.replicas or 0))
@@ -145,6 +149,9 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
 @main.command()
 @click.option("--backend", required=True, help="Backend name, e.g. hf, vllm, sglang.")
 @click.option("--model", required=True, help="Model folder.")
+@click.option("--mode", type=click.Choice(["hybrid", "colocated", "standalone"]),
+              help="hybrid: the backend in this process (the default for one replica); "
+                   "colocated/standalone: replica processes behind this server.")
 @click.option("--replicas", type=int, default=1, show_default=True,
               help="1: the backend runs in this process; N > 1: N replica processes, balanced.")
 @click.option("--placement", type=click.Choice(["local", "ray"]), default="local",
@@ -158,7 +165,7 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
               help="Passed to the backend, e.g. -o batch_size=64.")
 @click.option("--watch-parent", type=int, hidden=True,
               help="Exit when this process is gone (for replicas started by a pool).")
-def serve(backend, model, replicas, placement, host, port, api_key, backend_option,
+def serve(backend, model, mode, replicas, placement, host, port, api_key, backend_option,
           watch_parent) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
     from rollout.serving.app import serve as serve_http
@@ -171,7 +178,7 @@ def serve(backend, model, replicas, placement, host, port, api_key, backend_opti
     async def run():
         service = await connect(backend, model, options,
                                 replicas if replicas > 1 or placement == "ray" else None,
-                                placement)
+                                placement, mode=mode)
         await serve_http(service, model_name=model, host=host, port=port, api_key=api_key)
 
     try:

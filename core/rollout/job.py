@@ -30,8 +30,9 @@ OUTPUT_COLUMNS = ("responses", "response_token_ids", "prompt_tokens", "completio
 
 @attrs.frozen
 class GenerateConfig:
-    """Where the job runs: a backend in this process (the default), `replicas` processes of
-    it (placed locally or by Ray), or a running `rollout serve` at `server`."""
+    """Where the job runs (see rollout.serving.connect for the modes): a backend in this
+    process (the default), `replicas` processes of it (placed locally or by Ray), or a
+    running `rollout serve` at `server`."""
 
     input: str
     output: str
@@ -40,6 +41,7 @@ class GenerateConfig:
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     backend_options: dict = attrs.field(factory=dict)
     chunk_size: int = 256
+    mode: str | None = None
     replicas: int | None = None
     placement: str = "local"
     server: str | None = None
@@ -51,6 +53,8 @@ class GenerateConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidRequestError(name, f"got {value!r}", "an integer >= 1")
+        if self.placement not in ("local", "ray"):
+            raise InvalidRequestError("placement", f"got {self.placement!r}", "local, ray")
         if self.server and self.replicas:
             raise InvalidRequestError("server", "given with replicas",
                                       "either --server URL or --replicas N")

@@ -35,13 +35,18 @@ class Service(Protocol):
 
 
 class BackendService:
-    def __init__(self, backend: Rollout, name: str, max_batch: int = 1024):
+    def __init__(self, backend: Rollout, name: str, max_batch: int = 1024,
+                 batch_wait_s: float = 0.01):
         self.backend = backend
         self.name = name
         self.max_batch = max_batch
         # A backend with continuous batching takes concurrent calls; another (HF) runs one
-        # call at a time, so requests wait here and go in the next call together.
-        self.max_calls = 64 if backend.capabilities.concurrent_generate else 1
+        # call at a time, so requests wait here and go in the next call together, and an
+        # idle one waits `batch_wait_s` for the rest of a burst (requests sent together
+        # over HTTP arrive a little apart) before it starts.
+        concurrent = backend.capabilities.concurrent_generate
+        self.max_calls = 64 if concurrent else 1
+        self.batch_wait_s = 0.0 if concurrent else batch_wait_s
         self._pending: list[tuple[Request, asyncio.Future]] = []
         self._calls = 0
         self._scheduled = False
@@ -62,10 +67,13 @@ class BackendService:
         return [_renamed(c, r.id) for c, r in zip(done, requests)]
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
-        # After this loop iteration: every request that arrived in it joins the same call.
+        # Not before this loop iteration ends: every request that arrived in it joins.
         if self._pending and self._calls < self.max_calls and not self._scheduled:
             self._scheduled = True
-            loop.call_soon(self._start_call, loop)
+            if self._calls == 0 and self.batch_wait_s:
+                loop.call_later(self.batch_wait_s, self._start_call, loop)
+            else:
+                loop.call_soon(self._start_call, loop)
 
     def _start_call(self, loop: asyncio.AbstractEventLoop) -> None:
         self._scheduled = False
