@@ -3,6 +3,9 @@ the real HF backend on the tiny model."""
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -339,6 +342,38 @@ def test_a_service_that_cannot_serve_is_a_503_or_504(error, status):
         assert caught.value.status_code == status  # nothing sent yet: a plain error
         assert http(f"{server.url}/health")[0] == 503
         assert http(f"{server.url}/rollout/generate", {"requests": [{"prompt": "x"}]})[0] == status
+
+
+# --- running the server -------------------------------------------------------------------
+
+SERVE_SCRIPT = """
+import asyncio, sys, rollout
+from rollout.serving.app import serve
+from rollout.serving.service import BackendService
+
+class Service(BackendService):
+    async def close(self):
+        await super().close()
+        print("closed", flush=True)
+
+engine = rollout.load_backend("hf", model=sys.argv[1])
+asyncio.run(serve(Service(engine, "tiny"), port=0, on_started=lambda url: print(url, flush=True)))
+print("returned", flush=True)
+"""
+
+
+def test_serve_stops_on_sigterm_and_closes_the_service(tiny_model):
+    process = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, str(tiny_model)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        url = process.stdout.readline().strip()
+        assert http(f"{url}/health")[0] == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert process.stdout.read().split() == ["closed", "returned"]
+    finally:
+        process.kill()
+        process.wait()
 
 
 # --- load ---------------------------------------------------------------------------------
