@@ -310,8 +310,8 @@ class FailingService:
 
     name = "failing"
 
-    def __init__(self):
-        self.error = NoReplicaError("no healthy replica")
+    def __init__(self, error):
+        self.error = error
 
     async def generate(self, requests):
         raise self.error
@@ -329,9 +329,7 @@ class FailingService:
     (RolloutTimeoutError("too slow"), 504),
 ])
 def test_a_service_that_cannot_serve_is_a_503_or_504(error, status):
-    service = FailingService()
-    service.error = error
-    with ServerThread(service) as server:
+    with ServerThread(FailingService(error)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
         with pytest.raises(openai.APIStatusError) as caught:
             client.chat.completions.create(model="failing", messages=CHAT, max_tokens=2)
