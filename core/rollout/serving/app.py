@@ -167,11 +167,9 @@ async def _errors_middleware(request: web.Request, handler) -> web.StreamRespons
     """Every failure becomes an OpenAI error body; a traceback goes to the log only."""
     try:
         return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        error = _api_error(exc, request)
     except Exception as exc:  # noqa: BLE001 - a bug fails this call, not the server
+        if isinstance(exc, web.HTTPException) and exc.status < 400:
+            raise  # a redirect is no error
         error = _api_error(exc, request)
     return web.json_response(error.body(), status=error.status)
 

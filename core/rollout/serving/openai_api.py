@@ -11,6 +11,7 @@ one character are not.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -134,25 +135,23 @@ class Call:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage",
                                                             "include_obfuscation"}:
-            raise bad_field("stream_options", f"got {options!r}",
+            raise bad_field("stream_options", f"got {_short(options)}",
                             "an object with include_usage")
         include_usage = _flag(options, "include_usage", "stream_options.")
         self.include_usage = self.stream and include_usage
+        self.sampling = {name: body[name] for name in SAMPLING_FIELDS
+                         if body.get(name) is not None}
+        if isinstance(self.sampling.get("stop"), str):
+            self.sampling["stop"] = [self.sampling["stop"]]
         # Rollout's sampling field -> the OpenAI field it came from, for error messages.
         self.names: dict[str, str] = {}
-        self.sampling = self._sampling(body)
         self.n = body.get("n") or 1
         self.requests: list[Request] = []
 
-    def _sampling(self, body: dict) -> dict:
-        sampling = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-        if isinstance(sampling.get("stop"), str):
-            sampling["stop"] = [sampling["stop"]]
-        return sampling
-
-    def _set(self, sampling: dict, field: str, param: str) -> None:
+    def _set(self, field: str, param: str) -> None:
+        """Sampling `field` from the body's `param`, if given."""
         if self.body.get(param) is not None:
-            sampling[field] = self.body[param]
+            self.sampling[field] = self.body[param]
             self.names[field] = param
 
     def _structure(self, items: list[dict]) -> list[Request]:
@@ -224,8 +223,8 @@ class CompletionsCall(Call):
 
     def __init__(self, body: Any, model_name: str):
         super().__init__(body, model_name, COMPLETIONS_FIELDS)
-        self._set(self.sampling, "max_tokens", "max_tokens")
-        self._set(self.sampling, "logprobs", "logprobs")
+        self._set("max_tokens", "max_tokens")
+        self._set("logprobs", "logprobs")
         self.requests = self._structure(_prompts(body.get("prompt")))
 
     def param(self, field: str, index: int = 0, count: int = 1) -> str:
@@ -255,17 +254,17 @@ class ChatCall(Call):
         if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
             raise bad_field("max_completion_tokens", "given together with max_tokens",
                             "one of max_tokens, max_completion_tokens")
-        self._set(self.sampling, "max_tokens", "max_tokens")
-        self._set(self.sampling, "max_tokens", "max_completion_tokens")
+        self._set("max_tokens", "max_tokens")
+        self._set("max_tokens", "max_completion_tokens")
         if _flag(body, "logprobs"):
             self.sampling["logprobs"] = 0
-            self._set(self.sampling, "logprobs", "top_logprobs")
+            self._set("logprobs", "top_logprobs")
         elif body.get("top_logprobs") is not None:
             raise bad_field("top_logprobs", "needs logprobs: true")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise bad_field("messages", "missing" if messages is None else f"got {messages!r}",
-                            "a non-empty list of messages")
+            got = "missing" if messages is None else f"got {_short(messages)}"
+            raise bad_field("messages", got, "a non-empty list of messages")
         self.requests = self._structure(
             [{"messages": [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]}])
 
@@ -301,8 +300,8 @@ def _check_fields(body: dict, fields: tuple[str, ...]) -> None:
         if name in UNSUPPORTED_FIELDS:
             defaults, why = UNSUPPORTED_FIELDS[name]
             if value not in defaults:
-                raise bad_field(name, why, "left out, or " + " or ".join(
-                    repr(v) for v in defaults if v is not None))
+                allowed = [json.dumps(v) for v in defaults if v is not None]
+                raise bad_field(name, why, " or ".join(["left out", *allowed]))
             continue
         raise bad_field(name, "unknown field", ", ".join(sorted(fields)))
 

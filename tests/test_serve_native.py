@@ -1,0 +1,72 @@
+"""The native route `POST /rollout/generate`: rollout's own request and completion schema
+over HTTP, as the replica pool's client sends it, against the real HF backend."""
+
+import asyncio
+
+import aiohttp
+import pytest
+
+import rollout
+from rollout import convert
+from rollout.schemas import Completion
+from rollout.serving.app import ServerThread
+from rollout.serving.service import BackendService
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    with rollout.load_backend("hf", model=str(tiny_model), max_model_len=64) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with ServerThread(BackendService(engine, "tiny")) as server:
+        yield server
+
+
+def post(server, body) -> tuple[int, dict]:
+    async def call():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{server.url}/rollout/generate", json=body) as response:
+                return response.status, await response.json()
+
+    return asyncio.run(call())
+
+
+def test_a_bad_request_fails_alone_and_token_ids_round_trip(server, engine):
+    requests = [
+        {"id": "text", "prompt": "def add(a, b):", "sampling": {"max_tokens": 5, "temperature": 0}},
+        {"id": "typo", "prompt": "hello", "sampling": {"temprature": 0}},
+        {"id": "tokens", "prompt_token_ids": [5, 17, 42],
+         "sampling": {"max_tokens": 4, "temperature": 0, "logprobs": 2}},
+        {"id": "long", "prompt": "hello there " * 64},
+    ]
+    status, body = post(server, {"requests": requests})
+    assert status == 200
+    text, typo, tokens, long = [convert.structure(c, Completion) for c in body["completions"]]
+    assert [c.request_id for c in (text, typo, tokens, long)] == ["text", "typo", "tokens", "long"]
+    assert (typo.error.kind, typo.error.field) == ("invalid_request", "sampling.temprature")
+    assert (long.error.kind, long.error.field) == ("invalid_request", "prompt")
+    expected = engine.generate([requests[0], requests[2]])
+    assert text.results == expected[0].results and tokens.results == expected[1].results
+    assert len(tokens.results[0].top_logprobs[0]) == 2
+
+
+def test_ids_must_be_unique_within_a_call(server):
+    request = {"id": "same", "prompt": "hello", "sampling": {"max_tokens": 2}}
+    status, body = post(server, {"requests": [request, request]})
+    assert status == 200
+    first, second = [convert.structure(c, Completion) for c in body["completions"]]
+    assert first.ok and second.error.field == "id"
+
+
+@pytest.mark.parametrize("body", [{"prompts": []}, [], {"requests": {"prompt": "x"}},
+                                  {"requests": [], "timeout": 5}])
+def test_a_body_of_another_shape_is_a_400(server, body):
+    status, answer = post(server, body)
+    assert status == 400 and answer["error"]["param"] == "requests"
+
+
+def test_an_empty_batch_answers_nothing(server):
+    assert post(server, {"requests": []}) == (200, {"completions": []})
