@@ -159,14 +159,15 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--served-model-name", help="The model's name in the API (default: --model).")
 @click.option("--api-key", envvar="ROLLOUT_API_KEY",
               help="Every call must send `Authorization: Bearer KEY` (or set ROLLOUT_API_KEY).")
 @click.option("--backend-option", "-o", multiple=True, metavar="KEY=VALUE",
               help="Passed to the backend, e.g. -o batch_size=64.")
 @click.option("--watch-parent", type=int, hidden=True,
               help="Exit when this process is gone (for replicas started by a pool).")
-def serve(backend, model, mode, replicas, placement, host, port, api_key, backend_option,
-          watch_parent) -> None:
+def serve(backend, model, mode, replicas, placement, host, port, served_model_name, api_key,
+          backend_option, watch_parent) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
     from rollout.serving.app import serve as serve_http
     from rollout.serving.connect import connect
@@ -179,7 +180,8 @@ def serve(backend, model, mode, replicas, placement, host, port, api_key, backen
         service = await connect(backend, model, options,
                                 replicas if replicas > 1 or placement == "ray" else None,
                                 placement, mode=mode)
-        await serve_http(service, model_name=model, host=host, port=port, api_key=api_key)
+        await serve_http(service, model_name=served_model_name or model, host=host, port=port,
+                         api_key=api_key)
 
     try:
         asyncio.run(run())

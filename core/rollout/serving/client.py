@@ -57,6 +57,8 @@ class RemoteService:
             raise ReplicaDown(f"{self.url} answered 503: {message}")
         if status == 401:
             raise RolloutError(f"{self.url} refused the API key: {message}")
+        if status == 504:
+            raise RolloutTimeoutError(f"{self.url} timed out: {message}")
         raise RolloutError(f"{self.url} answered {status}: {message}")
 
     async def health(self) -> dict:
