@@ -1,0 +1,310 @@
+"""The HTTP server's contract, run against a real backend: the OpenAI routes called with the
+official `openai` client, the native route, the API key, and 500 concurrent calls.
+
+Subclass `ServerContract` in a test module and override `make_engine`: a class-scoped
+fixture giving `lambda model, max_model_len: rollout.Rollout`. The server runs in a thread
+of the test process, in front of that backend (`BackendService`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from rollout.serving.app import ServerThread
+from rollout.serving.service import BackendService
+
+KEY = "test-key"
+MODEL = "tiny"
+MAX_MODEL_LEN = 64  # small, so a too-long prompt is cheap to write
+CHAT = [{"role": "user", "content": "def add(a, b):"}]
+
+
+def direct(engine, **request):
+    """What the engine itself answers, to compare the server with."""
+    return engine.generate([request])[0].unwrap()
+
+
+def http(url, body=None, key=KEY, data=None):
+    """(status, JSON body) of a raw call, for what the openai client cannot send."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    if data is None and body is not None:
+        data = json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+class ServerContract:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def make_engine(cls):
+        raise NotImplementedError("override make_engine: lambda model, max_model_len: Rollout")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine(cls, make_engine, tiny_model):
+        engine = make_engine(str(tiny_model), MAX_MODEL_LEN)
+        yield engine
+        engine.close()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def server(cls, engine):
+        with ServerThread(BackendService(engine, MODEL), api_key=KEY) as server:
+            yield server
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def client(cls, server):
+        return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+    # --- completions ----------------------------------------------------------------------------
+
+    def test_completion_of_text_matches_the_engine(self, client, engine):
+        response = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=6,
+                                             temperature=0)
+        expected = direct(engine, prompt="def add(a, b):",
+                          sampling={"max_tokens": 6, "temperature": 0})[0]
+        (choice,) = response.choices
+        assert (choice.text, choice.finish_reason) == (expected.text, expected.finish_reason)
+        assert response.object == "text_completion" and response.model == MODEL
+        assert response.usage.prompt_tokens == expected.prompt_tokens
+        assert response.usage.completion_tokens == expected.completion_tokens
+        assert response.usage.total_tokens == expected.prompt_tokens + expected.completion_tokens
+
+    def test_completion_of_token_prompts_with_n_samples_returns_token_ids(self, client):
+        prompts = [[5, 17, 42], [7, 8, 9, 10]]
+        response = client.completions.create(
+            model=MODEL, prompt=prompts, max_tokens=4, n=2, temperature=1.0, seed=3,
+            extra_body={"return_token_ids": True})
+        choices = [c.model_dump() for c in response.choices]
+        assert [c["index"] for c in choices] == [0, 1, 2, 3]  # prompt after prompt
+        assert [c["prompt_token_ids"] for c in choices] == [prompts[0]] * 2 + [prompts[1]] * 2
+        assert all(1 <= len(c["token_ids"]) <= 4 for c in choices)
+        assert response.usage.prompt_tokens == 3 + 4
+        assert response.usage.completion_tokens == sum(len(c["token_ids"]) for c in choices)
+        again = client.completions.create(
+            model=MODEL, prompt=prompts, max_tokens=4, n=2, temperature=1.0, seed=3,
+            extra_body={"return_token_ids": True})
+        assert [c.model_dump()["token_ids"] for c in again.choices] == [
+            c["token_ids"] for c in choices]  # same seed, same samples
+
+    def test_completion_logprobs_name_token_ids(self, client):
+        response = client.completions.create(model=MODEL, prompt=["hello", "def"], max_tokens=5,
+                                             temperature=0, logprobs=3,
+                                             extra_body={"return_token_ids": True})
+        for choice in response.choices:
+            logprobs, token_ids = choice.logprobs, choice.model_dump()["token_ids"]
+            assert logprobs.tokens == [f"token_id:{t}" for t in token_ids]
+            assert len(logprobs.token_logprobs) == len(token_ids)
+            assert all(len(top) == 3 for top in logprobs.top_logprobs)
+            # Greedy: the chosen token is the most likely one.
+            for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs,
+                                         logprobs.top_logprobs):
+                assert max(top, key=top.get) == token and top[token] == pytest.approx(value)
+        only_chosen = client.completions.create(model=MODEL, prompt="hello", max_tokens=3,
+                                                temperature=0, logprobs=0)
+        assert only_chosen.choices[0].logprobs.top_logprobs is None
+        assert len(only_chosen.choices[0].logprobs.token_logprobs) == 3
+
+    def test_completion_stops_before_a_stop_string(self, client):
+        full = client.completions.create(model=MODEL, prompt="the", max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+        start = next(i for i in range(1, len(full) - 1) if full[i:i + 2].isascii()
+                     and full[i:i + 2].isalpha())
+        stop = full[start:start + 2]
+        for given in (stop, [stop, "never-seen"]):
+            choice = client.completions.create(model=MODEL, prompt="the", max_tokens=12,
+                                               temperature=0, stop=given,
+                                               extra_body={"ignore_eos": True}).choices[0]
+            assert (choice.text, choice.finish_reason) == (full[:full.find(stop)], "stop")
+
+    def test_completion_streaming_gives_the_same_choices(self, client):
+        kwargs = dict(model=MODEL, prompt=["hello", "def add"], max_tokens=5, temperature=0)
+        whole = client.completions.create(**kwargs)
+        texts, reasons = {}, {}
+        for chunk in client.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+                if choice.finish_reason:
+                    reasons[choice.index] = choice.finish_reason
+        assert texts == {c.index: c.text for c in whole.choices}
+        assert reasons == {c.index: c.finish_reason for c in whole.choices}
+
+    # --- chat -----------------------------------------------------------------------------------
+
+    def test_chat_matches_the_engine(self, client, engine):
+        response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6,
+                                                  temperature=0, logprobs=True, top_logprobs=2)
+        expected = direct(engine, messages=CHAT, sampling={"max_tokens": 6, "temperature": 0,
+                                                           "logprobs": 2})[0]
+        (choice,) = response.choices
+        assert choice.message.role == "assistant" and choice.message.content == expected.text
+        assert choice.finish_reason == expected.finish_reason
+        assert [e.token for e in choice.logprobs.content] == [
+            f"token_id:{t}" for t in expected.token_ids]
+        assert [e.logprob for e in choice.logprobs.content] == pytest.approx(expected.logprobs)
+        assert all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
+        assert response.usage.prompt_tokens == expected.prompt_tokens
+
+    def test_chat_takes_parts_tool_calls_and_tool_results(self, client):
+        messages = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "add 1 and 2"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call-1", "type": "function",
+                 "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+            {"role": "tool", "tool_call_id": "call-1", "content": "3"},
+        ]
+        response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                                  max_completion_tokens=None, n=3,
+                                                  temperature=0.9,
+                                                  extra_body={"return_token_ids": True})
+        assert [c.index for c in response.choices] == [0, 1, 2]
+        # An answer sent back as the openai client returns it is a valid message again.
+        messages.append(response.choices[0].message.model_dump())
+        messages.append({"role": "user", "content": "thanks"})
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=2)
+
+    def test_chat_streaming_matches_the_whole_answer(self, client):
+        kwargs = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        chunks = list(client.chat.completions.create(**kwargs, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert text == whole.message.content
+        assert [r for r in reasons if r] == [whole.finish_reason]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+        assert len({c.id for c in chunks}) == 1
+
+    # --- errors ---------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize(("extra", "param"), [
+        ({"temprature": 0.5}, "temprature"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 2}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"top_k": 0}, "top_k"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "hi", "mood": "glad"}]}, "messages[0].mood"),
+        ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+         "messages[0].content[0].type"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+         "messages"),  # the HF backend serves text-only models
+    ])
+    def test_a_bad_chat_field_is_a_400_naming_it(self, client, extra, param):
+        with pytest.raises(openai.BadRequestError) as caught:  # extra_body: sent as it is
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                           extra_body=extra)
+        assert caught.value.body["param"] == param
+        assert caught.value.body["message"].startswith(param)
+
+    @pytest.mark.parametrize(("extra", "param"), [
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[1, 2], "text"]}, "prompt"),
+        ({"prompt": [[1, 2], [100000]]}, "prompt[1]"),  # out of the vocabulary
+        ({"echo": True}, "echo"),
+        ({"best_of": 3}, "best_of"),
+        ({"suffix": "end"}, "suffix"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"seed": 1.5}, "seed"),
+        ({"stream": "yes"}, "stream"),
+    ])
+    def test_a_bad_completion_field_is_a_400_naming_it(self, client, extra, param):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=MODEL, prompt="hello", max_tokens=2, extra_body=extra)
+        assert caught.value.body["param"] == param
+
+    def test_another_model_name_is_a_404(self, client):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.completions.create(model="gpt-4", prompt="hello", max_tokens=2)
+        assert caught.value.body["code"] == "model_not_found"
+
+    def test_malformed_json_and_unknown_routes_get_openai_errors(self, server):
+        status, body = http(f"{server.url}/v1/completions", data=b"{not json")
+        assert status == 400 and "not valid JSON" in body["error"]["message"]
+        status, body = http(f"{server.url}/v1/completions", body=["a", "list"])
+        assert status == 400 and body["error"]["type"] == "invalid_request_error"
+        status, body = http(f"{server.url}/v1/embeddings", body={"input": "x"})
+        assert status == 404 and body["error"]["message"]
+
+    def test_a_too_long_prompt_is_a_400_and_the_server_goes_on(self, client):
+        long_prompt = "hello there " * MAX_MODEL_LEN
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=MODEL, prompt=["hello", long_prompt], max_tokens=2)
+        assert caught.value.body["param"] == "prompt[1]"
+        assert "too long" in caught.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": long_prompt}], max_tokens=2)
+        assert caught.value.body["param"] == "messages"
+        # Streaming sent its first chunk before the engine found the prompt too long.
+        with pytest.raises(openai.APIError, match="too long"):
+            list(client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": long_prompt}], max_tokens=2,
+                stream=True))
+        assert client.completions.create(model=MODEL, prompt="hello", max_tokens=2).choices
+
+    # --- models, health, keys -------------------------------------------------------------------
+
+    def test_models_lists_the_served_model(self, client):
+        assert [m.id for m in client.models.list()] == [MODEL]
+        assert client.models.retrieve(MODEL).id == MODEL
+
+    def test_health_reports_the_service(self, server, engine):
+        status, body = http(f"{server.url}/health")
+        assert status == 200 and body["backend"] == engine.name
+
+    def test_every_route_needs_the_key(self, server):
+        wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong-key", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as caught:
+            wrong.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+        assert caught.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        for key in (None, "wrong-key"):
+            for route, body in (("/v1/models", None), ("/health", None),
+                                ("/v1/chat/completions", {"model": MODEL, "messages": CHAT}),
+                                ("/rollout/generate", {"requests": []})):
+                status, answer = http(server.url + route, body, key=key)
+                assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
+
+    # --- load -----------------------------------------------------------------------------------
+
+    def test_500_concurrent_chat_calls_all_succeed(self, server):
+        async def main():
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
+                                        timeout=300)
+            async with client:
+                return await asyncio.gather(*(
+                    client.chat.completions.create(
+                        model=MODEL, max_tokens=8, temperature=1.0, seed=i,
+                        messages=[{"role": "user", "content": f"question {i}"}])
+                    for i in range(500)))
+
+        responses = asyncio.run(main())
+        assert len(responses) == 500
+        assert all(r.choices[0].finish_reason in ("stop", "length") for r in responses)
+        assert all(1 <= r.usage.completion_tokens <= 8 for r in responses)

@@ -1,0 +1,16 @@
+"""The HTTP server in front of the vLLM backend (engine mode): the same server contract as
+the HF backend's, through the official `openai` client."""
+
+import pytest
+from conftest import ENGINE
+
+import rollout
+from rollout.testing.serving import ServerContract
+
+
+class TestVLLMServer(ServerContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def make_engine(cls):
+        return lambda model, max_model_len: rollout.load_backend(
+            "vllm", model=model, mode="engine", max_model_len=max_model_len, **ENGINE)
