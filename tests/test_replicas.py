@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
+from processes import replicas_of  # noqa: E402
+
 from rollout import convert  # noqa: E402
 from rollout.job import GenerateConfig, Job  # noqa: E402
 from rollout.errors import InvalidRequestError  # noqa: E402
@@ -70,19 +72,6 @@ def test_job_completes_when_a_replica_is_killed_mid_batch(tiny_model, tmp_path):
     check_complete(tmp_path / "out.parquet", count)
 
 
-def _replicas_of(job_pid: int) -> list[int]:
-    """The processes started with `--watch-parent job_pid`."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"--watch-parent" in argv and argv[argv.index(b"--watch-parent") + 1] == str(job_pid).encode():
-            found.append(int(cmdline.parent.name))
-    return found
-
-
 def test_killed_job_with_replicas_reruns_to_exact_counts(tiny_model, tmp_path):
     count = 40
     out = tmp_path / "out.parquet"
@@ -99,7 +88,7 @@ def test_killed_job_with_replicas_reruns_to_exact_counts(tiny_model, tmp_path):
     deadline = time.monotonic() + 180
     while len(list(parts.glob("part-*.parquet"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    replicas = _replicas_of(job.pid)
+    replicas = replicas_of(job.pid)
     assert len(replicas) == 2
     os.kill(job.pid, signal.SIGKILL)
     job.wait(30)
