@@ -47,8 +47,9 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
         started = await asyncio.to_thread(_start_on_ray, backend, model, options, count, key,
                                           startup_timeout, ray_address)
     else:
+        env = {KEY_VARIABLE: key, **_thread_share(count)}
         started = await asyncio.gather(*(asyncio.to_thread(
-            _start_local, f"replica-{i}", backend, model, options, key, startup_timeout)
+            _start_local, f"replica-{i}", backend, model, options, env, startup_timeout)
             for i in range(count)), return_exceptions=True)
         failed = [s for s in started if isinstance(s, BaseException)]
         if failed:
@@ -61,13 +62,21 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
     return await ReplicaPool(replicas, name=model, max_in_flight=max_in_flight).start()
 
 
-def _start_local(name: str, backend: str, model: str, options: Mapping, key: str,
+def _thread_share(count: int) -> dict[str, str]:
+    """Replicas on one machine split its cores: each with every core, their OpenMP threads
+    fight over them and all of them slow down many times over."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // count))}
+
+
+def _start_local(name: str, backend: str, model: str, options: Mapping, env: dict,
                  timeout: float) -> tuple[str, ServerProcess]:
     port = free_port()
-    process = ServerProcess(name, replica_argv(backend, model, options, HOST, port),
-                            env={KEY_VARIABLE: key})
+    process = ServerProcess(name, replica_argv(backend, model, options, HOST, port), env=env)
     url = f"http://{HOST}:{port}"
-    process.wait_healthy(f"{url}/health", timeout, {"Authorization": f"Bearer {key}"})
+    process.wait_healthy(f"{url}/health", timeout,
+                         {"Authorization": f"Bearer {env[KEY_VARIABLE]}"})
     return url, process
 
 
