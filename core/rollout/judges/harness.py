@@ -165,7 +165,7 @@ def classify(run: Run, outcome: Outcome) -> CaseResult:
         return result("api_error", outcome.api_error)
     code = outcome.exit_code
     if outcome.timed_out or code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
-        return result("timeout", outcome.stderr)
+        return result("timeout", outcome.stderr or "time limit exceeded")
     if run.marker is not None:  # a test program
         if code == 0 and outcome.stdout.rstrip().endswith(run.marker):
             return result("success")
