@@ -38,6 +38,6 @@ def load_judge(name: str = DEFAULT_JUDGE, **options):
 
     found = installed(JUDGE_GROUP)
     if name not in found:
-        raise InvalidRequestError("judge", f"no judge named {name!r}",
+        raise InvalidRequestError("judge", f"no judge named {name!r} is installed",
                                   ", ".join(found) or "none installed")
     return load_one("judge", name, found[name])(**options)

@@ -55,7 +55,8 @@ def syntax_error(source: str) -> str | None:
             warnings.simplefilter("ignore")  # SyntaxWarnings about the answer are not ours
             compile(source, "solution.py", "exec", dont_inherit=True)
     except SyntaxError as exc:
-        return f"{type(exc).__name__}: {exc.msg} (line {exc.lineno})"
+        where = f" (line {exc.lineno})" if exc.lineno else ""
+        return f"{type(exc).__name__}: {exc.msg}{where}"
     except (ValueError, RecursionError, MemoryError, OverflowError) as exc:
         return f"{type(exc).__name__}: {exc}"  # null bytes, nesting too deep for the parser
     return None
