@@ -130,8 +130,9 @@ def eval_(input_, output, judge, judge_option, summary, chart, no_chart, id_colu
 
     try:
         config = EvalConfig(input=input_, output=output, judge=judge,
-                            judge_options=_parse_options(judge_option, "--judge-option"), summary=summary,
-                            chart="" if no_chart else chart, id_column=id_column)
+                            judge_options=_parse_options(judge_option, "--judge-option"),
+                            summary=summary, chart="" if no_chart else chart,
+                            id_column=id_column)
         figures = Evaluation(config).run(progress=not quiet)
     except RolloutError as exc:
         _fail(exc)

@@ -44,8 +44,9 @@ class SandboxFusionJudge(Judge):
         o = self.options = parse_options(options, SandboxFusionOptions)
         endpoint = o.endpoint or os.environ.get(ENDPOINT_ENV)
         if not endpoint:
-            raise InvalidRequestError("judge_options.endpoint", "missing",
-                                      f"the server's URL, e.g. http://localhost:8080, or {ENDPOINT_ENV}")
+            raise InvalidRequestError(
+                "judge_options.endpoint", "missing",
+                f"the server's URL, e.g. http://localhost:8080, or {ENDPOINT_ENV}")
         self.url = endpoint.rstrip("/") + "/run_code"
         self.limits = Limits(o.timeout, o.memory_mb, o.output_mb)
         self.concurrency = o.concurrency
