@@ -29,22 +29,26 @@ class FakeServer:
 
     def __init__(self, replies, delay=0.0):
         self.replies, self.requests, self.bodies = list(replies), 0, []
+        self.lock = threading.Lock()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
-                fake.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                status, reply = fake.replies[min(fake.requests, len(fake.replies) - 1)]
-                fake.requests += 1
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:  # requests arrive concurrently
+                    fake.bodies.append(body)
+                    status, reply = fake.replies[min(fake.requests, len(fake.replies) - 1)]
+                    fake.requests += 1
                 time.sleep(delay)
-                if callable(reply):
-                    reply = reply(fake.bodies[-1])
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                data = json.dumps(reply(body) if callable(reply) else reply).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except BrokenPipeError:
+                    pass  # the client gave up waiting, as the hung-server test wants
 
             def log_message(self, *args):
                 pass
