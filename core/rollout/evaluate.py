@@ -126,6 +126,9 @@ class Evaluation:
         import pyarrow.parquet as pq
 
         output = Path(self.config.output)
+        for path in (output, self.config.summary_path, self.config.chart_path):
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
         tmp = output.with_name(output.name + ".tmp")
         pq.write_table(pa.Table.from_pylist(rows, schema=_output_schema(pa)), tmp)
         os.replace(tmp, output)
