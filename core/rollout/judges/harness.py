@@ -71,6 +71,7 @@ def _main(settings):
     _limit(resource.RLIMIT_AS, settings["memory_bytes"], settings["memory_bytes"])
     _limit(resource.RLIMIT_FSIZE, settings["output_bytes"], settings["output_bytes"])
     _limit(resource.RLIMIT_CORE, 0, 0)
+    os.environ["TMPDIR"] = os.getcwd()  # temporary files go where writing is allowed
     _guard(os.getcwd())
     solution = compile(settings["solution"], "solution.py", "exec", dont_inherit=True)
     if settings["entry_point"] is None:  # a stdin/stdout program: run it as a script
