@@ -3,7 +3,13 @@ figures, the code extraction and the tests format they rest on."""
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from itertools import combinations
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -157,3 +163,33 @@ def test_tests_cells_as_json_or_struct():
     assert parse_tests('{"inputs": ["1"], "outputs": ["2"]}') == StdioTests(("1",), ("2",))
     struct = {"test": "t", "entry_point": "f", "prefix": None, "inputs": None}
     assert parse_tests(struct) == ProgramTests("t", "f")
+
+
+def test_killed_eval_resumes_without_judging_again(tmp_path):
+    slow = "```python\nimport time\ntime.sleep(0.2)\nprint(input())\n```"
+    count = 16
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"responses": [[slow]] * count,
+                             "tests": [json.dumps({"inputs": [str(i)], "outputs": [str(i)]})
+                                       for i in range(count)]}), source)
+    out = tmp_path / "out.parquet"
+    args = ["eval", "--input", source, "--output", out, "--chunk-size", 2, "--quiet",
+            "--no-chart", "-o", "concurrency=1"]
+    run = subprocess.Popen([sys.executable, "-m", "rollout", *map(str, args)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parts = Path(str(out) + ".parts")
+    deadline = time.monotonic() + 60
+    while len(list(parts.glob("part-*.parquet"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait(30)
+    done = len(list(parts.glob("part-*.parquet")))
+    assert 2 <= done < count // 2 and not out.exists()
+    other = rollout_cli(*args[:-1], "concurrency=2", check=False)
+    assert other.returncode == 2 and "different evaluation" in other.stderr
+    rollout_cli(*args)
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["resumed_samples"] == 2 * done and summary["samples"] == count
+    rows = pq.read_table(out).to_pylist()
+    assert [r["row"] for r in rows] == list(range(count))
+    assert all(r["status"] == "success" for r in rows) and not parts.exists()

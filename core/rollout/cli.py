@@ -122,9 +122,11 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
 @click.option("--no-chart", is_flag=True, help="Write no chart.")
 @click.option("--id-column", help="Column naming each problem (default: task_id or id, "
                                   "else the row number).")
+@click.option("--chunk-size", type=int, default=1024, show_default=True,
+              help="Samples per chunk written to disk (what a killed run keeps).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def eval_(input_, output, judge, judge_option, summary, chart, no_chart, id_column,
-          quiet) -> None:
+          chunk_size, quiet) -> None:
     """Run generated code against each problem's tests and report the figures."""
     from rollout.evaluate import EvalConfig, Evaluation, report
 
@@ -132,7 +134,7 @@ def eval_(input_, output, judge, judge_option, summary, chart, no_chart, id_colu
         config = EvalConfig(input=input_, output=output, judge=judge,
                             judge_options=_parse_options(judge_option, "--judge-option"),
                             summary=summary, chart="" if no_chart else chart,
-                            id_column=id_column)
+                            id_column=id_column, chunk_size=chunk_size)
         figures = Evaluation(config).run(progress=not quiet)
     except RolloutError as exc:
         _fail(exc)

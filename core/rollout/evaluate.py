@@ -5,12 +5,16 @@ and `tests` (per row, see rollout.judges.schemas). The output parquet has one ro
 sample; beside it go a JSON summary and a PNG bar chart of the statuses. A row whose tests
 cannot be read, or that has no responses (its generation failed), is skipped with the
 reason in the summary; the other rows are judged.
+
+Verdicts are written chunk by chunk into `OUTPUT.parts/`, as `rollout generate` does: a
+killed run started again with the same settings judges only what was not finished.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -18,7 +22,8 @@ from pathlib import Path
 import attrs
 
 from rollout.errors import InvalidRequestError
-from rollout.judges import DEFAULT_JUDGE, Sample, load_judge, parse_tests
+from rollout.job import _atomic_write, _atomic_write_table
+from rollout.judges import DEFAULT_JUDGE, Sample, Verdict, load_judge, parse_tests
 from rollout.metrics import summarize
 
 REQUIRED = ("responses", "tests")
@@ -35,6 +40,11 @@ class EvalConfig:
     summary: str | None = None  # OUTPUT with .json by default
     chart: str | None = None  # OUTPUT with .png by default; "" for none
     id_column: str | None = None
+    chunk_size: int = 1024  # samples per chunk written to disk
+
+    def __attrs_post_init__(self):
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise InvalidRequestError("chunk_size", f"got {self.chunk_size!r}", "an integer >= 1")
 
     @property
     def summary_path(self) -> Path:
@@ -51,6 +61,8 @@ class Evaluation:
     def __init__(self, config: EvalConfig):
         """Read and check everything that can be wrong before any code runs."""
         self.config = config
+        self.output = Path(config.output)
+        self.parts = self.output.with_name(self.output.name + ".parts")
         self.table = _read(config.input)
         self.ids = self._problem_ids()
         if config.chart_path is not None:
@@ -90,19 +102,47 @@ class Evaluation:
             samples.extend((row, i, Sample(text or "", spec)) for i, text in enumerate(texts))
         return samples, skipped
 
+    def _open_parts(self, samples: int) -> set[int]:
+        """Chunks judged by an earlier run of this same evaluation."""
+        c = self.config
+        fingerprint = {"input": os.path.abspath(c.input), "rows": self.table.num_rows,
+                       "samples": samples, "judge": c.judge, "judge_options": c.judge_options,
+                       "chunk_size": c.chunk_size}
+        stamp = self.parts / "eval.json"
+        if stamp.exists():
+            if json.loads(stamp.read_text()) != fingerprint:
+                raise InvalidRequestError(
+                    "output", f"{self.parts} holds parts of a different evaluation",
+                    f"the same settings as before, or delete {self.parts}")
+        else:
+            self.parts.mkdir(parents=True, exist_ok=True)
+            _atomic_write(stamp, json.dumps(fingerprint).encode())
+        return {int(p.stem.split("-")[1]) for p in self.parts.glob("part-*.parquet")}
+
     def run(self, progress: bool = True) -> dict:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
         from tqdm import tqdm
 
         started = time.monotonic()
         samples, skipped = self.samples()
-        with self.judge, tqdm(total=len(samples), unit="sample", disable=not progress) as bar:
-            verdicts = self.judge.judge([s for _, _, s in samples], progress=bar.update)
-        rows = [{"problem_id": self.ids[row], "row": row, "sample": index,
-                 "status": v.status, "pass_ratio": v.pass_ratio,
-                 "case_statuses": [c.status for c in v.cases],
-                 "seconds": round(sum(c.seconds for c in v.cases), 4),
-                 "detail": v.detail, "code": v.code}
-                for (row, index, _), v in zip(samples, verdicts)]
+        done = self._open_parts(len(samples))
+        size = self.config.chunk_size
+        resumed = sum(min(size, len(samples) - start) for start in done)
+        with self.judge, tqdm(total=len(samples), initial=resumed, unit="sample",
+                              disable=not progress) as bar:
+            for start in range(0, len(samples), size):
+                if start in done:
+                    continue
+                chunk = samples[start:start + size]
+                verdicts = self.judge.judge([s for _, _, s in chunk], progress=bar.update)
+                rows = [self._row(row, index, v) for (row, index, _), v in zip(chunk, verdicts)]
+                _atomic_write_table(self.parts / f"part-{start:09d}.parquet",
+                                    pa.Table.from_pylist(rows, schema=_output_schema(pa)), pq)
+        parts = sorted(self.parts.glob("part-*.parquet"))
+        table = (pa.concat_tables([pq.read_table(p) for p in parts]) if parts
+                 else _output_schema(pa).empty_table())
+        rows = table.to_pylist()
         by_problem: dict[int, list[str]] = {}
         for r in rows:
             by_problem.setdefault(r["row"], []).append(r["status"])
@@ -115,24 +155,27 @@ class Evaluation:
             "judge": self.judge.describe(),
             "input": self.config.input,
             "output": self.config.output,
+            "resumed_samples": resumed,
             "seconds": round(seconds, 3),
-            "samples_per_second": round(len(rows) / max(seconds, 1e-9), 2),
+            "samples_per_second": round((len(rows) - resumed) / max(seconds, 1e-9), 2),
         }
-        self._write(rows, summary)
+        self._write(table, summary, pq)
+        shutil.rmtree(self.parts)
         return summary
 
-    def _write(self, rows: list[dict], summary: dict) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    def _row(self, row: int, index: int, verdict: Verdict) -> dict:
+        return {"problem_id": self.ids[row], "row": row, "sample": index,
+                "status": verdict.status, "pass_ratio": verdict.pass_ratio,
+                "case_statuses": [c.status for c in verdict.cases],
+                "seconds": round(sum(c.seconds for c in verdict.cases), 4),
+                "detail": verdict.detail, "code": verdict.code}
 
-        output = Path(self.config.output)
-        for path in (output, self.config.summary_path, self.config.chart_path):
+    def _write(self, table, summary: dict, pq) -> None:
+        for path in (self.output, self.config.summary_path, self.config.chart_path):
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = output.with_name(output.name + ".tmp")
-        pq.write_table(pa.Table.from_pylist(rows, schema=_output_schema(pa)), tmp)
-        os.replace(tmp, output)
-        self.config.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        _atomic_write_table(self.output, table, pq)
+        _atomic_write(self.config.summary_path, (json.dumps(summary, indent=2) + "\n").encode())
         if self.config.chart_path is not None:
             status_chart(summary, self.config.chart_path)
 
