@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from itertools import combinations
 from pathlib import Path
@@ -193,3 +194,5 @@ def test_killed_eval_resumes_without_judging_again(tmp_path):
     rows = pq.read_table(out).to_pylist()
     assert [r["row"] for r in rows] == list(range(count))
     assert all(r["status"] == "success" for r in rows) and not parts.exists()
+    # The killed run's case folder (SIGKILL skips every clean-up) went with the next run.
+    assert not list(Path(tempfile.gettempdir()).glob(f"rollout-judge-{run.pid}-*"))

@@ -26,7 +26,7 @@ ERROR_EXIT = 4  # any other exception, or SystemExit, from the answer or check()
 DETAIL_CHARS = 1500
 
 HARNESS = r'''
-import os, resource, sys
+import os, resource, signal, sys
 
 def _limit(which, soft, hard):
     ceiling = resource.getrlimit(which)[1]
@@ -71,6 +71,9 @@ def _main(settings):
     _limit(resource.RLIMIT_AS, settings["memory_bytes"], settings["memory_bytes"])
     _limit(resource.RLIMIT_FSIZE, settings["output_bytes"], settings["output_bytes"])
     _limit(resource.RLIMIT_CORE, 0, 0)
+    # The judge kills a run at its timeout; should the judge itself die first, the alarm
+    # (default action: terminate) still ends a run that sleeps instead of using CPU.
+    signal.alarm(settings["alarm_seconds"])
     os.environ["TMPDIR"] = os.getcwd()  # temporary files go where writing is allowed
     _guard(os.getcwd())
     solution = compile(settings["solution"], "solution.py", "exec", dont_inherit=True)
@@ -141,6 +144,7 @@ def build_runs(tests: Tests, code: str, limits: Limits) -> list[Run]:
     settings = {
         "solution": solution_source(tests, code),
         "cpu_seconds": math.ceil(limits.timeout) + 1,  # the wall clock should stop it first
+        "alarm_seconds": math.ceil(limits.timeout) + 5,
         "memory_bytes": limits.memory_mb << 20,
         "output_bytes": limits.output_mb << 20,
         "entry_point": None,

@@ -27,6 +27,7 @@ from rollout.judges.base import Judge, default_concurrency, parse_options, posit
 from rollout.judges.harness import Limits, Outcome, Run
 
 CASE_ENV = "ROLLOUT_JUDGE_CASE"  # set in every child: its folder, to find strays by
+FOLDER_PREFIX = "rollout-judge-"  # then the judging process's id: rollout-judge-PID-...
 
 
 @attrs.frozen
@@ -75,12 +76,14 @@ class LocalJudge(Judge):
         self.concurrency = o.concurrency or default_concurrency()
         self.command = [o.python or sys.executable, "-I", "-B", *([] if o.site_packages else ["-S"])]
         self.prefix, self.isolation = isolation() if o.isolate else ((), "none: isolate=false")
+        remove_folders_of_dead_runs(o.work_root or tempfile.gettempdir())
 
     def describe(self) -> dict:
         return {**super().describe(), "isolation": self.isolation}
 
     def execute(self, run: Run) -> Outcome:
-        folder = tempfile.mkdtemp(prefix="rollout-judge-", dir=self.options.work_root)
+        folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-",
+                                  dir=self.options.work_root)
         try:
             return self._run_in(folder, run)
         finally:
@@ -115,6 +118,24 @@ class LocalJudge(Judge):
             limit = self.limits.output_mb << 20
             return Outcome(exit_code=code, timed_out=timed_out, stdout=_read(stdout, limit),
                            stderr=_read(stderr, limit), seconds=seconds)
+
+
+def remove_folders_of_dead_runs(root: str) -> None:
+    """Case folders left by a judging process that was killed (SIGKILL skips every clean-up)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(FOLDER_PREFIX):].split("-")[0]
+        if not (name.startswith(FOLDER_PREFIX) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def _wait_unreaped(child: subprocess.Popen, timeout: float) -> bool:
