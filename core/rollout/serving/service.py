@@ -36,7 +36,7 @@ class Service(Protocol):
 
 class BackendService:
     def __init__(self, backend: Rollout, name: str, max_batch: int = 1024,
-                 batch_wait_s: float = 0.01):
+                 batch_wait_s: float = 0.003):
         self.backend = backend
         self.name = name
         self.max_batch = max_batch
