@@ -94,7 +94,7 @@ def test_killed_job_with_replicas_reruns_to_exact_counts(tiny_model, tmp_path):
     job.wait(30)
     done_before = len(list(parts.glob("part-*.parquet")))
     assert 2 <= done_before < count // 2 and not out.exists()
-    deadline = time.monotonic() + 40  # the replicas notice their parent is gone
+    deadline = time.monotonic() + 60  # the replicas notice their parent is gone
     while any(_alive(p) for p in replicas) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in replicas), "replicas outlived their job"

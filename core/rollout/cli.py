@@ -91,7 +91,8 @@ def _parse_options(values: tuple[str, ...], hint: str = "--backend-option") -> d
 @click.option("--mode", type=click.Choice(["hybrid", "colocated", "standalone"]),
               help="hybrid: the backend in this process (default); colocated: replica "
                    "processes on this machine; standalone: replicas of their own or --server.")
-@click.option("--replicas", type=int, help="Run N replicas of the backend, each in its own process.")
+@click.option("--replicas", type=int,
+              help="Run N replicas of the backend, each in its own process.")
 @click.option("--placement", type=click.Choice(["local", "ray"]),
               help="Where replicas run: local processes (default) or placed by Ray.")
 @click.option("--server", help="URL of a running `rollout serve` to use instead of a backend.")
@@ -199,7 +200,7 @@ def _exit_with_parent(pid: int) -> None:
         while os.getppid() == pid:
             time.sleep(1)
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(20)  # then without waiting for a clean shutdown
+        time.sleep(10)  # then without waiting for a clean shutdown
         os._exit(1)
 
     threading.Thread(target=watch, name="rollout-watch-parent", daemon=True).start()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import attrs
 
 from rollout.errors import InvalidRequestError
-from rollout.job import _atomic_write, _atomic_write_table
+from rollout.parts import Parts, atomic_write, atomic_write_table
 from rollout.judges import DEFAULT_JUDGE, Sample, Verdict, load_judge, parse_tests
 from rollout.metrics import summarize
 
@@ -62,7 +61,6 @@ class Evaluation:
         """Read and check everything that can be wrong before any code runs."""
         self.config = config
         self.output = Path(config.output)
-        self.parts = self.output.with_name(self.output.name + ".parts")
         self.table = _read(config.input)
         self.ids = self._problem_ids()
         if config.chart_path is not None:
@@ -102,31 +100,21 @@ class Evaluation:
             samples.extend((row, i, Sample(text or "", spec)) for i, text in enumerate(texts))
         return samples, skipped
 
-    def _open_parts(self, samples: int) -> set[int]:
-        """Chunks judged by an earlier run of this same evaluation."""
+    def _parts(self, samples: int) -> Parts:
         c = self.config
-        fingerprint = {"input": os.path.abspath(c.input), "rows": self.table.num_rows,
-                       "samples": samples, "judge": c.judge, "judge_options": c.judge_options,
-                       "chunk_size": c.chunk_size}
-        stamp = self.parts / "eval.json"
-        if stamp.exists():
-            if json.loads(stamp.read_text()) != fingerprint:
-                raise InvalidRequestError(
-                    "output", f"{self.parts} holds parts of a different evaluation",
-                    f"the same settings as before, or delete {self.parts}")
-        else:
-            self.parts.mkdir(parents=True, exist_ok=True)
-            _atomic_write(stamp, json.dumps(fingerprint).encode())
-        return {int(p.stem.split("-")[1]) for p in self.parts.glob("part-*.parquet")}
+        return Parts(self.output, {
+            "input": os.path.abspath(c.input), "rows": self.table.num_rows, "samples": samples,
+            "judge": c.judge, "judge_options": c.judge_options, "chunk_size": c.chunk_size,
+        }, "evaluation")
 
     def run(self, progress: bool = True) -> dict:
         import pyarrow as pa
-        import pyarrow.parquet as pq
         from tqdm import tqdm
 
         started = time.monotonic()
         samples, skipped = self.samples()
-        done = self._open_parts(len(samples))
+        parts = self._parts(len(samples))
+        done = parts.open()
         size = self.config.chunk_size
         resumed = sum(min(size, len(samples) - start) for start in done)
         with self.judge, tqdm(total=len(samples), initial=resumed, unit="sample",
@@ -137,11 +125,8 @@ class Evaluation:
                 chunk = samples[start:start + size]
                 verdicts = self.judge.judge([s for _, _, s in chunk], progress=bar.update)
                 rows = [self._row(row, index, v) for (row, index, _), v in zip(chunk, verdicts)]
-                _atomic_write_table(self.parts / f"part-{start:09d}.parquet",
-                                    pa.Table.from_pylist(rows, schema=_output_schema(pa)), pq)
-        parts = sorted(self.parts.glob("part-*.parquet"))
-        table = (pa.concat_tables([pq.read_table(p) for p in parts]) if parts
-                 else _output_schema(pa).empty_table())
+                parts.write(start, pa.Table.from_pylist(rows, schema=_output_schema(pa)))
+        table = parts.read(_output_schema(pa))
         rows = table.to_pylist()
         by_problem: dict[int, list[str]] = {}
         for r in rows:
@@ -159,8 +144,8 @@ class Evaluation:
             "seconds": round(seconds, 3),
             "samples_per_second": round((len(rows) - resumed) / max(seconds, 1e-9), 2),
         }
-        self._write(table, summary, pq)
-        shutil.rmtree(self.parts)
+        self._write(table, summary)
+        parts.remove()
         return summary
 
     def _row(self, row: int, index: int, verdict: Verdict) -> dict:
@@ -170,12 +155,12 @@ class Evaluation:
                 "seconds": round(sum(c.seconds for c in verdict.cases), 4),
                 "detail": verdict.detail, "code": verdict.code}
 
-    def _write(self, table, summary: dict, pq) -> None:
+    def _write(self, table, summary: dict) -> None:
         for path in (self.output, self.config.summary_path, self.config.chart_path):
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write_table(self.output, table, pq)
-        _atomic_write(self.config.summary_path, (json.dumps(summary, indent=2) + "\n").encode())
+        atomic_write_table(self.output, table)
+        atomic_write(self.config.summary_path, (json.dumps(summary, indent=2) + "\n").encode())
         if self.config.chart_path is not None:
             status_chart(summary, self.config.chart_path)
 

@@ -9,9 +9,7 @@ stop the others.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import attrs
 
 from rollout import convert
 from rollout.errors import InvalidRequestError, RolloutError
+from rollout.parts import Parts, atomic_write_table
 from rollout.schemas import Completion, Message, Request, SamplingParams
 from rollout.serving.service import Service
 
@@ -157,8 +156,8 @@ class Job:
     def __init__(self, config: GenerateConfig):
         self.config = config
         self.output = Path(config.output)
-        self.parts = self.output.with_name(self.output.name + ".parts")
         self.table = read_prompts(config.input)
+        self.parts = Parts(self.output, self._fingerprint(), "job")
 
     def _fingerprint(self) -> dict:
         c = self.config
@@ -166,19 +165,6 @@ class Job:
                 "model": c.model, "backend": c.backend, "server": c.server,
                 "chunk_size": c.chunk_size,
                 "sampling": convert.unstructure(c.sampling)}
-
-    def _open_parts(self) -> set[int]:
-        """Chunks already done by an earlier run of this same job."""
-        stamp = self.parts / "job.json"
-        if stamp.exists():
-            if json.loads(stamp.read_text()) != self._fingerprint():
-                raise InvalidRequestError(
-                    "output", f"{self.parts} holds parts of a different job",
-                    f"the same settings as before, or delete {self.parts}")
-        else:
-            self.parts.mkdir(parents=True, exist_ok=True)
-            _atomic_write(stamp, json.dumps(self._fingerprint()).encode())
-        return {int(p.stem.split("-")[1]) for p in self.parts.glob("part-*.parquet")}
 
     async def run(self, service: Service, progress: bool = True, in_flight: int | None = None
                   ) -> dict:
@@ -188,7 +174,7 @@ class Job:
         written stay for the next run."""
         from tqdm import tqdm
 
-        done = self._open_parts()
+        done = self.parts.open()
         size, rows = self.config.chunk_size, self.table.num_rows
         prompts = self.table.column(PROMPT_COLUMN).to_pylist()
         summary = Summary(rows)
@@ -237,23 +223,17 @@ class Job:
 
     def _write_part(self, start: int, completions: list[Completion]) -> None:
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        out = pa.Table.from_pylist([output_row(c) for c in completions], schema=_output_schema())
-        _atomic_write_table(self.parts / f"part-{start:09d}.parquet", out, pq)
+        self.parts.write(start, pa.Table.from_pylist([output_row(c) for c in completions],
+                                                     schema=_output_schema()))
 
     def _join(self) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        parts = sorted(self.parts.glob("part-*.parquet"))
-        generated = pa.concat_tables([pq.read_table(p) for p in parts]) if parts else (
-            _output_schema().empty_table())
+        generated = self.parts.read(_output_schema())
         table = self.table
         for name in generated.column_names:
             table = table.append_column(name, generated.column(name))
-        _atomic_write_table(self.output, table, pq)
-        shutil.rmtree(self.parts)
+        atomic_write_table(self.output, table)
+        self.parts.remove()
 
 
 def _ready(value) -> asyncio.Future:
@@ -295,21 +275,10 @@ class Summary:
                 return None
             return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 4)
 
+        tokens = self.stats["completion_tokens"]
         return {**self.stats, "seconds": round(seconds, 3),
-                "tokens_per_second": round(self.stats["completion_tokens"] / max(seconds, 1e-9), 1),
+                "tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
                 "requests_this_run": len(latencies),
                 "latency_s": {"p50": percentile(0.5), "p90": percentile(0.9),
-                              "p99": percentile(0.99), "max": latencies[-1] if latencies else None},
+                              "p99": percentile(0.99), "max": percentile(1.0)},
                 "errors_by_kind": self.errors_by_kind}
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _atomic_write_table(path: Path, table, pq) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)

@@ -20,6 +20,7 @@ from rollout_vllm.weights import layer_groups
 
 MODES = ("engine", "server")
 ABORT_RETRY_S = 0.25
+ABORT_CHECK_S = 2.0
 ABORT_HOLD_S = 5.0
 
 
@@ -107,7 +108,7 @@ class VLLMBackend:
             if self._is_aborted(request.id):
                 samples = [Sample([], "", "abort", None, None)] * request.sampling.n
             else:
-                samples = await self._until_done(rid, aborted, self.engine.generate(
+                samples = await self._until_done(request.id, rid, aborted, self.engine.generate(
                     rid, prompt, vllm_sampling(request.sampling)))
         except RolloutError as exc:
             if isinstance(exc, rollout.EngineDeadError):
@@ -118,15 +119,20 @@ class VLLMBackend:
             self._aborted.pop(request.id, None)
         return [_result(request, s, len(prompt), i) for i, s in enumerate(samples)]
 
-    async def _until_done(self, rid: str, aborted: asyncio.Future, call):
-        """Await `call`; once `aborted` is done, repeat the abort until the request ends: an
-        abort that reaches a vLLM server before its request does is otherwise lost."""
+    async def _until_done(self, request_id: str, rid: str, aborted: asyncio.Future, call):
+        """Await `call`; once the request is aborted, repeat the abort until it ends: an
+        abort that reaches a vLLM server before its request does is otherwise lost. The
+        abort mark is also looked at every few seconds, in case a signal went astray."""
         task = asyncio.ensure_future(call)
         try:
-            await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            stopping = False
             while not task.done():
-                await self.engine.abort([rid])
-                await asyncio.wait({task}, timeout=ABORT_RETRY_S)
+                await asyncio.wait({task} if stopping else {task, aborted},
+                                   timeout=ABORT_RETRY_S if stopping else ABORT_CHECK_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                stopping = stopping or aborted.done() or self._is_aborted(request_id)
+                if stopping and not task.done():
+                    await self.engine.abort([rid])
             return task.result()
         finally:
             task.cancel()
