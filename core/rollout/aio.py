@@ -34,3 +34,16 @@ class LoopThread:
             self._thread.join(30)
         if not self.loop.is_running():
             self.loop.close()
+
+
+# Engine servers (uvicorn) close a connection after 5 s idle; a call sent on one they have
+# just closed fails with ServerDisconnectedError. Ours are let go sooner.
+KEEPALIVE_S = 2.0
+
+
+def client_session(**kwargs):
+    """An aiohttp session whose idle connections are dropped before a server drops them."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
+                                 **kwargs)

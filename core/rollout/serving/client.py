@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from rollout import convert
+from rollout.aio import client_session
 from rollout.errors import EngineDeadError, NoReplicaError, RolloutError, RolloutTimeoutError
 from rollout.schemas import Completion, Request
 
@@ -26,10 +27,8 @@ class RemoteService:
         self._session = None
 
     def _client(self):
-        import aiohttp
-
         if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._headers)
+            self._session = client_session(headers=self._headers)
         return self._session
 
     async def generate(self, requests: list[Request]) -> list[Completion]:

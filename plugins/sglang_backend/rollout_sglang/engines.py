@@ -21,7 +21,7 @@ import time
 import weakref
 
 from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
-from rollout.aio import LoopThread
+from rollout.aio import LoopThread, client_session
 from rollout.process import HOST, ServerProcess, cli_flags, free_port
 
 from rollout_sglang import protocol
@@ -228,9 +228,7 @@ class ServerEngine:
         self.process.wait_healthy(f"{self.url}/health", self.startup_timeout)
 
         async def open_session():
-            import aiohttp
-
-            self.session = aiohttp.ClientSession()
+            self.session = client_session()
 
         self.run(open_session(), 30, "opening an HTTP session")
 

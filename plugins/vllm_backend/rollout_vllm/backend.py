@@ -147,10 +147,11 @@ class VLLMBackend:
         # that starts just after it is still aborted.
         until = time.monotonic() + ABORT_HOLD_S
         self._aborted.update((i, until) for i in ids)
-        for request_id in ids:
-            running = self._running.get(request_id)
-            if running is not None:
-                self.loop.loop.call_soon_threadsafe(_set, running[1])
+        running = [self._running[i] for i in ids if i in self._running]
+        for _, aborted in running:  # their waits then repeat the abort until they end
+            self.loop.loop.call_soon_threadsafe(_set, aborted)
+        if running:
+            self.loop.run(self.engine.abort([rid for rid, _ in running]), 60, "vLLM abort")
 
     # --- weights and memory -------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import threading
 from typing import NamedTuple
 
 from rollout import EngineDeadError, GenerationError, InvalidRequestError, RolloutError
+from rollout.aio import client_session
 from rollout.process import HOST, ServerProcess, cli_flags, free_port
 
 EXTENSION = "rollout_vllm.worker.WeightUpdateExtension"
@@ -265,13 +266,11 @@ class ServerEngine:
         return argv + cli_flags(args)
 
     async def start(self) -> None:
-        import aiohttp
-
         # Dev mode adds the routes for abort, weight RPCs and prefix-cache resets.
         self.process = ServerProcess("vllm", self.argv(), env={"VLLM_SERVER_DEV_MODE": "1"})
         await asyncio.to_thread(self.process.wait_healthy, f"{self.url}/health",
                                 self.startup_timeout)
-        self.session = aiohttp.ClientSession()
+        self.session = client_session()
 
     async def _call(self, path: str, body: dict | None = None, timeout: float | None = None):
         """POST and return the JSON answer, racing the request against the server's death."""
