@@ -147,7 +147,7 @@ class VLLMBackend:
         # that starts just after it is still aborted.
         until = time.monotonic() + ABORT_HOLD_S
         self._aborted.update((i, until) for i in ids)
-        running = [self._running[i] for i in ids if i in self._running]
+        running = [r for r in map(self._running.get, ids) if r is not None]
         for _, aborted in running:  # their waits then repeat the abort until they end
             self.loop.loop.call_soon_threadsafe(_set, aborted)
         if running:
