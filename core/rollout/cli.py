@@ -140,9 +140,7 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
                             settings.placement, settings.server, settings.api_key,
                             settings.mode)
     try:
-        # A backend here gets a chunk per call; replicas get enough to fill their batches.
-        in_flight = settings.in_flight or max(settings.chunk_size, 64 * (settings.replicas or 0))
-        return await job.run(service, progress=progress, in_flight=in_flight)
+        return await job.run(service, progress=progress)
     finally:
         await service.close()
 

@@ -180,7 +180,9 @@ class Job:
         summary = Summary(rows)
         bar = tqdm(total=rows, unit="prompt", disable=not progress,
                    initial=sum(min(size, rows - s) for s in done))
-        window = asyncio.Semaphore(in_flight or self.config.in_flight or size)
+        # A backend here gets a chunk per call; replicas get enough to fill their batches.
+        window = asyncio.Semaphore(in_flight or self.config.in_flight
+                                   or max(size, 64 * (self.config.replicas or 0)))
 
         async def one(request: Request) -> Completion:
             try:
@@ -212,7 +214,7 @@ class Job:
                     await window.acquire()
                     pending.append(asyncio.ensure_future(one(request)))
                 writers.append(asyncio.ensure_future(write_chunk(start, pending)))
-                await _raise_first_failure(writers)
+                _raise_first_failure(writers)
             await asyncio.gather(*writers)
         finally:
             for writer in writers:
@@ -242,7 +244,7 @@ def _ready(value) -> asyncio.Future:
     return future
 
 
-async def _raise_first_failure(tasks: list[asyncio.Future]) -> None:
+def _raise_first_failure(tasks: list[asyncio.Future]) -> None:
     for task in tasks:
         if task.done() and task.exception() is not None:
             raise task.exception()
