@@ -7,6 +7,7 @@ instead of hanging.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ from rollout.errors import EngineDeadError, RolloutTimeoutError
 
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
+GROUP_GRACE_S = 5.0
 
 
 def free_port() -> int:
@@ -42,8 +44,25 @@ def cli_flags(options: Mapping[str, object]) -> list[str]:
     return argv
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    """A preexec_fn for Linux: SIGTERM the child when the thread that started it ends (the
+    owner crashed or was killed), so an engine server is never left running alone."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class ServerProcess:
-    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None):
+    """`die_with_parent`: for a server owned by a thread that lives as long as it is used
+    (an engine's event loop); the signal comes when that thread ends."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                 die_with_parent: bool = False):
         self.name = name
         handle, path = tempfile.mkstemp(prefix=f"rollout-{name}-", suffix=".log")
         self.log_path = Path(path)
@@ -51,6 +70,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             list(argv), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})}, start_new_session=True,  # its own process group
+            preexec_fn=_die_with_parent() if die_with_parent else None,
         )
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
@@ -96,14 +116,25 @@ class ServerProcess:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-            except ProcessLookupError:
+            except (subprocess.TimeoutExpired, ProcessLookupError):
                 pass
-        else:
-            try:  # children (an engine core) may outlive their parent
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        # Children (an engine's workers) may outlive their parent: they get a few seconds
+        # to finish their own clean-up (shared memory), then SIGKILL.
+        deadline = time.monotonic() + GROUP_GRACE_S
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.alive():
+            self.proc.wait(10)
         self._log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False

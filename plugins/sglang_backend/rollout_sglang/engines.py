@@ -224,7 +224,10 @@ class ServerEngine:
         return argv + cli_flags(args)
 
     def start(self) -> None:
-        self.process = ServerProcess("sglang", self.argv(), env=ENGINE_ENV)
+        async def spawn():  # from the loop's thread, which lives as long as the server is used
+            return ServerProcess("sglang", self.argv(), env=ENGINE_ENV, die_with_parent=True)
+
+        self.process = asyncio.run_coroutine_threadsafe(spawn(), self.loop).result(60)
         self.process.wait_healthy(f"{self.url}/health", self.startup_timeout)
 
         async def open_session():

@@ -15,12 +15,10 @@ from rollout.checkpoint import checkpoint_shapes
 from rollout.prompts import PromptEncoder
 from rollout.schemas import SamplingParams
 
-from rollout_vllm.engines import InProcessEngine, Sample, ServerEngine
+from rollout_vllm.engines import InProcessEngine, Sample, ServerEngine, samples_of
 from rollout_vllm.weights import layer_groups
 
 MODES = ("engine", "server")
-ABORT_RETRY_S = 0.25
-ABORT_CHECK_S = 2.0
 ABORT_HOLD_S = 5.0
 
 
@@ -63,7 +61,7 @@ class VLLMBackend:
         self.engine = InProcessEngine(args) if mode == "engine" else ServerEngine(
             args, startup_timeout, request_timeout)
         self.loop = LoopThread("rollout-vllm")
-        self._running: dict[str, tuple[str, asyncio.Future]] = {}  # ours -> vLLM id, abort
+        self._running: dict[str, asyncio.Future] = {}  # request id -> its abort signal
         self._aborted: dict[str, float] = {}  # request id -> until when the abort holds
         try:
             self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
@@ -103,13 +101,13 @@ class VLLMBackend:
         aborted = asyncio.get_running_loop().create_future()  # set by abort()
         # Registered before the abort check: an abort from another thread then either sees
         # this request running or has already marked it.
-        self._running[request.id] = (rid, aborted)
+        self._running[request.id] = aborted
+        params = vllm_sampling(request.sampling)
         try:
             if self._is_aborted(request.id):
-                samples = [Sample([], "", "abort", None, None)] * request.sampling.n
+                samples = samples_of(None, params)
             else:
-                samples = await self._until_done(request.id, rid, aborted, self.engine.generate(
-                    rid, prompt, vllm_sampling(request.sampling)))
+                samples = await self.engine.generate(rid, prompt, params, aborted)
         except RolloutError as exc:
             if isinstance(exc, rollout.EngineDeadError):
                 raise
@@ -118,24 +116,6 @@ class VLLMBackend:
             self._running.pop(request.id, None)
             self._aborted.pop(request.id, None)
         return [_result(request, s, len(prompt), i) for i, s in enumerate(samples)]
-
-    async def _until_done(self, request_id: str, rid: str, aborted: asyncio.Future, call):
-        """Await `call`; once the request is aborted, repeat the abort until it ends: an
-        abort that reaches a vLLM server before its request does is otherwise lost. The
-        abort mark is also looked at every few seconds, in case a signal went astray."""
-        task = asyncio.ensure_future(call)
-        try:
-            stopping = False
-            while not task.done():
-                await asyncio.wait({task} if stopping else {task, aborted},
-                                   timeout=ABORT_RETRY_S if stopping else ABORT_CHECK_S,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                stopping = stopping or aborted.done() or self._is_aborted(request_id)
-                if stopping and not task.done():
-                    await self.engine.abort([rid])
-            return task.result()
-        finally:
-            task.cancel()
 
     def _is_aborted(self, request_id: str) -> bool:
         return self._aborted.get(request_id, 0.0) > time.monotonic()
@@ -147,11 +127,8 @@ class VLLMBackend:
         # that starts just after it is still aborted.
         until = time.monotonic() + ABORT_HOLD_S
         self._aborted.update((i, until) for i in ids)
-        running = [r for r in map(self._running.get, ids) if r is not None]
-        for _, aborted in running:  # their waits then repeat the abort until they end
+        for aborted in [f for f in map(self._running.get, ids) if f is not None]:
             self.loop.loop.call_soon_threadsafe(_set, aborted)
-        if running:
-            self.loop.run(self.engine.abort([rid for rid, _ in running]), 60, "vLLM abort")
 
     # --- weights and memory -------------------------------------------------------------
 

@@ -5,7 +5,8 @@
 - `ServerEngine`: vLLM's OpenAI-compatible server started as a child process on loopback,
   spoken to over HTTP.
 
-Both return samples as `Sample`s, and both load weights through
+Both take a request's abort signal (a future) with the request and then return what it
+has made so far, as `Sample`s; both load weights through
 `rollout_vllm.worker.WeightUpdateExtension`: in process as tensors, over HTTP as
 safetensors bytes (never pickle).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import queue
 import sys
 import threading
@@ -25,6 +27,8 @@ from rollout.process import HOST, ServerProcess, cli_flags, free_port
 
 EXTENSION = "rollout_vllm.worker.WeightUpdateExtension"
 SERVED_NAME = "rollout"
+# Tokens per streamed chunk in server mode: an abort loses at most this many less one.
+STREAM_INTERVAL = 8
 
 
 class Sample(NamedTuple):
@@ -156,7 +160,8 @@ class InProcessEngine:
         adds, self.adds = self.adds, []
         self.commands.put((lambda engine: self._add_all(adds), None))
 
-    async def generate(self, rid: str, prompt: list[int], params: dict) -> list[Sample]:
+    async def generate(self, rid: str, prompt: list[int], params: dict,
+                       aborted: asyncio.Future) -> list[Sample]:
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
@@ -171,6 +176,9 @@ class InProcessEngine:
             # engine then schedules them together instead of stepping on a trickle.
             self.loop.call_soon(self._send_adds)
         try:
+            await asyncio.wait({future, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            if not future.done():  # aborted: the engine's thread ends it with what it has
+                await self._submit(lambda engine: self._abort(engine, rid))
             final = await future
         except VLLMClientError as exc:
             raise request_error(str(exc), getattr(exc, "parameter", None)) from None
@@ -180,14 +188,10 @@ class InProcessEngine:
             self.waiting.pop(rid, None)
         return samples_of(final, params)
 
-    async def abort(self, rids: list[str]) -> None:
-        def abort(engine):
-            for rid in rids:
-                partial = _partial_output(engine, rid)
-                engine.abort_request([rid])
-                self._finish(rid, partial)
-
-        await self._submit(abort)
+    def _abort(self, engine, rid: str) -> None:
+        partial = _partial_output(engine, rid)
+        engine.abort_request([rid])
+        self._finish(rid, partial)
 
     async def update_weights(self, tensors: dict) -> None:
         def load(engine):  # in process: the tensors themselves, no copy through bytes
@@ -266,14 +270,41 @@ class ServerEngine:
         return argv + cli_flags(args)
 
     async def start(self) -> None:
-        # Dev mode adds the routes for abort, weight RPCs and prefix-cache resets.
-        self.process = ServerProcess("vllm", self.argv(), env={"VLLM_SERVER_DEV_MODE": "1"})
+        # Dev mode adds the routes for weight RPCs, sleep and prefix-cache resets.
+        self.process = ServerProcess("vllm", self.argv(), env={"VLLM_SERVER_DEV_MODE": "1"},
+                                     die_with_parent=True)
         await asyncio.to_thread(self.process.wait_healthy, f"{self.url}/health",
                                 self.startup_timeout)
         self.session = client_session()
 
+    async def _guarded(self, work, path: str, stop: asyncio.Future | None = None):
+        """Await `work`, racing it against the server's death and, if given, `stop` (then
+        `work` is cancelled, which closes its connection, and None is returned)."""
+
+        async def death():
+            while self.process.alive():
+                await asyncio.sleep(0.5)
+
+        task, watch = asyncio.ensure_future(work), asyncio.ensure_future(death())
+        try:
+            await asyncio.wait({task, watch} | ({stop} if stop else set()),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                if task.exception() is None or isinstance(task.exception(), RolloutError):
+                    return task.result()
+            elif not watch.done():
+                return None  # stopped
+            await asyncio.sleep(0.2)  # let a dying process finish exiting
+            self.process.check()
+            if task.done():
+                raise GenerationError(f"vLLM server call {path} failed: {task.exception()!r}")
+            raise EngineDeadError(f"vLLM server stopped while answering {path}")
+        finally:
+            for t in (task, watch):
+                t.cancel()
+
     async def _call(self, path: str, body: dict | None = None, timeout: float | None = None):
-        """POST and return the JSON answer, racing the request against the server's death."""
+        """POST and return the JSON answer."""
         import aiohttp
 
         async def post():
@@ -281,54 +312,37 @@ class ServerEngine:
                 self.url + path, json=body or {},
                 timeout=aiohttp.ClientTimeout(total=timeout or self.request_timeout),
             ) as response:
-                data = await response.json(content_type=None)
-                return response.status, data
+                return await _json(response, path)
 
-        async def death():
-            while self.process.alive():
-                await asyncio.sleep(0.5)
+        return await self._guarded(post(), path)
 
-        request, watch = asyncio.ensure_future(post()), asyncio.ensure_future(death())
-        try:
-            done, _ = await asyncio.wait({request, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if request in done and request.exception() is None:
-                status, data = request.result()
-                if status == 400:
-                    error = data.get("error", {}) if isinstance(data, dict) else {}
-                    raise request_error(str(error.get("message", data)), error.get("param"))
-                if status != 200:
-                    raise GenerationError(f"vLLM server answered {status} on {path}: {data}")
-                return data
-            await asyncio.sleep(0.2)  # let a dying process finish exiting
-            self.process.check()
-            if request in done:
-                raise GenerationError(f"vLLM server call {path} failed: {request.exception()!r}")
-            raise EngineDeadError(f"vLLM server stopped while answering {path}")
-        finally:
-            for task in (request, watch):
-                task.cancel()
+    async def generate(self, rid: str, prompt: list[int], params: dict,
+                       aborted: asyncio.Future) -> list[Sample]:
+        """Streamed, so that an abort is ours to make: closing the stream makes the server
+        abort the request, and what it has made so far is already here. (An abort sent
+        by id can reach a busy server after the request has finished, or before it has
+        started.)"""
+        import aiohttp
 
-    async def generate(self, rid: str, prompt: list[int], params: dict) -> list[Sample]:
         body = {"model": SERVED_NAME, "prompt": prompt, "request_id": rid,
                 "return_token_ids": True, "return_tokens_as_token_ids": True,
+                "stream": True, "stream_interval": STREAM_INTERVAL,
                 **{k: v for k, v in params.items() if v is not None}}
-        data = await self._call("/v1/completions", body)
-        k = params.get("logprobs")
-        samples = []
-        for choice in sorted(data["choices"], key=lambda c: c["index"]):
-            logprobs = choice.get("logprobs") or {}
-            samples.append(Sample(
-                list(choice["token_ids"]), choice["text"], choice["finish_reason"] or "abort",
-                [float(x) for x in logprobs["token_logprobs"]] if k is not None else None,
-                [sorted(((_token_id(t), float(lp)) for t, lp in (step or {}).items()),
-                        key=lambda pair: -pair[1])[:k] for step in logprobs["top_logprobs"]]
-                if k else None))
-        return samples
+        made = _Streamed(params["n"], params.get("logprobs"))
 
-    async def abort(self, rids: list[str]) -> None:
-        # The server names a completion's engine request cmpl-<request_id>-<prompt index>.
-        await self._call("/abort_requests", {"request_ids": [f"cmpl-{r}-0" for r in rids]},
-                         timeout=30)
+        async def stream():
+            async with self.session.post(
+                self.url + "/v1/completions", json=body,
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout),
+            ) as response:
+                if response.status != 200:
+                    await _json(response, "/v1/completions")
+                async for line in response.content:
+                    if line.startswith(b"data: {"):
+                        made.add(json.loads(line[6:]))
+
+        await self._guarded(stream(), "/v1/completions", aborted)
+        return made.samples()
 
     async def update_weights(self, tensors: dict) -> None:
         from rollout_vllm.weights import to_bytes
@@ -348,6 +362,53 @@ class ServerEngine:
             await self.session.close()
         if self.process is not None:
             await asyncio.to_thread(self.process.stop)
+
+
+async def _json(response, path: str):
+    """The JSON of a 200 answer; the server's refusal as our error otherwise."""
+    data = await response.json(content_type=None)
+    if response.status == 400:
+        error = data.get("error", {}) if isinstance(data, dict) else {}
+        raise request_error(str(error.get("message", data)), error.get("param"))
+    if response.status != 200:
+        raise GenerationError(f"vLLM server answered {response.status} on {path}: {data}")
+    return data
+
+
+class _Streamed:
+    """The samples of one streamed completion, as they arrive."""
+
+    def __init__(self, n: int, logprobs: int | None):
+        self.k = logprobs
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.text = [""] * n
+        self.finish: list[str | None] = [None] * n
+        self.logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.top: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
+
+    def add(self, chunk: dict) -> None:
+        if "error" in chunk:
+            raise GenerationError(f"vLLM server failed mid-stream: {chunk['error']}")
+        for choice in chunk.get("choices", ()):
+            i = choice["index"]
+            self.tokens[i] += choice.get("token_ids") or ()
+            self.text[i] += choice.get("text") or ""
+            self.finish[i] = choice.get("finish_reason") or self.finish[i]
+            logprobs = choice.get("logprobs")
+            if self.k is not None and logprobs:
+                self.logprobs[i] += [float(x) for x in logprobs["token_logprobs"]]
+                if self.k:
+                    self.top[i] += [sorted(((_token_id(t), float(lp)) for t, lp in
+                                            (step or {}).items()),
+                                           key=lambda pair: -pair[1])[:self.k]
+                                    for step in logprobs["top_logprobs"]]
+
+    def samples(self) -> list[Sample]:
+        """Every sample; one the stream did not finish (it was aborted) ends in "abort"."""
+        return [Sample(tokens, text, finish or "abort",
+                       logprobs if self.k is not None else None, top if self.k else None)
+                for tokens, text, finish, logprobs, top in
+                zip(self.tokens, self.text, self.finish, self.logprobs, self.top)]
 
 
 def _token_id(token: str) -> int:

@@ -1,0 +1,89 @@
+"""An engine server's process never outlives its use: closing it takes its whole process
+group, and a server whose owner dies without closing it gets SIGTERM (Linux)."""
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rollout.process import ServerProcess
+
+# A server that starts a worker in its process group; the worker ignores SIGTERM, as an
+# engine's busy worker may, and so outlives the server.
+SERVER = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    worker = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    print(worker.pid, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    time.sleep(600)
+""")
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return True  # exited; only its entry waits to be reaped
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def first_line(path: Path, within: float = 30.0) -> str:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if "\n" in text:
+            return text.split("\n", 1)[0]
+        time.sleep(0.1)
+    raise AssertionError(f"nothing written to {path} within {within} s")
+
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+def test_stop_takes_workers_that_outlive_the_server():
+    server = ServerProcess("test", [sys.executable, "-c", SERVER])
+    try:
+        worker = int(first_line(server.log_path))
+        assert not gone(worker, within=0.5)
+    finally:
+        server.stop(grace=5)
+    assert not server.alive()
+    assert gone(worker), "a worker of the server outlived stop()"
+
+
+def test_server_gets_sigterm_when_its_owner_dies(tmp_path):
+    pid_file = tmp_path / "server.pid"
+    owner = textwrap.dedent(f"""
+        import os, sys
+        from rollout.process import ServerProcess
+        server = ServerProcess("test", [sys.executable, "-c", "import time; time.sleep(600)"],
+                               die_with_parent=True)
+        open({str(pid_file)!r}, "w").write(f"{{server.proc.pid}}\\n")
+        os._exit(1)  # dies without stopping it
+    """)
+    subprocess.run([sys.executable, "-c", owner], check=False, timeout=60)
+    server = int(first_line(pid_file))
+    assert gone(server), "the server outlived its owner"
+
+
+def test_without_the_flag_a_server_is_not_tied_to_its_starting_thread(tmp_path):
+    """Replicas started from a worker thread that then ends must keep running."""
+    import threading
+
+    started: list = []
+    thread = threading.Thread(target=lambda: started.append(
+        ServerProcess("test", [sys.executable, "-c", "import time; time.sleep(600)"])))
+    thread.start()
+    thread.join()
+    try:
+        assert not gone(started[0].proc.pid, within=1.0)
+    finally:
+        started[0].stop(grace=5)
