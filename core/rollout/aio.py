@@ -36,14 +36,18 @@ class LoopThread:
             self.loop.close()
 
 
-# Engine servers (uvicorn) close a connection after 5 s idle; a call sent on one they have
-# just closed fails with ServerDisconnectedError. Ours are let go sooner.
+# Servers (uvicorn) close a connection after 5 s idle; a call sent on one they have just
+# closed fails with ServerDisconnectedError. Reused connections are let go sooner.
 KEEPALIVE_S = 2.0
 
 
-def client_session(**kwargs):
-    """An aiohttp session whose idle connections are dropped before a server drops them."""
+def client_session(reuse_connections: bool = True, **kwargs):
+    """An aiohttp session. Without reuse every call opens its own connection: on loopback
+    that costs a fraction of a millisecond, and no call meets a connection the server has
+    just closed, however late this process got a CPU to send it (a busy engine can starve
+    it for seconds, and a keep-alive margin with it)."""
     import aiohttp
 
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
-                                 **kwargs)
+    connector = aiohttp.TCPConnector(force_close=True) if not reuse_connections else \
+        aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+    return aiohttp.ClientSession(connector=connector, **kwargs)

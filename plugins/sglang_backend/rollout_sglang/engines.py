@@ -231,7 +231,7 @@ class ServerEngine:
         self.process.wait_healthy(f"{self.url}/health", self.startup_timeout)
 
         async def open_session():
-            self.session = client_session()
+            self.session = client_session(reuse_connections=False)
 
         self.run(open_session(), 30, "opening an HTTP session")
 

@@ -86,34 +86,33 @@ class VLLMBackend:
 
     @rollout.hookimpl
     def generate(self, requests):
+        # Registered here, on the caller's thread, before the loop runs anything: an abort
+        # from now on finds them, however long the loop takes to get to them.
+        signals = [asyncio.Future(loop=self.loop.loop) for _ in requests]  # set by abort()
+        self._running.update((r.id, s) for r, s in zip(requests, signals))
+
         async def run_all():
-            return await asyncio.gather(*(self._one(r) for r in requests))
+            return await asyncio.gather(*(self._one(r, s) for r, s in zip(requests, signals)))
 
         # Requests end on their own timeouts; this bound only guards against a lost wakeup.
         return self.loop.run(run_all(), self.request_timeout + 60, "vLLM generate")
 
-    async def _one(self, request):
-        try:
-            prompt = self.prompts.encode(request)
-        except InvalidRequestError as exc:
-            return exc
-        rid = f"{request.id}-{uuid.uuid4().hex[:12]}"  # unique: vLLM accepts duplicate ids
-        aborted = asyncio.get_running_loop().create_future()  # set by abort()
-        # Registered before the abort check: an abort from another thread then either sees
-        # this request running or has already marked it.
-        self._running[request.id] = aborted
+    async def _one(self, request, aborted: asyncio.Future):
         params = vllm_sampling(request.sampling)
         try:
-            if self._is_aborted(request.id):
+            prompt = self.prompts.encode(request)
+            if self._is_aborted(request.id):  # aborted before generate() was called
                 samples = samples_of(None, params)
             else:
+                rid = f"{request.id}-{uuid.uuid4().hex[:12]}"  # vLLM accepts duplicate ids
                 samples = await self.engine.generate(rid, prompt, params, aborted)
         except RolloutError as exc:
             if isinstance(exc, rollout.EngineDeadError):
                 raise
             return exc
         finally:
-            self._running.pop(request.id, None)
+            if self._running.get(request.id) is aborted:
+                del self._running[request.id]
             self._aborted.pop(request.id, None)
         return [_result(request, s, len(prompt), i) for i, s in enumerate(samples)]
 
@@ -123,10 +122,12 @@ class VLLMBackend:
     @rollout.hookimpl
     def abort(self, request_ids):
         ids = list(self._running) if request_ids is None else list(request_ids)
-        # An abort can come before its request: it holds for a few seconds, so a request
-        # that starts just after it is still aborted.
-        until = time.monotonic() + ABORT_HOLD_S
-        self._aborted.update((i, until) for i in ids)
+        # An abort can come just before generate() is called (a timeout's timer): it holds
+        # for a few seconds, so a request that starts just after it is still aborted.
+        now = time.monotonic()
+        for stale in [i for i, until in list(self._aborted.items()) if until <= now]:
+            self._aborted.pop(stale, None)
+        self._aborted.update((i, now + ABORT_HOLD_S) for i in ids)
         for aborted in [f for f in map(self._running.get, ids) if f is not None]:
             self.loop.loop.call_soon_threadsafe(_set, aborted)
 

@@ -275,7 +275,7 @@ class ServerEngine:
                                      die_with_parent=True)
         await asyncio.to_thread(self.process.wait_healthy, f"{self.url}/health",
                                 self.startup_timeout)
-        self.session = client_session()
+        self.session = client_session(reuse_connections=False)
 
     async def _guarded(self, work, path: str, stop: asyncio.Future | None = None):
         """Await `work`, racing it against the server's death and, if given, `stop` (then
