@@ -58,5 +58,7 @@ ctypes.CDLL(str(STUB), mode=ctypes.RTLD_GLOBAL)
 _spec = importlib.util.spec_from_file_location("_rollout_sglang_cpu_site", HERE / "sitecustomize.py")
 _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 
-# float32: the tiny model's outputs then match the HF backend's.
-ENGINE = {"dtype": "float32"}
+# float32: the tiny model's outputs then match the HF backend's. KV room for the contract's
+# 64 long sequences (70 MB for the tiny model): with less, SGLang queues a short request
+# behind them, and the test of concurrent calls would measure the pool, not the backend.
+ENGINE = {"dtype": "float32", "max_total_tokens": 64 * 2048 + 4096}
