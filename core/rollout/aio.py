@@ -48,6 +48,6 @@ def client_session(reuse_connections: bool = True, **kwargs):
     it for seconds, and a keep-alive margin with it)."""
     import aiohttp
 
-    connector = aiohttp.TCPConnector(force_close=True) if not reuse_connections else \
-        aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+    connector = (aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S) if reuse_connections
+                 else aiohttp.TCPConnector(force_close=True))
     return aiohttp.ClientSession(connector=connector, **kwargs)
