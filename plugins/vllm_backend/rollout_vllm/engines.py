@@ -175,23 +175,29 @@ class InProcessEngine:
             # Sent once this loop iteration is over, with every request of the batch: the
             # engine then schedules them together instead of stepping on a trickle.
             self.loop.call_soon(self._send_adds)
+
+        def abort(_):  # the engine's thread then ends the request with what it has made
+            if not future.done():
+                self.commands.put((lambda engine: self._abort(engine, rid), None))
+
+        aborted.add_done_callback(abort)
         try:
-            await asyncio.wait({future, aborted}, return_when=asyncio.FIRST_COMPLETED)
-            if not future.done():  # aborted: the engine's thread ends it with what it has
-                await self._submit(lambda engine: self._abort(engine, rid))
             final = await future
         except VLLMClientError as exc:
             raise request_error(str(exc), getattr(exc, "parameter", None)) from None
         except ValueError as exc:
             raise request_error(str(exc)) from None
         finally:
+            aborted.remove_done_callback(abort)
             self.waiting.pop(rid, None)
         return samples_of(final, params)
 
     def _abort(self, engine, rid: str) -> None:
         partial = _partial_output(engine, rid)
-        engine.abort_request([rid])
-        self._finish(rid, partial)
+        try:
+            engine.abort_request([rid])
+        finally:  # its caller hears back whatever happens
+            self._finish(rid, partial)
 
     async def update_weights(self, tensors: dict) -> None:
         def load(engine):  # in process: the tensors themselves, no copy through bytes
