@@ -42,12 +42,13 @@ KEEPALIVE_S = 2.0
 
 
 def client_session(reuse_connections: bool = True, **kwargs):
-    """An aiohttp session. Without reuse every call opens its own connection: on loopback
-    that costs a fraction of a millisecond, and no call meets a connection the server has
-    just closed, however late this process got a CPU to send it (a busy engine can starve
-    it for seconds, and a keep-alive margin with it)."""
+    """An aiohttp session. Without reuse every call opens its own connection, with no cap
+    on how many are open (a batch of requests to an engine is one connection each): on
+    loopback that costs a fraction of a millisecond, and no call meets a connection the
+    server has just closed, however late this process got a CPU to send it (a busy engine
+    can starve it for seconds, and a keep-alive margin with it)."""
     import aiohttp
 
     connector = (aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S) if reuse_connections
-                 else aiohttp.TCPConnector(force_close=True))
+                 else aiohttp.TCPConnector(force_close=True, limit=0))
     return aiohttp.ClientSession(connector=connector, **kwargs)

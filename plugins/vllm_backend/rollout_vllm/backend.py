@@ -42,9 +42,13 @@ class VLLMBackend:
     def __init__(self, model: str, mode: str = "engine", dtype: str = "auto",
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  engine_args: dict | None = None, startup_timeout: float = 600.0,
-                 request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES):
+                 request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES,
+                 stream_interval: int = 32):
         if mode not in MODES:
             raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
+                                      "an integer >= 1")
         from transformers import AutoConfig, AutoTokenizer
 
         config = AutoConfig.from_pretrained(model)
@@ -59,7 +63,7 @@ class VLLMBackend:
                 "enable_sleep_mode": self.sleep_reason is None, **(engine_args or {})}
         self.request_timeout = request_timeout
         self.engine = InProcessEngine(args) if mode == "engine" else ServerEngine(
-            args, startup_timeout, request_timeout)
+            args, startup_timeout, request_timeout, stream_interval)
         self.loop = LoopThread("rollout-vllm")
         self._running: dict[str, asyncio.Future] = {}  # request id -> its abort signal
         self._aborted: dict[str, float] = {}  # request id -> until when the abort holds

@@ -27,8 +27,6 @@ from rollout.process import HOST, ServerProcess, cli_flags, free_port
 
 EXTENSION = "rollout_vllm.worker.WeightUpdateExtension"
 SERVED_NAME = "rollout"
-# Tokens per streamed chunk in server mode: an abort loses at most this many less one.
-STREAM_INTERVAL = 8
 
 
 class Sample(NamedTuple):
@@ -259,10 +257,12 @@ class ServerEngine:
     """vLLM's OpenAI server in a child process. Every call fails within about a second of
     the server dying, with the end of its log."""
 
-    def __init__(self, engine_args: dict, startup_timeout: float, request_timeout: float):
+    def __init__(self, engine_args: dict, startup_timeout: float, request_timeout: float,
+                 stream_interval: int):
         self.engine_args = engine_args
         self.startup_timeout = startup_timeout
         self.request_timeout = request_timeout
+        self.stream_interval = stream_interval  # an abort loses at most this many less one
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.process: ServerProcess | None = None
@@ -332,7 +332,7 @@ class ServerEngine:
 
         body = {"model": SERVED_NAME, "prompt": prompt, "request_id": rid,
                 "return_token_ids": True, "return_tokens_as_token_ids": True,
-                "stream": True, "stream_interval": STREAM_INTERVAL,
+                "stream": True, "stream_interval": self.stream_interval,
                 **{k: v for k, v in params.items() if v is not None}}
         made = _Streamed(params["n"], params.get("logprobs"))
 

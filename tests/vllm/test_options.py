@@ -1,0 +1,16 @@
+"""A bad backend option is refused before any engine starts, naming the option."""
+
+import pytest
+
+import rollout
+from rollout import InvalidRequestError
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"mode": "http"}, "mode"),
+    ({"mode": "server", "stream_interval": 0}, "stream_interval"),
+])
+def test_bad_option_names_the_field(tiny_model, options, field):
+    with pytest.raises(InvalidRequestError, match=field) as caught:
+        rollout.load_backend("vllm", model=str(tiny_model), **options)
+    assert caught.value.field == field
