@@ -11,22 +11,18 @@ Without a GPU it loads the test-only CPU scaffolding from tests/sglang/conftest.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from common import prompts, timed
+from common import prompts, timed, workload_parser
 
 SETTINGS = {"dtype": "float32"}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = workload_parser()
     args = parser.parse_args()
 
     import torch

@@ -13,24 +13,25 @@ Run in the vLLM environment (scripts/env.sh vllm):
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 
-from common import prompts, timed
+from common import prompts, timed, workload_parser
 
 SETTINGS = {"dtype": "float32", "enforce_eager": True}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+def use_cpu_defaults() -> None:
+    """A KV cache that fits a small machine, and no model hub."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    parser = workload_parser()
+    args = parser.parse_args()
+    use_cpu_defaults()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the direct LLM runs in this process
 
     import rollout

@@ -15,27 +15,20 @@ Run in the vLLM environment (scripts/env.sh vllm):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import statistics
 import tempfile
 
-from common import prompts, timed
-
-SETTINGS = {"dtype": "float32", "enforce_eager": True}
+from bench_vllm import SETTINGS, use_cpu_defaults
+from common import prompts, timed, workload_parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = workload_parser()
     parser.add_argument("--stream-interval", type=int, default=32)
     parser.add_argument("--capped", action="store_true")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    use_cpu_defaults()
 
     import aiohttp
 

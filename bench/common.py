@@ -1,7 +1,9 @@
-"""What every benchmark here shares: the prompts and the stopwatch."""
+"""What every benchmark here shares: the prompts, the stopwatch, and the engine benches'
+workload arguments."""
 
 from __future__ import annotations
 
+import argparse
 import time
 
 WORDS = "the ka lo mi ne su ta ri po def return print x y".split()
@@ -17,3 +19,12 @@ def timed(fn) -> float:
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
+
+
+def workload_parser() -> argparse.ArgumentParser:
+    """`--prompts`, `--tokens` and `--rounds`, as the engine throughput benches take them."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    return parser
