@@ -112,6 +112,12 @@ class Rollout:
             needs.append(("chat", "messages"))
             if any(m.images for m in request.messages):
                 needs.append(("images", "messages"))
+            if request.tools or any(m.tool_calls for m in request.messages):
+                needs.append(("tools", "tools" if request.tools else "messages"))
+        structured = request.sampling.structured_outputs
+        if structured is not None:
+            needs.append((f"structured_outputs.{structured.kind}",
+                          f"sampling.structured_outputs.{structured.kind}"))
         for capability, field in needs:
             if not self.capabilities.supports(capability):
                 raise InvalidRequestError(

@@ -65,7 +65,23 @@ def _structure_content(value, _):
     return tuple(parts)
 
 
+def _structure_logit_bias(value, _) -> dict[int, float]:
+    """Token id -> bias; JSON object keys are strings, so "42" is token 42."""
+    if not isinstance(value, dict):
+        raise TypeError(f"got {value!r}, expected a mapping of token id to bias")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if type(token) is not int:
+            raise errors.InvalidRequestError(str(key), "not a token id", "integers >= 0 as keys")
+        if type(bias) is bool or not isinstance(bias, (int, float)):
+            raise errors.InvalidRequestError(str(key), f"got {bias!r}", "a number")
+        out[token] = float(bias)
+    return out
+
+
 converter.register_structure_hook(ContentPart, _structure_part)
+converter.register_structure_hook_func(lambda t: t == dict[int, float], _structure_logit_bias)
 converter.register_structure_hook_func(lambda t: t == Content, _structure_content)
 converter.register_unstructure_hook(errors.RolloutError, lambda e: e.to_dict())
 converter.register_structure_hook(
@@ -99,7 +115,9 @@ def from_json(text: str | bytes, cls: type[T]) -> T:
 
 def _as_invalid(exc: BaseException, path: list[str]) -> errors.InvalidRequestError:
     if isinstance(exc, errors.InvalidRequestError):
-        return errors.InvalidRequestError(_join(path + [exc.field]), _message(exc), exc.allowed)
+        # A check on a whole nested object names the object itself: no "x.x".
+        field = path if path[-1:] == [exc.field] else path + [exc.field]
+        return errors.InvalidRequestError(_join(field), _message(exc), exc.allowed)
     if isinstance(exc, ForbiddenExtraKeysError):
         names = [a.name for a in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
         extra = sorted(exc.extra_fields)

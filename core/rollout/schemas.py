@@ -35,13 +35,65 @@ def _tuple(value):
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
+def _frozen_dict(value):
+    return dict(value) if isinstance(value, dict) else value
+
+
+# --- structured outputs -------------------------------------------------------------------
+
+STRUCTURED_KINDS = ("regex", "json", "choice", "grammar")
+
+
+@attrs.frozen
+class StructuredOutputs:
+    """Constrains a sample's text: exactly one of `regex`, `json` (a JSON schema), `choice`
+    (one of these strings) or `grammar` (EBNF in the GBNF dialect that xgrammar reads, which
+    every built-in backend uses). JSON is compact: no whitespace between tokens."""
+
+    regex: str | None = None
+    json: dict | None = attrs.field(default=None, converter=_frozen_dict)
+    choice: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple)
+    grammar: str | None = None
+
+    def __attrs_post_init__(self):
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
+        _check("structured_outputs", len(given) == 1, f"got {', '.join(given) or 'none'}",
+               "exactly one of " + ", ".join(STRUCTURED_KINDS))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(name, value is None or (isinstance(value, str) and value != ""),
+                   f"got {value!r}", "a non-empty string")
+        _check("json", self.json is None or isinstance(self.json, dict), f"got {self.json!r}",
+               "a JSON schema (an object)")
+        _check("choice", self.choice is None or (
+            isinstance(self.choice, tuple) and len(self.choice) > 0
+            and all(isinstance(c, str) and c for c in self.choice)),
+            f"got {self.choice!r}", "a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None)
+
+
 # --- sampling -----------------------------------------------------------------------------
+
+PENALTY_RANGE = 2.0
+BIAS_RANGE = 100.0
 
 
 @attrs.frozen
 class SamplingParams:
     """How to sample. `logprobs` is the number of top alternatives to return per token
-    (0 returns only the chosen token's logprob; None returns none)."""
+    (0 returns only the chosen token's logprob; None returns none).
+
+    Penalties and bias (the same on every backend; docs/sampling.md has the formulas):
+    `repetition_penalty` divides a positive logit, and multiplies a negative one, of every
+    token seen in the prompt or the output; `presence_penalty` is subtracted once, and
+    `frequency_penalty` once per occurrence, from the logit of every token in the output;
+    `logit_bias` adds to a token's logit; `min_p` drops tokens less likely than `min_p`
+    times the most likely one; `min_tokens` keeps EOS, stop tokens and stop strings from
+    ending a sample before it has that many tokens.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -53,6 +105,14 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = attrs.field(factory=dict, converter=_frozen_dict)
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     def __attrs_post_init__(self):
         _check("temperature", _is_number(self.temperature) and self.temperature >= 0,
@@ -80,6 +140,30 @@ class SamplingParams:
                f"got {self.logprobs!r}", "None, or an integer from 0 to 20")
         _check("ignore_eos", isinstance(self.ignore_eos, bool),
                f"got {self.ignore_eos!r}", "true or false")
+        _check("repetition_penalty", _is_number(self.repetition_penalty)
+               and 0 < self.repetition_penalty <= 10,
+               f"got {self.repetition_penalty!r}", "a number in (0, 10]; 1 means none")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(name, _is_number(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE,
+                   f"got {value!r}", f"a number from {-PENALTY_RANGE} to {PENALTY_RANGE}")
+        _check("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1,
+               f"got {self.min_p!r}", "a number in [0, 1]; 0 means none")
+        _check("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"got {self.min_tokens!r}", f"an integer from 0 to max_tokens ({self.max_tokens})")
+        _check("logit_bias", isinstance(self.logit_bias, dict), f"got {self.logit_bias!r}",
+               "a mapping of token id to bias")
+        for token, bias in self.logit_bias.items():
+            _check(f"logit_bias.{token}", _is_int(token) and token >= 0,
+                   "not a token id", "integers >= 0 as keys")
+            _check(f"logit_bias.{token}", _is_number(bias) and -BIAS_RANGE <= bias <= BIAS_RANGE,
+                   f"got {bias!r}", f"a number from {-BIAS_RANGE} to {BIAS_RANGE}")
+        _check("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool),
+               f"got {self.include_stop_str_in_output!r}", "true or false")
+        _check("structured_outputs", self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputs),
+               f"got {self.structured_outputs!r}", "an object with one of "
+               + ", ".join(STRUCTURED_KINDS))
 
     @property
     def greedy(self) -> bool:
@@ -115,6 +199,29 @@ class ToolCall:
     id: str
     name: str
     arguments: str = "{}"
+
+
+@attrs.frozen
+class Tool:
+    """A function the model may call, as OpenAI's `function` object: `parameters` is the
+    JSON schema of its arguments. The chat template renders it."""
+
+    name: str
+    description: str | None = None
+    parameters: dict = attrs.field(factory=lambda: {"type": "object", "properties": {}},
+                                   converter=_frozen_dict)
+
+    def __attrs_post_init__(self):
+        _check("name", isinstance(self.name, str) and self.name != "", f"got {self.name!r}",
+               "a non-empty string")
+        _check("parameters", isinstance(self.parameters, dict), f"got {self.parameters!r}",
+               "a JSON schema (an object)")
+
+    def as_openai(self) -> dict:
+        function = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
 
 
 @attrs.frozen
@@ -154,12 +261,14 @@ def _new_id() -> str:
 
 @attrs.frozen
 class Request:
-    """One prompt: exactly one of `prompt` (text), `prompt_token_ids` or `messages`."""
+    """One prompt: exactly one of `prompt` (text), `prompt_token_ids` or `messages`.
+    `tools` go to the chat template with the messages."""
 
     id: str = attrs.field(factory=_new_id)
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_tuple)
     messages: tuple[Message, ...] | None = attrs.field(default=None, converter=_tuple)
+    tools: tuple[Tool, ...] | None = attrs.field(default=None, converter=_tuple)
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     metadata: dict = attrs.field(factory=dict)
 
@@ -182,6 +291,15 @@ class Request:
             _check("messages", isinstance(self.messages, tuple) and len(self.messages) > 0
                    and all(isinstance(m, Message) for m in self.messages),
                    "must be a non-empty list of messages", "objects with role and content")
+        if self.tools is not None:
+            _check("tools", self.messages is not None, "tools need messages",
+                   "tools together with messages (the chat template renders them)")
+            _check("tools", isinstance(self.tools, tuple)
+                   and all(isinstance(t, Tool) for t in self.tools),
+                   "must be a list of tools", "objects with name, description, parameters")
+            names = [t.name for t in self.tools]
+            _check("tools", len(set(names)) == len(names), f"tool names repeat: {names}",
+                   "unique names")
         _check("sampling", isinstance(self.sampling, SamplingParams),
                f"got {type(self.sampling).__name__}", "a SamplingParams")
         _check("metadata", isinstance(self.metadata, dict), f"got {self.metadata!r}",
@@ -252,6 +370,10 @@ CAPABILITIES = {
     "seed": "reproduce a sample from a per-request seed",
     "chat": "render chat messages with the model's chat template",
     "images": "image parts in messages",
+    "tools": "render tool definitions and tool calls with the chat template",
+    **{f"structured_outputs.{kind}": f"constrain the output by {what}" for kind, what in (
+        ("regex", "a regular expression"), ("json", "a JSON schema"),
+        ("choice", "a choice among strings"), ("grammar", "an EBNF grammar"))},
 }
 TAGS = ("weights", "kv_cache")
 
@@ -282,6 +404,6 @@ class Capabilities:
             raise UnsupportedError(name, self.unsupported[name])
 
 
-for _cls in (SamplingParams, TextPart, ImagePart, ToolCall, Message, Request, TokenLogprob,
-             Result, Completion, Capabilities):
+for _cls in (StructuredOutputs, SamplingParams, TextPart, ImagePart, ToolCall, Tool, Message,
+             Request, TokenLogprob, Result, Completion, Capabilities):
     attrs.resolve_types(_cls)

@@ -10,11 +10,23 @@ import random
 from pathlib import Path
 
 VOCAB_SIZE = 512
+# Tool definitions in a system turn, calls hermes-style (`<tool_call>{"name", "arguments"}
+# </tool_call>`, the format vLLM's and SGLang's `hermes` parsers read), results in tool turns.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if tools %}<|system|><tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools></s>"
+    "{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}</tool_response>"
+    "{% else %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{\"name\": {{ c['function']['name'] | tojson }}"
+    ", \"arguments\": {% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}"
+    "{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}}</tool_call>{% endfor %}"
+    "</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPECIAL = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+# Ordinary tokens (kept in decoded text) that tool-call parsers look for.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
 SYLLABLES = "ka lo mi ne su ta ri po an el is on ur ex th qu ing ed er ly".split()
 
 
@@ -26,7 +38,7 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
 
 
 def build_tokenizer(seed: int = 0):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -37,6 +49,7 @@ def build_tokenizer(seed: int = 0):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
         additional_special_tokens=SPECIAL[3:], chat_template=CHAT_TEMPLATE,
