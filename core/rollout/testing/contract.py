@@ -26,6 +26,7 @@ from hypothesis.stateful import (
 
 from rollout import BackendReleasedError, Capabilities, InvalidRequestError, Rollout
 from rollout.testing.models import load_weights, perturbed_copy, tiny_model_dir
+from rollout.testing.sampling import SamplingContract
 from rollout.testing.strategies import invalid_requests, requests
 
 EXAMPLES = int(os.environ.get("ROLLOUT_CONTRACT_EXAMPLES", "8"))
@@ -99,7 +100,7 @@ def check_completions(batch: list[dict], completions, caps: Capabilities) -> Non
                     assert values == sorted(values, reverse=True)
 
 
-class BackendContract:
+class BackendContract(SamplingContract):
     """Subclass and override `make_backend`; every test here then runs on your backend."""
 
     @pytest.fixture(scope="class")

@@ -1,0 +1,237 @@
+"""`SamplingContract`: the sampling vocabulary and structured outputs, checked for real.
+
+Penalties are checked token by token against a plain forward pass of the model with the
+formulas of docs/sampling.md applied by hand; bias, `min_tokens` and `min_p` by what they
+must forbid; constrained outputs by matching, parsing or validating every sample. Mixed
+into `BackendContract`, so every backend runs it on its real engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from rollout import InvalidRequestError
+
+PROMPT = "the ka lo"
+NEAR_TIE = 1e-3  # processed logits this close may be ordered either way by another kernel
+MASKED = -1e4  # a logprob at or below this is a token the constraint forbids
+
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "enum": ["ka", "lo", "mi ne"]},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "ok": {"type": "boolean"},
+                   "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}},
+    "required": ["name", "age", "ok", "tags"],
+    "additionalProperties": False,
+}
+GRAMMAR = 'root ::= greeting " " name "!"\ngreeting ::= "hi" | "hello"\nname ::= "ka" | "lo" | "mi"'
+GRAMMAR_LANGUAGE = r"(hi|hello) (ka|lo|mi)!"
+REGEX = r"(ka|lo|mi)( (ka|lo|mi)){1,3}\."
+CHOICES = ("yes", "no", "maybe so")
+
+
+def penalized(logits, prompt: list[int], output: list[int], repetition: float,
+              presence: float, frequency: float):
+    """docs/sampling.md's formulas, applied to one step's raw logits."""
+    import torch
+
+    z = logits.clone()
+    seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+    if repetition != 1.0 and len(seen):
+        z[seen] = torch.where(z[seen] > 0, z[seen] / repetition, z[seen] * repetition)
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=z.shape[0]) \
+        if output else torch.zeros_like(z)
+    return z - frequency * counts - presence * (counts > 0).to(z.dtype)
+
+
+class SamplingContract:
+    """Needs the `harness` fixture of `BackendContract`."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def reference(cls, harness):
+        """The model itself in transformers, float32 on the CPU: raw logits per step."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(harness.model_dir),
+                                                     dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(str(harness.model_dir))
+
+        class Reference:
+            eos = tokenizer.eos_token_id
+            prompt = tokenizer(PROMPT).input_ids
+
+            @staticmethod
+            def logits(ids: list[int]):
+                """Raw next-token logits after each prefix of `ids` past the prompt."""
+                with torch.inference_mode():
+                    return model(torch.tensor([ids])).logits[0].float()
+
+            @staticmethod
+            def token(text: str) -> int:
+                (token,) = tokenizer(text, add_special_tokens=False).input_ids
+                return token
+
+        return Reference
+
+    def _one(self, harness, **sampling):
+        request = {"prompt": PROMPT, "sampling": {"temperature": 0.0, **sampling}}
+        return harness.backend.generate([request])[0].unwrap()
+
+    def _ids(self, harness, reference, **sampling):
+        request = {"prompt_token_ids": reference.prompt,
+                   "sampling": {"temperature": 0.0, **sampling}}
+        return harness.backend.generate([request])[0].unwrap()[0]
+
+    # --- bias, min_tokens, min_p ----------------------------------------------------------
+
+    def test_logit_bias_bans_and_forces_tokens(self, harness, reference):
+        plain = self._ids(harness, reference, max_tokens=8, ignore_eos=True)
+        banned = {t: -100.0 for t in plain.token_ids}
+        avoided = self._ids(harness, reference, max_tokens=8, ignore_eos=True,
+                            logit_bias=banned)
+        assert not set(avoided.token_ids) & set(banned)
+        forced = reference.token("ka")
+        result = self._ids(harness, reference, max_tokens=6, ignore_eos=True,
+                           logit_bias={forced: 100.0})
+        assert list(result.token_ids) == [forced] * 6
+
+    def test_min_tokens_holds_back_eos_and_stop_tokens(self, harness, reference):
+        eager = {reference.eos: 100.0}  # EOS would come first
+        assert list(self._ids(harness, reference, max_tokens=10,
+                              logit_bias=eager).token_ids) == [reference.eos]
+        held = self._ids(harness, reference, max_tokens=10, logit_bias=eager, min_tokens=5)
+        assert len(held.token_ids) == 6 and held.token_ids[-1] == reference.eos
+        assert reference.eos not in held.token_ids[:5] and held.finish_reason == "stop"
+        stop = reference.token("ka")
+        held = self._ids(harness, reference, max_tokens=10, ignore_eos=True,
+                         stop_token_ids=[stop], logit_bias={stop: 100.0}, min_tokens=3)
+        assert len(held.token_ids) == 4 and held.token_ids[-1] == stop
+        assert held.finish_reason == "stop"
+
+    def test_min_p_never_samples_below_the_bound(self, harness):
+        min_p = 0.3
+        results = self._one(harness, temperature=1.0, n=4, max_tokens=24, min_p=min_p,
+                            logprobs=1, ignore_eos=True)
+        # Temperature 1 and no penalties: the raw logprobs are the sampled distribution.
+        for result in results:
+            for chosen, (best,) in zip(result.logprobs, result.top_logprobs):
+                assert chosen >= best.logprob + math.log(min_p) - NEAR_TIE
+
+    # --- penalties ------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("penalties", [
+        {"repetition_penalty": 2.0},
+        {"repetition_penalty": 0.5},
+        {"frequency_penalty": 1.5},
+        {"presence_penalty": 1.5},
+        {"repetition_penalty": 1.3, "frequency_penalty": -0.5, "presence_penalty": 0.7},
+    ], ids=lambda p: ",".join(f"{k.split('_')[0]}={v}" for k, v in p.items()))
+    def test_penalties_follow_the_documented_formula(self, harness, reference, penalties):
+        plain = self._ids(harness, reference, max_tokens=16, ignore_eos=True)
+        result = self._ids(harness, reference, max_tokens=16, ignore_eos=True, logprobs=0,
+                           **penalties)
+        assert result.token_ids != plain.token_ids, "the penalty changed nothing"
+        ids = list(reference.prompt) + list(result.token_ids)
+        logits = reference.logits(ids)[len(reference.prompt) - 1 : -1]
+        args = (penalties.get("repetition_penalty", 1.0),
+                penalties.get("presence_penalty", 0.0), penalties.get("frequency_penalty", 0.0))
+        for step, token in enumerate(result.token_ids):
+            # Logprobs stay the raw model's; the penalty acts on the choice.
+            raw = logits[step].log_softmax(-1)
+            assert abs(result.logprobs[step] - float(raw[token])) < NEAR_TIE
+            z = penalized(logits[step], reference.prompt, list(result.token_ids[:step]), *args)
+            best = float(z.max())
+            assert float(z[token]) >= best - NEAR_TIE, (
+                f"step {step}: chose {token} ({float(z[token]):.4f}), but "
+                f"{int(z.argmax())} scores {best:.4f} after the penalties")
+
+    # --- stop strings ---------------------------------------------------------------------
+
+    def test_stop_string_is_kept_when_asked(self, harness):
+        full = self._one(harness, max_tokens=24, ignore_eos=True)[0]
+        for start in range(len(full.text) // 2, len(full.text) - 2):
+            stop = full.text[start : start + 2]
+            if stop.isascii() and stop.strip() == stop and full.text.find(stop) == start:
+                break
+        else:
+            pytest.skip("no clean two-character stop string in the probe output")
+        kept = self._one(harness, max_tokens=24, ignore_eos=True, stop=[stop],
+                         include_stop_str_in_output=True)[0]
+        assert kept.finish_reason == "stop"
+        assert kept.text == full.text[: start + len(stop)]
+
+    # --- structured outputs ---------------------------------------------------------------
+
+    def _constrained(self, harness, n=3, max_tokens=48, **constraint):
+        sampling = {"temperature": 1.0, "n": n, "max_tokens": max_tokens,
+                    "structured_outputs": constraint}
+        if harness.caps.supports("seed"):
+            sampling["seed"] = 11
+        request = {"prompt": PROMPT, "sampling": sampling}
+        results = harness.backend.generate([request])[0].unwrap()
+        assert all(r.finish_reason == "stop" for r in results), [r.text for r in results]
+        if harness.caps.supports("seed"):  # a constrained sample is reproducible too
+            again = harness.backend.generate([request])[0].unwrap()
+            assert [r.token_ids for r in again] == [r.token_ids for r in results]
+        return [r.text for r in results]
+
+    def test_regex_output_matches(self, harness):
+        _skip_unless(harness, "structured_outputs.regex")
+        for text in self._constrained(harness, regex=REGEX):
+            assert re.fullmatch(REGEX, text), text
+
+    def test_json_output_validates_against_its_schema(self, harness):
+        _skip_unless(harness, "structured_outputs.json")
+        import jsonschema
+
+        for text in self._constrained(harness, n=4, max_tokens=96, json=JSON_SCHEMA):
+            jsonschema.validate(json.loads(text), JSON_SCHEMA)
+            assert " " not in text.replace("mi ne", ""), f"not compact: {text!r}"
+
+    def test_choice_output_is_one_of_the_choices(self, harness):
+        _skip_unless(harness, "structured_outputs.choice")
+        texts = self._constrained(harness, n=6, choice=list(CHOICES))
+        assert set(texts) <= set(CHOICES), texts
+
+    def test_grammar_output_is_in_the_language(self, harness):
+        _skip_unless(harness, "structured_outputs.grammar")
+        for text in self._constrained(harness, grammar=GRAMMAR):
+            assert re.fullmatch(GRAMMAR_LANGUAGE, text), text
+
+    @pytest.mark.parametrize(("kind", "value"), [("regex", "(ka|lo"),
+                                                 ("grammar", "root ::= ( missing")])
+    def test_a_bad_constraint_fails_alone(self, harness, kind, value):
+        _skip_unless(harness, f"structured_outputs.{kind}")
+        good = {"prompt": PROMPT, "sampling": {"temperature": 0.0, "max_tokens": 4}}
+        bad = {"prompt": PROMPT, "sampling": {"max_tokens": 4,
+                                              "structured_outputs": {kind: value}}}
+        first, failed, last = harness.backend.generate([good, bad, dict(good)])
+        assert isinstance(failed.error, InvalidRequestError), failed.error
+        assert failed.error.field == f"sampling.structured_outputs.{kind}"
+        assert first.unwrap()[0].token_ids == last.unwrap()[0].token_ids
+
+    def test_logprobs_under_a_constraint_are_after_its_mask(self, harness, reference):
+        _skip_unless(harness, "structured_outputs.regex")
+        allowed = {reference.token("a"), reference.token("b")}
+        result = self._one(harness, max_tokens=4, logprobs=5,
+                           structured_outputs={"regex": "[ab]"})[0]
+        assert result.token_ids[0] in allowed and result.token_ids[-1] == reference.eos
+        first = result.top_logprobs[0]
+        # Renormalised over what the constraint allows; every other token is masked.
+        assert all(t.token_id in allowed or t.logprob <= MASKED for t in first)
+        mass = sum(math.exp(t.logprob) for t in first if t.token_id in allowed)
+        assert abs(mass - 1.0) < NEAR_TIE
+        assert abs(result.logprobs[-1]) < NEAR_TIE  # EOS is then the only choice
+
+
+def _skip_unless(harness, capability: str) -> None:
+    if not harness.caps.supports(capability):
+        pytest.skip(f"{capability} unsupported by this backend: "
+                    f"{harness.caps.unsupported[capability]}")
