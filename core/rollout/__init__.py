@@ -25,8 +25,10 @@ from rollout.schemas import (
     Request,
     Result,
     SamplingParams,
+    StructuredOutputs,
     TextPart,
     TokenLogprob,
+    Tool,
     ToolCall,
 )
 from rollout.backend import Rollout, load_backend
@@ -52,8 +54,10 @@ __all__ = [
     "RolloutError",
     "RolloutTimeoutError",
     "SamplingParams",
+    "StructuredOutputs",
     "TextPart",
     "TokenLogprob",
+    "Tool",
     "ToolCall",
     "UnknownBackendError",
     "UnsupportedError",

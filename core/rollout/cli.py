@@ -163,24 +163,32 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
               help="Every call must send `Authorization: Bearer KEY` (or set ROLLOUT_API_KEY).")
 @click.option("--backend-option", "-o", multiple=True, metavar="KEY=VALUE",
               help="Passed to the backend, e.g. -o batch_size=64.")
+@click.option("--tool-call-parser", default="hermes", show_default=True,
+              help="Reads tool calls out of chat answers (tool_choice auto): a parser of the "
+                   "entry-point group rollout.tool_parsers.")
 @click.option("--watch-parent", type=int, hidden=True,
               help="Exit when this process is gone (for replicas started by a pool).")
 def serve(backend, model, mode, replicas, placement, host, port, served_model_name, api_key,
-          backend_option, watch_parent) -> None:
+          backend_option, tool_call_parser, watch_parent) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
     from rollout.serving.app import serve as serve_http
     from rollout.serving.connect import connect
+    from rollout.tool_parsers import load_tool_parser
 
     if watch_parent:
         _exit_with_parent(watch_parent)
     options = _parse_options(backend_option)
+    try:
+        load_tool_parser(tool_call_parser)
+    except RolloutError as exc:
+        _fail(exc)
 
     async def run():
         service = await connect(backend, model, options,
                                 replicas if replicas > 1 or placement == "ray" else None,
                                 placement, mode=mode)
         await serve_http(service, model_name=served_model_name or model, host=host, port=port,
-                         api_key=api_key)
+                         api_key=api_key, tool_parser=tool_call_parser)
 
     try:
         asyncio.run(run())

@@ -1,5 +1,5 @@
 """Finding plugins: backends in the entry-point group `rollout.backends`, judges in
-`rollout.judges`.
+`rollout.judges`, tool-call parsers in `rollout.tool_parsers`.
 
 Only the chosen plugin's module is imported. ROLLOUT_BLOCK_BACKENDS (comma-separated
 names) hides backends, for example one whose import is broken.

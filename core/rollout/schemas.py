@@ -141,8 +141,9 @@ class SamplingParams:
         _check("ignore_eos", isinstance(self.ignore_eos, bool),
                f"got {self.ignore_eos!r}", "true or false")
         _check("repetition_penalty", _is_number(self.repetition_penalty)
-               and 0 < self.repetition_penalty <= 10,
-               f"got {self.repetition_penalty!r}", "a number in (0, 10]; 1 means none")
+               and 0 < self.repetition_penalty <= PENALTY_RANGE,
+               f"got {self.repetition_penalty!r}",
+               f"a number in (0, {PENALTY_RANGE}]; 1 means none")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(name, _is_number(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE,

@@ -25,6 +25,7 @@ from rollout.schemas import Completion, Request
 from rollout.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
     model_not_found
 from rollout.serving.service import Service
+from rollout.tool_parsers import DEFAULT_PARSER, load_tool_parser
 
 log = logging.getLogger("rollout.serve")
 
@@ -32,8 +33,10 @@ MAX_BODY_BYTES = 64 << 20
 SHUTDOWN_GRACE_S = 5.0
 
 
-def make_app(service: Service, model_name: str, api_key: str | None = None) -> web.Application:
-    routes = _Routes(service, model_name)
+def make_app(service: Service, model_name: str, api_key: str | None = None,
+             tool_parser: str = DEFAULT_PARSER) -> web.Application:
+    load_tool_parser(tool_parser)  # an unknown parser stops the server before it starts
+    routes = _Routes(service, model_name, tool_parser)
     app = web.Application(client_max_size=MAX_BODY_BYTES,
                           middlewares=[_errors_middleware, _auth_middleware(api_key)])
     app.add_routes([
@@ -48,16 +51,18 @@ def make_app(service: Service, model_name: str, api_key: str | None = None) -> w
 
 
 class _Routes:
-    def __init__(self, service: Service, model_name: str):
+    def __init__(self, service: Service, model_name: str, tool_parser: str):
         self.service = service
         self.model_name = model_name
+        self.tool_parser = tool_parser
         self.started = int(time.time())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, CompletionsCall(await _json(request), self.model_name))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, ChatCall(await _json(request), self.model_name))
+        return await self._openai(request, ChatCall(await _json(request), self.model_name,
+                                                    self.tool_parser))
 
     async def _openai(self, request: web.Request, call: Call) -> web.StreamResponse:
         if call.stream:
@@ -205,11 +210,13 @@ def _auth_middleware(api_key: str | None):
 
 async def serve(service: Service, host: str = "127.0.0.1", port: int = 8000,
                 api_key: str | None = None, model_name: str | None = None,
-                on_started: Callable[[str], None] | None = None) -> None:
+                on_started: Callable[[str], None] | None = None,
+                tool_parser: str = DEFAULT_PARSER) -> None:
     """Serve until cancelled or SIGTERM, then stop taking calls, let running ones finish
     (a few seconds at most) and close the service. `port=0` picks a free port;
-    `on_started` gets the server's URL once it listens."""
-    app = make_app(service, model_name or service.name, api_key)
+    `on_started` gets the server's URL once it listens; `tool_parser` reads tool calls
+    out of chat answers (an entry point of `rollout.tool_parsers`)."""
+    app = make_app(service, model_name or service.name, api_key, tool_parser)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -250,9 +257,9 @@ class ServerThread:
 
     def __init__(self, service: Service, api_key: str | None = None,
                  model_name: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                 start_timeout: float = 30.0):
+                 start_timeout: float = 30.0, tool_parser: str = DEFAULT_PARSER):
         self._args = dict(service=service, host=host, port=port, api_key=api_key,
-                          model_name=model_name)
+                          model_name=model_name, tool_parser=tool_parser)
         self._start_timeout = start_timeout
         self._started = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None

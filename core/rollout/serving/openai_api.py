@@ -25,35 +25,34 @@ from rollout.errors import (
     RolloutError,
     RolloutTimeoutError,
 )
-from rollout.schemas import Completion, Request, Result
+from rollout.schemas import Completion, Request, Result, Tool
+from rollout.tool_parsers import DEFAULT_PARSER, forced, load_tool_parser
 
-# Fields that change sampling, under their OpenAI names; rollout extensions included.
+# Fields that change sampling, under their OpenAI names, with vLLM's and SGLang's
+# extensions; rollout's sampling fields carry the same names.
 SAMPLING_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore_eos",
-                   "stop_token_ids")
-COMMON_FIELDS = ("model", "stream", "stream_options", "return_token_ids", *SAMPLING_FIELDS)
-COMPLETIONS_FIELDS = ("prompt", "max_tokens", "logprobs", *COMMON_FIELDS)
-CHAT_FIELDS = ("messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-               *COMMON_FIELDS)
+                   "stop_token_ids", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "min_p", "min_tokens", "logit_bias",
+                   "include_stop_str_in_output")
+COMMON_FIELDS = ("model", "stream", "stream_options", "return_token_ids", "max_tokens",
+                 "max_completion_tokens", "response_format", "structured_outputs",
+                 *SAMPLING_FIELDS)
+COMPLETIONS_FIELDS = ("prompt", "logprobs", *COMMON_FIELDS)
+CHAT_FIELDS = ("messages", "logprobs", "top_logprobs", "tools", "tool_choice",
+               "parallel_tool_calls", *COMMON_FIELDS)
 
 # Accepted and ignored: they only label or route the call at OpenAI.
 IGNORED_FIELDS = ("user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-                  "prompt_cache_options", "service_tier", "metadata", "parallel_tool_calls")
+                  "prompt_cache_options", "service_tier", "metadata")
 
-_NO_TOOLS = "tool calling is not supported: the server returns text (tool calls and tool " \
-            "results in earlier messages are accepted)"
+_OLD_FUNCTIONS = "the deprecated functions API is not supported; use tools and tool_choice"
 # OpenAI fields rollout cannot honour: accepted only with one of their default values.
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
-    "frequency_penalty": ((None, 0), "repetition penalties are not supported"),
-    "presence_penalty": ((None, 0), "repetition penalties are not supported"),
-    "logit_bias": ((None, {}), "logit bias is not supported"),
     "best_of": ((None, 1), "best_of is not supported; ask for n samples and pick"),
     "echo": ((None, False), "echoing the prompt is not supported"),
     "suffix": ((None, ""), "insertion (suffix) is not supported"),
-    "tools": ((None, []), _NO_TOOLS),
-    "tool_choice": ((None, "none", "auto"), _NO_TOOLS),
-    "functions": ((None, []), _NO_TOOLS),
-    "function_call": ((None, "none", "auto"), _NO_TOOLS),
-    "response_format": ((None, {"type": "text"}), "structured output is not supported"),
+    "functions": ((None, []), _OLD_FUNCTIONS),
+    "function_call": ((None, "none"), _OLD_FUNCTIONS),
     "modalities": ((None, ["text"]), "only text output is supported"),
     "audio": ((None,), "only text output is supported"),
     "prediction": ((None,), "predicted outputs are not supported"),
@@ -63,11 +62,15 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "moderation": ((None,), "moderation is not supported"),
     "store": ((None, False), "completions are not stored"),
 }
+# vLLM's `structured_outputs` object: what rollout takes of it.
+STRUCTURED_FIELDS = ("regex", "json", "choice", "grammar", "json_object")
 
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 # What the openai client puts in a returned message: fine to send back while empty.
 EMPTY_MESSAGE_FIELDS = ("refusal", "function_call", "audio", "annotations")
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
+# The finish reason of a sample whose text looks like a tool call but is not a valid one.
+TOOL_CALL_ERROR = "tool_call_error"
 
 
 class ApiError(Exception):
@@ -147,6 +150,14 @@ class Call:
         self.names: dict[str, str] = {}
         self.n = body.get("n") or 1
         self.requests: list[Request] = []
+        if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+            raise bad_field("max_completion_tokens", "given together with max_tokens",
+                            "one of max_tokens, max_completion_tokens")
+        self._set("max_tokens", "max_tokens")
+        self._set("max_tokens", "max_completion_tokens")
+        constraint = _structured_outputs(body)
+        if constraint is not None:
+            self.sampling["structured_outputs"], self.names["structured_outputs"] = constraint
 
     def _set(self, field: str, param: str) -> None:
         """Sampling `field` from the body's `param`, if given."""
@@ -223,7 +234,6 @@ class CompletionsCall(Call):
 
     def __init__(self, body: Any, model_name: str):
         super().__init__(body, model_name, COMPLETIONS_FIELDS)
-        self._set("max_tokens", "max_tokens")
         self._set("logprobs", "logprobs")
         self.requests = self._structure(_prompts(body.get("prompt")))
 
@@ -249,13 +259,12 @@ class ChatCall(Call):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, body: Any, model_name: str):
+    def __init__(self, body: Any, model_name: str, tool_parser: str = DEFAULT_PARSER):
         super().__init__(body, model_name, CHAT_FIELDS)
-        if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
-            raise bad_field("max_completion_tokens", "given together with max_tokens",
-                            "one of max_tokens, max_completion_tokens")
-        self._set("max_tokens", "max_tokens")
-        self._set("max_tokens", "max_completion_tokens")
+        self.tools = ToolUse(body, tool_parser, "structured_outputs" in self.sampling)
+        if self.tools.constraint is not None:
+            self.sampling["structured_outputs"] = self.tools.constraint
+            self.names["structured_outputs"] = "tool_choice"
         if _flag(body, "logprobs"):
             self.sampling["logprobs"] = 0
             self._set("logprobs", "top_logprobs")
@@ -265,8 +274,10 @@ class ChatCall(Call):
         if not isinstance(messages, list) or not messages:
             got = "missing" if messages is None else f"got {_short(messages)}"
             raise bad_field("messages", got, "a non-empty list of messages")
-        self.requests = self._structure(
-            [{"messages": [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]}])
+        request = {"messages": [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]}
+        if self.tools.tools:
+            request["tools"] = [convert.unstructure(t) for t in self.tools.tools]
+        self.requests = self._structure([request])
 
     def param(self, field: str, index: int = 0, count: int = 1) -> str:
         # rollout's ToolCall is flat; OpenAI nests name and arguments under `function`.
@@ -274,9 +285,9 @@ class ChatCall(Call):
         return super().param(field, index, count)
 
     def choice(self, i: int, result: Result) -> dict:
-        return {"index": self.index(i, result),
-                "message": {"role": "assistant", "content": result.text},
-                "logprobs": chat_logprobs(result), "finish_reason": result.finish_reason,
+        message, finish_reason = self.tools.message(result)
+        return {"index": self.index(i, result), "message": message,
+                "logprobs": chat_logprobs(result), "finish_reason": finish_reason,
                 **self.token_ids(i, result)}
 
     def opening_chunks(self) -> list[dict]:
@@ -285,12 +296,148 @@ class ChatCall(Call):
                             for k in range(self.n)])]
 
     def result_chunks(self, i: int, completion: Completion) -> list[dict]:
-        contents = [{"index": self.index(i, r), "delta": {"content": r.text},
-                     "logprobs": chat_logprobs(r), "finish_reason": None,
-                     **self.token_ids(i, r)} for r in completion.results]
-        ends = [{"index": self.index(i, r), "delta": {}, "logprobs": None,
-                 "finish_reason": r.finish_reason} for r in completion.results]
+        contents, ends = [], []
+        for r in completion.results:
+            message, finish_reason = self.tools.message(r)
+            delta = {k: v for k, v in message.items() if k != "role"}
+            for k, call in enumerate(delta.get("tool_calls", ())):
+                delta["tool_calls"][k] = {"index": k, **call}
+            contents.append({"index": self.index(i, r), "delta": delta,
+                             "logprobs": chat_logprobs(r), "finish_reason": None,
+                             **self.token_ids(i, r)})
+            ends.append({"index": self.index(i, r), "delta": {}, "logprobs": None,
+                         "finish_reason": finish_reason})
         return [self.chunk(contents), self.chunk(ends)]
+
+
+class ToolUse:
+    """A chat call's `tools`, `tool_choice` and `parallel_tool_calls`: what goes to the
+    chat template, the constraint that "required" or a named tool sets, and how each
+    sample's text becomes tool calls."""
+
+    def __init__(self, body: dict, parser: str, constrained: bool):
+        given = body.get("tools")
+        if given is not None and not isinstance(given, list):
+            raise bad_field("tools", f"got {_short(given)}", "a list of function tools")
+        self.tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(given or [])]
+        self.parallel = _flag(body, "parallel_tool_calls") if body.get(
+            "parallel_tool_calls") is not None else True
+        choice = body.get("tool_choice")
+        self.mode = choice if choice is not None else "auto" if self.tools else "none"
+        self.constraint = None
+        if self.mode == "none":
+            return
+        if not self.tools:
+            raise bad_field("tool_choice", f"got {_short(choice)} without tools",
+                            '"none", or give tools')
+        names = [t.name for t in self.tools]
+        if isinstance(choice, dict):
+            function = choice.get("function") if choice.get("type") == "function" else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if name not in names:
+                raise bad_field("tool_choice", f"got {_short(choice)}",
+                                '{"type": "function", "function": {"name": N}}, N one of '
+                                + ", ".join(names))
+            self.mode, self.named = "named", self.tools[names.index(name)]
+        elif self.mode not in ("auto", "required"):
+            raise bad_field("tool_choice", f"got {_short(choice)}",
+                            'none, auto, required, or {"type": "function", "function": {"name"}}')
+        if self.mode == "auto":
+            self.parser = load_tool_parser(parser)
+            return
+        if constrained:
+            raise bad_field("tool_choice", f"{self.mode} sets its own output constraint",
+                            "auto or none together with response_format or structured_outputs")
+        constraint = forced.named_constraint(self.named) if self.mode == "named" else \
+            forced.required_constraint(self.tools, self.parallel)
+        self.constraint = convert.unstructure(constraint)
+
+    def message(self, result: Result) -> tuple[dict, str]:
+        """The assistant message and finish reason of one sample."""
+        if self.mode == "none":
+            return {"role": "assistant", "content": result.text}, result.finish_reason
+        if self.mode == "named":
+            parsed = forced.parse_named(result.text, self.named)
+        elif self.mode == "required":
+            parsed = forced.parse_required(result.text, self.tools)
+        else:
+            parsed = self.parser.parse(result.text, self.tools)
+        # Without parallel calls the first one is the call; "required" asked for one only.
+        calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
+        message = {"role": "assistant", "content": parsed.content or None}
+        finish_reason = result.finish_reason
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in calls]
+            finish_reason = "tool_calls"
+        else:
+            message["content"] = result.text
+        if parsed.errors:  # a call that failed to parse is no final answer: say so
+            message["content"] = result.text
+            message["tool_call_errors"] = [{"text": e.text, "reason": e.reason}
+                                           for e in parsed.errors]
+            finish_reason = TOOL_CALL_ERROR
+        return message, finish_reason
+
+
+def _tool(tool: Any, where: str) -> Tool:
+    """An OpenAI function tool as rollout's Tool."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or tool.get("type", "function") != "function" or \
+            set(tool) - {"type", "function"}:
+        raise bad_field(where, f"got {_short(tool)}",
+                        '{"type": "function", "function": {"name", "description", "parameters"}}')
+    if function.get("strict"):
+        raise bad_field(f"{where}.function.strict", "arguments are not checked against the "
+                        "schema in tool_choice auto", 'false, or tool_choice "required" or a '
+                        "named tool, which enforce the schema")
+    fields = {k: v for k, v in function.items() if k != "strict" and v is not None}
+    try:
+        return convert.structure(fields, Tool)
+    except InvalidRequestError as exc:
+        raise api_error(exc, f"{where}.function.{exc.field}") from None
+
+
+def _structured_outputs(body: dict) -> tuple[dict, str] | None:
+    """(rollout's structured_outputs, the OpenAI field it came from) from OpenAI's
+    `response_format` or vLLM's `structured_outputs` object."""
+    fmt = body.get("response_format")
+    ours = body.get("structured_outputs")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text" and set(fmt) == {"type"}:
+            fmt = None
+        elif kind == "json_object" and set(fmt) == {"type"}:
+            fmt = {"json": {"type": "object"}}
+        elif kind == "json_schema" and set(fmt) == {"type", "json_schema"} and isinstance(
+                fmt["json_schema"], dict) and isinstance(fmt["json_schema"].get("schema"), dict):
+            fmt = {"json": fmt["json_schema"]["schema"]}
+        else:
+            raise bad_field("response_format", f"got {_short(fmt)}",
+                            '{"type": "text"}, {"type": "json_object"}, or {"type": '
+                            '"json_schema", "json_schema": {"name", "schema"}}')
+    if ours is not None:
+        if fmt is not None:
+            raise bad_field("structured_outputs", "given together with response_format",
+                            "one of response_format, structured_outputs")
+        if not isinstance(ours, dict):
+            raise bad_field("structured_outputs", f"got {_short(ours)}",
+                            "an object with one of " + ", ".join(STRUCTURED_FIELDS))
+        extra = sorted(set(ours) - set(STRUCTURED_FIELDS))
+        if extra:
+            raise bad_field(f"structured_outputs.{extra[0]}", "not supported",
+                            ", ".join(STRUCTURED_FIELDS))
+        ours = {k: v for k, v in ours.items() if v is not None and v is not False}
+        if ours.pop("json_object", None):
+            ours.setdefault("json", {"type": "object"})
+        if isinstance(ours.get("json"), str):
+            try:
+                ours["json"] = json.loads(ours["json"])
+            except ValueError as exc:
+                raise bad_field("structured_outputs.json", f"not valid JSON: {exc}",
+                                "a JSON schema") from None
+        return ours, "structured_outputs"
+    return (fmt, "response_format") if fmt is not None else None
 
 
 def _check_fields(body: dict, fields: tuple[str, ...]) -> None:
