@@ -24,6 +24,9 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # test-only driver stub and start-up shim in tests/sglang/cpu/, which need gcc), in its
 # own environment; the HF backend is installed beside it for the cross-engine comparison.
 (
+  # vLLM's serving benchmark runs against the SGLang backend from the vLLM environment.
+  ROLLOUT_VLLM_PYTHON=$(source scripts/env.sh vllm requirements/test.txt && command -v python)
+  export ROLLOUT_VLLM_PYTHON
   source scripts/env.sh sglang requirements/test.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/sglang_backend
   python -m pytest tests/sglang "$@"

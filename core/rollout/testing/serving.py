@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -21,8 +22,16 @@ from rollout.serving.service import BackendService
 
 KEY = "test-key"
 MODEL = "tiny"
-MAX_MODEL_LEN = 64  # small, so a too-long prompt is cheap to write
+MAX_MODEL_LEN = 384  # small, so a too-long prompt is cheap to write; room for tool turns
 CHAT = [{"role": "user", "content": "def add(a, b):"}]
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "add two digits",
+    "parameters": {"type": "object", "properties": {"a": DIGIT, "b": DIGIT},
+                   "required": ["a", "b"], "additionalProperties": False}}}]
+# A random model makes a hermes tool call, then a final answer, when a regex says so.
+CALL_REGEX = r'<tool_call>\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]\}\}</tool_call>'
+ANSWER_REGEX = r"The sum is [0-9]{1,2}\."
 
 
 def direct(engine, **request):
@@ -190,14 +199,112 @@ class ServerContract:
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
         assert len({c.id for c in chunks}) == 1
 
+    # --- sampling, structured outputs, tools -----------------------------------------------------
+
+    def test_sampling_extensions_reach_the_engine(self, client, engine):
+        extra = {"repetition_penalty": 1.4, "presence_penalty": 0.3, "frequency_penalty": 0.2,
+                 "min_p": 0.05, "min_tokens": 4, "logit_bias": {"5": -100},
+                 "top_k": 20, "include_stop_str_in_output": True}
+        response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8,
+                                                  temperature=0, extra_body=extra)
+        sampling = {**extra, "logit_bias": {5: -100.0}, "max_tokens": 8, "temperature": 0}
+        expected = direct(engine, messages=CHAT, sampling=sampling)[0]
+        assert response.choices[0].message.content == expected.text
+        plain = direct(engine, messages=CHAT, sampling={"max_tokens": 8, "temperature": 0})[0]
+        assert expected.token_ids != plain.token_ids  # the fields did something
+
+    def test_structured_outputs_through_both_names(self, client):
+        schema = {"type": "object", "properties": {"x": DIGIT}, "required": ["x"],
+                  "additionalProperties": False}
+        answer = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=32, temperature=1.0, n=3, seed=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                    "schema": schema}})
+        for choice in answer.choices:
+            assert set(json.loads(choice.message.content)) == {"x"}
+        picked = client.completions.create(
+            model=MODEL, prompt="the", max_tokens=8, temperature=1.0, n=4, seed=5,
+            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        assert {c.text for c in picked.choices} <= {"yes", "no"}
+
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_a_tool_round_trip_with_the_openai_client(self, client, tiny_model, stream):
+        messages = [{"role": "user", "content": "what is 2 + 3?"}]
+        first = _chat(client, stream, messages=messages, tools=TOOLS, max_tokens=48,
+                      temperature=1.0, seed=1, extra_body={"structured_outputs": {
+                          "regex": CALL_REGEX}})
+        assert first["finish_reason"] == "tool_calls" and not first["content"]
+        (call,) = first["tool_calls"]
+        assert call["function"]["name"] == "add" and call["id"]
+        arguments = json.loads(call["function"]["arguments"])
+        assert set(arguments) == {"a", "b"}
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": call["id"],
+                      "content": str(arguments["a"] + arguments["b"])}]
+        final = _chat(client, stream, messages=messages, tools=TOOLS, max_tokens=24,
+                      temperature=1.0, seed=2, extra_body={"structured_outputs": {
+                          "regex": ANSWER_REGEX}})
+        assert final["finish_reason"] == "stop" and not final["tool_calls"]
+        assert re.fullmatch(ANSWER_REGEX, final["content"])
+        # Everything sent back reached the chat template, tools and the call included.
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+        rendered = [{**m, "content": m["content"] or ""} for m in messages]
+        rendered[1]["tool_calls"] = [{**call, "function": {"name": "add",
+                                                          "arguments": arguments}}]
+        ids = tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        assert final["prompt_tokens"] == len(ids)
+
+    @pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                     "function": {"name": "add"}}])
+    def test_required_and_named_tool_choice_force_a_valid_call(self, client, choice):
+        import jsonschema
+
+        response = client.chat.completions.create(
+            model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice, max_tokens=64,
+            temperature=1.0, n=2, seed=3, parallel_tool_calls=False)
+        for answer in response.choices:
+            assert answer.finish_reason == "tool_calls"
+            (call,) = answer.message.tool_calls
+            assert call.function.name == "add"
+            jsonschema.validate(json.loads(call.function.arguments),
+                                TOOLS[0]["function"]["parameters"])
+
+    def test_a_malformed_tool_call_is_reported_not_answered(self, client):
+        regex = r'<tool_call>\{"name": "subtract", "arguments": \{\}\}</tool_call>'
+        response = client.chat.completions.create(
+            model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=48, temperature=0,
+            extra_body={"structured_outputs": {"regex": regex}})
+        (choice,) = response.choices
+        assert choice.finish_reason == "tool_call_error"
+        assert not choice.message.tool_calls
+        (error,) = choice.message.model_extra["tool_call_errors"]
+        assert "unknown tool 'subtract'" in error["reason"]
+        assert choice.message.content == error["text"]
+
     # --- errors ---------------------------------------------------------------------------------
 
     @pytest.mark.parametrize(("extra", "param"), [
         ({"temprature": 0.5}, "temprature"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": {"five": 10}}, "logit_bias.five"),
+        ({"logit_bias": {"100000": 10}}, "logit_bias.100000"),
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "sub"}}},
+         "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a"}},
+         "tool_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+        ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 2}, "top_p"),
         ({"n": 0}, "n"),
@@ -308,3 +415,31 @@ class ServerContract:
         assert len(responses) == 500
         assert all(r.choices[0].finish_reason in ("stop", "length") for r in responses)
         assert all(1 <= r.usage.completion_tokens <= 8 for r in responses)
+
+
+def _chat(client, stream: bool, **kwargs) -> dict:
+    """One chat answer's content, tool calls (as dicts), finish reason and prompt tokens,
+    read from a whole answer or put together from a stream as a client would."""
+    if not stream:
+        response = client.chat.completions.create(model=MODEL, **kwargs)
+        (choice,) = response.choices
+        calls = [c.model_dump() for c in choice.message.tool_calls or ()]
+        return {"content": choice.message.content, "tool_calls": calls,
+                "finish_reason": choice.finish_reason,
+                "prompt_tokens": response.usage.prompt_tokens}
+    content, calls, finish_reason, usage = "", {}, None, None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True,
+                                                stream_options={"include_usage": True},
+                                                **kwargs):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"id": "", "type": "function",
+                                                      "function": {"name": "", "arguments": ""}})
+                call["id"] += delta.id or ""
+                call["function"]["name"] += delta.function.name or ""
+                call["function"]["arguments"] += delta.function.arguments or ""
+            finish_reason = choice.finish_reason or finish_reason
+    return {"content": content, "tool_calls": [calls[k] for k in sorted(calls)],
+            "finish_reason": finish_reason, "prompt_tokens": usage.prompt_tokens}
