@@ -13,7 +13,7 @@ from rollout.aio import LoopThread
 from rollout.buckets import DEFAULT_BUCKET_BYTES
 from rollout.checkpoint import checkpoint_shapes
 from rollout.prompts import PromptEncoder
-from rollout.schemas import SamplingParams
+from rollout.schemas import SamplingParams, StructuredOutputs
 
 from rollout_vllm.engines import InProcessEngine, Sample, ServerEngine, samples_of
 from rollout_vllm.weights import layer_groups
@@ -31,11 +31,68 @@ def sleep_unsupported_reason() -> str | None:
             "(its sleep() returns without freeing anything)")
 
 
+# Structured outputs through xgrammar (one grammar dialect on every backend) and compact
+# JSON: with any whitespace allowed, a random model loops on it. `engine_args` may override.
+STRUCTURED_OUTPUTS_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
+
+
 def vllm_sampling(s: SamplingParams) -> dict:
+    """vLLM's SamplingParams fields (the same names in its /v1/completions body). vLLM's own
+    order and formulas are docs/sampling.md's: logprobs come from the logits after the
+    grammar mask and before bias, min_tokens, penalties and temperature (Sampler.forward)."""
     return {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or 0,
             "max_tokens": s.max_tokens, "stop": list(s.stop) or None,
             "stop_token_ids": list(s.stop_token_ids) or None, "seed": s.seed,
-            "logprobs": s.logprobs, "ignore_eos": s.ignore_eos}
+            "logprobs": s.logprobs, "ignore_eos": s.ignore_eos,
+            "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty, "min_p": s.min_p,
+            "min_tokens": s.min_tokens, "logit_bias": dict(s.logit_bias) or None,
+            "include_stop_str_in_output": s.include_stop_str_in_output,
+            "structured_outputs": structured_outputs(s.structured_outputs)}
+
+
+def structured_outputs(so: StructuredOutputs | None) -> dict | None:
+    """vLLM's StructuredOutputsParams as a dict; None without a constraint."""
+    if so is None:
+        return None
+    if so.grammar is not None and not _has_ebnf_rule(so.grammar):
+        # vLLM reads a grammar without a `::=` rule as Lark, a dialect the other backends
+        # do not read: refused here, as xgrammar's EBNF parser would refuse it.
+        raise InvalidRequestError("sampling.structured_outputs.grammar",
+                                  "no rule (`name ::= ...`) in the grammar",
+                                  "EBNF in the GBNF dialect that xgrammar reads")
+    value = {"json": so.json, "choice": list(so.choice) if so.choice else None,
+             "regex": so.regex, "grammar": so.grammar}[so.kind]
+    return {so.kind: value}
+
+
+def _has_ebnf_rule(grammar: str) -> bool:
+    import re
+
+    return any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
+
+
+def constraint_error(exc: RolloutError, so: StructuredOutputs | None) -> RolloutError:
+    """vLLM's refusal of a constraint (it names no parameter, or `structured_outputs`) as
+    an error naming the constraint's own field."""
+    if so is None or not isinstance(exc, (InvalidRequestError, rollout.GenerationError)):
+        return exc
+    field = getattr(exc, "field", "") or ""
+    if field.startswith("sampling.structured_outputs"):
+        pass
+    elif isinstance(exc, InvalidRequestError) and field not in ("sampling", ""):
+        return exc
+    elif not _mentions_constraint(str(exc)):
+        return exc
+    message = str(exc)
+    if isinstance(exc, InvalidRequestError) and message.startswith(f"{field}: "):
+        message = message[len(field) + 2:]
+    return InvalidRequestError(f"sampling.structured_outputs.{so.kind}", message)
+
+
+def _mentions_constraint(message: str) -> bool:
+    words = ("grammar", "regex", "json", "schema", "choice", "structured", "xgrammar")
+    return any(word in message.lower() for word in words)
 
 
 class VLLMBackend:
@@ -58,9 +115,14 @@ class VLLMBackend:
         self.shapes = checkpoint_shapes(model)
         self.weight_group_bytes = weight_group_bytes
         self.sleep_reason = sleep_unsupported_reason()
+        engine_args = dict(engine_args or {})
+        structured = engine_args.pop("structured_outputs_config", None)
         args = {"model": model, "dtype": dtype, "max_model_len": self.max_model_len,
                 "enforce_eager": enforce_eager, "worker_extension_cls": _extension(),
-                "enable_sleep_mode": self.sleep_reason is None, **(engine_args or {})}
+                "enable_sleep_mode": self.sleep_reason is None,
+                "structured_outputs_config": {**STRUCTURED_OUTPUTS_CONFIG, **(structured or {})}
+                if structured is None or isinstance(structured, dict) else structured,
+                **engine_args}
         self.request_timeout = request_timeout
         self.engine = InProcessEngine(args) if mode == "engine" else ServerEngine(
             args, startup_timeout, request_timeout, stream_interval)
@@ -102,8 +164,8 @@ class VLLMBackend:
         return self.loop.run(run_all(), self.request_timeout + 60, "vLLM generate")
 
     async def _one(self, request, aborted: asyncio.Future):
-        params = vllm_sampling(request.sampling)
         try:
+            params = vllm_sampling(request.sampling)
             prompt = self.prompts.encode(request)
             if self._is_aborted(request.id):  # aborted before generate() was called
                 samples = samples_of(None, params)
@@ -113,7 +175,7 @@ class VLLMBackend:
         except RolloutError as exc:
             if isinstance(exc, rollout.EngineDeadError):
                 raise
-            return exc
+            return constraint_error(exc, request.sampling.structured_outputs)
         finally:
             if self._running.get(request.id) is aborted:
                 del self._running[request.id]

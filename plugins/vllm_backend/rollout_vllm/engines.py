@@ -162,13 +162,22 @@ class InProcessEngine:
                        aborted: asyncio.Future) -> list[Sample]:
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         if self.dead:
             raise EngineDeadError(self.dead)
+        structured = params.get("structured_outputs")
+        try:
+            sampling = SamplingParams(**{
+                **params, "output_kind": RequestOutputKind.FINAL_ONLY,
+                "structured_outputs": StructuredOutputsParams(**structured)
+                if structured else None})
+        except VLLMClientError as exc:
+            raise request_error(str(exc), getattr(exc, "parameter", None)) from None
+        except ValueError as exc:
+            raise request_error(str(exc)) from None
         future = self.waiting[rid] = self.loop.create_future()
-        self.adds.append((rid, prompt, SamplingParams(
-            **params, output_kind=RequestOutputKind.FINAL_ONLY)))
+        self.adds.append((rid, prompt, sampling))
         if len(self.adds) == 1:
             # Sent once this loop iteration is over, with every request of the batch: the
             # engine then schedules them together instead of stepping on a trickle.
@@ -269,7 +278,9 @@ class ServerEngine:
         self.session = None
 
     def argv(self) -> list[str]:
-        args = dict(self.engine_args)
+        # Structured settings (e.g. structured_outputs_config) go as JSON, as vLLM's CLI reads them.
+        args = {k: json.dumps(v) if isinstance(v, (dict, list)) else v
+                for k, v in self.engine_args.items()}
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", args.pop("model"), "--host", HOST, "--port", str(self.port),
                 "--served-model-name", SERVED_NAME]
@@ -394,6 +405,9 @@ class _Streamed:
 
     def add(self, chunk: dict) -> None:
         if "error" in chunk:
+            error = chunk["error"] if isinstance(chunk["error"], dict) else {}
+            if error.get("code") == 400:  # refused once streaming began (e.g. a grammar)
+                raise request_error(str(error.get("message")), error.get("param"))
             raise GenerationError(f"vLLM server failed mid-stream: {chunk['error']}")
         for choice in chunk.get("choices", ()):
             i = choice["index"]
@@ -402,9 +416,9 @@ class _Streamed:
             self.finish[i] = choice.get("finish_reason") or self.finish[i]
             logprobs = choice.get("logprobs")
             if self.k is not None and logprobs:
-                self.logprobs[i] += [float(x) for x in logprobs["token_logprobs"]]
+                self.logprobs[i] += [_logprob(x) for x in logprobs["token_logprobs"]]
                 if self.k:
-                    self.top[i] += [sorted(((_token_id(t), float(lp)) for t, lp in
+                    self.top[i] += [sorted(((_token_id(t), _logprob(lp)) for t, lp in
                                             (step or {}).items()),
                                            key=lambda pair: -pair[1])[:self.k]
                                     for step in logprobs["top_logprobs"]]
@@ -415,6 +429,15 @@ class _Streamed:
                        logprobs if self.k is not None else None, top if self.k else None)
                 for tokens, text, finish, logprobs, top in
                 zip(self.tokens, self.text, self.finish, self.logprobs, self.top)]
+
+
+# The OpenAI server clamps logprobs at this (JSON has no -inf): a token a grammar masks.
+SERVER_LOGPROB_FLOOR = -9999.0
+
+
+def _logprob(value) -> float:
+    value = float(value)
+    return float("-inf") if value <= SERVER_LOGPROB_FLOOR else value
 
 
 def _token_id(token: str) -> int:
