@@ -14,7 +14,8 @@ import re
 
 import pytest
 
-from rollout import InvalidRequestError
+from rollout import InvalidRequestError, Tool
+from rollout.tool_parsers import load_tool_parser
 
 PROMPT = "the ka lo"
 NEAR_TIE = 1e-3  # processed logits this close may be ordered either way by another kernel
@@ -33,6 +34,13 @@ GRAMMAR = 'root ::= greeting " " name "!"\ngreeting ::= "hi" | "hello"\nname ::=
 GRAMMAR_LANGUAGE = r"(hi|hello) (ka|lo|mi)!"
 REGEX = r"(ka|lo|mi)( (ka|lo|mi)){1,3}\."
 CHOICES = ("yes", "no", "maybe so")
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+ADD = {"name": "add", "description": "add two digits",
+       "parameters": {"type": "object", "properties": {"a": DIGIT, "b": DIGIT},
+                      "required": ["a", "b"]}}
+# A random model calls a tool (hermes style), then answers, when a regex says so.
+CALL_REGEX = r'<tool_call>\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]\}\}</tool_call>'
+ANSWER_REGEX = r"The sum is [0-9]{1,2}\."
 
 
 def penalized(logits, prompt: list[int], output: list[int], repetition: float,
@@ -229,6 +237,39 @@ class SamplingContract:
         mass = sum(math.exp(t.logprob) for t in first if t.token_id in allowed)
         assert abs(mass - 1.0) < NEAR_TIE
         assert abs(result.logprobs[-1]) < NEAR_TIE  # EOS is then the only choice
+
+    # --- tools ----------------------------------------------------------------------------
+
+    def test_a_tool_call_round_trip_in_python(self, harness):
+        _skip_unless(harness, "tools")
+        _skip_unless(harness, "structured_outputs.regex")
+        from transformers import AutoTokenizer
+
+        messages = [{"role": "user", "content": "what is 2 + 3?"}]
+        sampling = {"temperature": 1.0, "max_tokens": 48}
+        first = harness.backend.generate([{"messages": messages, "tools": [ADD], "sampling": {
+            **sampling, "structured_outputs": {"regex": CALL_REGEX}}}])[0].unwrap()[0]
+        parsed = load_tool_parser("hermes").parse(first.text, [Tool(**ADD)])
+        assert parsed.ok and parsed.content == "", parsed
+        (call,) = parsed.tool_calls
+        arguments = json.loads(call.arguments)
+        messages += [{"role": "assistant", "content": "", "tool_calls": [
+                         {"id": call.id, "name": call.name, "arguments": call.arguments}]},
+                     {"role": "tool", "tool_call_id": call.id,
+                      "content": str(arguments["a"] + arguments["b"])}]
+        final = harness.backend.generate([{"messages": messages, "tools": [ADD], "sampling": {
+            **sampling, "structured_outputs": {"regex": ANSWER_REGEX}}}])[0].unwrap()[0]
+        assert re.fullmatch(ANSWER_REGEX, final.text)
+        # The call and its result reached the template as the model's own format.
+        tokenizer = AutoTokenizer.from_pretrained(str(harness.model_dir))
+        rendered = [messages[0], {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": "add", "arguments": arguments}}]}, messages[2]]
+        text = tokenizer.apply_chat_template(rendered, tools=[{"type": "function",
+                                                               "function": ADD}],
+                                             add_generation_prompt=True, tokenize=False)
+        assert first.text in text
+        assert final.prompt_tokens == len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def _skip_unless(harness, capability: str) -> None:

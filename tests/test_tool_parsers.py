@@ -1,0 +1,113 @@
+"""Tool-call parsers: hermes, the forced formats of tool_choice required/named, and a
+third-party parser found through the entry-point group `rollout.tool_parsers`."""
+
+import json
+import sys
+
+import jsonschema
+import pytest
+
+from rollout import InvalidRequestError, Tool
+from rollout.tool_parsers import available_tool_parsers, forced, load_tool_parser
+
+ADD = Tool("add", "add two numbers", {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]})
+
+
+def call(body: str) -> str:
+    return f"<tool_call>{body}</tool_call>"
+
+
+@pytest.fixture
+def hermes():
+    return load_tool_parser("hermes")
+
+
+def test_hermes_finds_every_call_and_keeps_the_rest_as_content(hermes):
+    text = ("let me add " + call('{"name": "add", "arguments": {"a": 1, "b": 2}}')
+            + call('{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}'))
+    parsed = hermes.parse(text, [ADD])
+    assert parsed.ok and parsed.content == "let me add"
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    assert len({c.id for c in parsed.tool_calls}) == 2
+
+
+def test_plain_text_is_content(hermes):
+    parsed = hermes.parse("no call here", [ADD])
+    assert parsed.ok and parsed.content == "no call here" and parsed.tool_calls == ()
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    (call('{"name": "add", "arguments": {'), "not valid JSON"),
+    (call('{"name": "sub", "arguments": {}}'), "unknown tool 'sub'"),
+    (call('{"arguments": {}}'), 'not an object with a "name"'),
+    (call('{"name": "add", "arguments": [1]}'), "arguments is not an object"),
+    ('<tool_call>{"name": "add", "arguments": {}}', "never closed"),
+])
+def test_what_looks_like_a_call_but_is_not_is_an_error(hermes, body, reason):
+    parsed = hermes.parse("answer: " + body, [ADD])
+    assert not parsed.ok and parsed.tool_calls == ()
+    (error,) = parsed.errors
+    assert reason in error.reason and error.text == body
+
+
+def test_required_constraint_and_its_parse():
+    schema = forced.required_constraint([ADD], parallel=False).json
+    text = json.dumps([{"name": "add", "parameters": {"a": 1, "b": 2}}])
+    jsonschema.validate(json.loads(text), schema)
+    with pytest.raises(jsonschema.ValidationError):  # one call at most without parallel calls
+        jsonschema.validate(json.loads(text) * 2, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "add", "parameters": {"a": "x", "b": 2}}], schema)
+    parsed = forced.parse_required(text, [ADD])
+    assert parsed.ok and [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("add", {"a": 1, "b": 2})]
+    assert not forced.parse_required('[{"name": "add", "param', [ADD]).ok  # cut short
+
+
+def test_named_constraint_is_the_tools_arguments():
+    assert forced.named_constraint(ADD).json == ADD.parameters
+    (made,) = forced.parse_named('{"a": 1, "b": 2}', ADD).tool_calls
+    assert made.name == "add" and json.loads(made.arguments) == {"a": 1, "b": 2}
+    assert not forced.parse_named("[1]", ADD).ok
+
+
+def test_an_unknown_parser_names_the_installed_ones():
+    with pytest.raises(InvalidRequestError) as info:
+        load_tool_parser("mystery")
+    assert info.value.field == "tool_call_parser" and "hermes" in info.value.allowed
+
+
+PIPE_PARSER = '''
+from rollout.tool_parsers import ParsedMessage, make_call
+
+
+class PipeParser:
+    """name|json-arguments, one call per line starting with CALL "."""
+
+    def parse(self, text, tools):
+        lines = text.splitlines()
+        calls = [make_call({"name": l[5:].split("|")[0], "arguments": l.split("|", 1)[1]},
+                           tools) for l in lines if l.startswith("CALL ")]
+        rest = "\\n".join(l for l in lines if not l.startswith("CALL "))
+        return ParsedMessage(rest, tuple(calls))
+'''
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    info = tmp_path / "fake_parsers-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-parsers\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[rollout.tool_parsers]\npipe = fake_pipe:PipeParser\n")
+    (tmp_path / "fake_pipe.py").write_text(PIPE_PARSER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("fake_pipe", None)
+
+
+def test_a_third_party_parser_is_found_and_used(site):
+    assert {"hermes", "pipe"} <= set(available_tool_parsers())
+    parsed = load_tool_parser("pipe").parse('hi\nCALL add|{"a": 1, "b": 2}', [ADD])
+    assert parsed.content == "hi" and parsed.tool_calls[0].name == "add"
