@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from rollout import Result, Rollout
 from rollout.testing.contract import PROBE_PROMPTS
+from rollout.testing.sampling import MASKED, REGEX
 
 TOLERANCE = 1e-3
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the ka lo"}]
@@ -22,6 +23,15 @@ def agreement_requests() -> list[dict]:
                               "ignore_eos": True}} for i, p in enumerate(PROBE_PROMPTS)]
     requests.append({"id": "chat", "messages": CHAT,
                      "sampling": {"temperature": 0.0, "max_tokens": 24, "logprobs": 3}})
+    # The sampling vocabulary and a constraint mean the same on every backend: the same
+    # greedy tokens and the same (raw, after the constraint's mask) logprobs.
+    requests.append({"id": "penalized", "prompt": PROBE_PROMPTS[0], "sampling": {
+        "temperature": 0.0, "max_tokens": 24, "logprobs": 3, "ignore_eos": True,
+        "repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.3,
+        "min_tokens": 4, "logit_bias": {7: -100.0, 9: 5.0}}})
+    requests.append({"id": "constrained", "prompt": PROBE_PROMPTS[1], "sampling": {
+        "temperature": 0.0, "max_tokens": 32, "logprobs": 3,
+        "structured_outputs": {"regex": REGEX}}})
     return requests
 
 
@@ -34,6 +44,8 @@ def check_first_token_logprobs(pairs: list[tuple[Result, Result]]) -> None:
         assert hf.prompt_tokens == other.prompt_tokens
         assert abs(hf.logprobs[0] - other.logprobs[0]) < TOLERANCE
         for a, b in zip(hf.top_logprobs[0], other.top_logprobs[0]):
+            if a.logprob <= MASKED and b.logprob <= MASKED:
+                continue  # both forbidden by a constraint: their order means nothing
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < TOLERANCE
 
 

@@ -26,7 +26,15 @@ def sampling_params(draw, max_tokens: int = 24, vocab_size: int = 256) -> dict:
         "seed": draw(st.none() | st.integers(0, 2**31 - 1)),
         "logprobs": draw(st.none() | st.integers(0, 5)),
         "ignore_eos": draw(st.booleans()),
+        "repetition_penalty": draw(st.sampled_from([1.0, 1.0, 1.3, 0.8])),
+        "presence_penalty": draw(st.sampled_from([0.0, 0.0, 0.5, -0.5])),
+        "frequency_penalty": draw(st.sampled_from([0.0, 0.0, 0.4, -0.4])),
+        "min_p": draw(st.sampled_from([0.0, 0.0, 0.05])),
+        "logit_bias": draw(st.dictionaries(st.integers(0, vocab_size - 1),
+                                           st.sampled_from([-100.0, -3.0, 3.0]), max_size=2)),
+        "include_stop_str_in_output": draw(st.booleans()),
     }
+    params["min_tokens"] = draw(st.integers(0, min(3, params["max_tokens"])))
     return params
 
 
@@ -89,6 +97,21 @@ CORRUPTIONS = {
     "negative stop token": ("sampling.stop_token_ids", _set(("sampling", "stop_token_ids"), [-1])),
     "string seed": ("sampling.seed", _set(("sampling", "seed"), "seven")),
     "typo in sampling": ("sampling.temprature", _set(("sampling", "temprature"), 1.0)),
+    "repetition penalty zero": ("sampling.repetition_penalty",
+                                _set(("sampling", "repetition_penalty"), 0.0)),
+    "presence penalty too big": ("sampling.presence_penalty",
+                                 _set(("sampling", "presence_penalty"), 2.5)),
+    "min_p above one": ("sampling.min_p", _set(("sampling", "min_p"), 1.5)),
+    "min_tokens above max_tokens": ("sampling.min_tokens",
+                                    _set(("sampling", "min_tokens"), 10_000)),
+    "logit bias too big": ("sampling.logit_bias.3", _set(("sampling", "logit_bias"), {3: 1e3})),
+    "logit bias on a word": ("sampling.logit_bias.ka", _set(("sampling", "logit_bias"),
+                                                            {"ka": 1.0})),
+    "two constraints": ("sampling.structured_outputs", _set(
+        ("sampling", "structured_outputs"), {"regex": "a", "choice": ["b"]})),
+    "empty choice": ("sampling.structured_outputs.choice", _set(
+        ("sampling", "structured_outputs"), {"choice": []})),
+    "tools without messages": ("tools", _replace_prompt(prompt="x", tools=[{"name": "f"}])),
     "unknown field": ("max_new_tokens", _set(("max_new_tokens",), 8)),
     "two prompts": ("prompt", _replace_prompt(prompt="a", prompt_token_ids=[1, 2])),
     "no prompt": ("prompt", _replace_prompt()),
