@@ -28,6 +28,41 @@ MODES = ("engine", "server")
 ABORT_RETRY_S = 5.0  # how long an abort keeps chasing a request SGLang has not registered yet
 
 
+# Structured outputs through xgrammar (the grammar dialect every backend reads) and compact
+# JSON (a random model otherwise loops on whitespace); `engine_args` may override.
+STRUCTURED_DEFAULTS = {"grammar_backend": "xgrammar",
+                       "constrained_json_disable_any_whitespace": True}
+CONSTRAINT_WORDS = ("grammar", "regex", "ebnf", "json", "schema", "xgrammar")
+
+
+def _constraint_error(exc: RolloutError, so) -> RolloutError:
+    """SGLang aborts a request whose constraint does not compile ("Failed to compile regex
+    grammar: ..."): that request's own error, naming its constraint."""
+    if so is None or isinstance(exc, InvalidRequestError) and exc.field.startswith(
+            "sampling.structured_outputs"):
+        return exc
+    if isinstance(exc, rollout.GenerationError) and any(
+            word in str(exc).lower() for word in CONSTRAINT_WORDS):
+        return InvalidRequestError(f"sampling.structured_outputs.{so.kind}", str(exc))
+    return exc
+
+
+def _stop_at_tokens(sample: protocol.Sample, s) -> protocol.Sample:
+    """SGLang's ignore_eos also ignores stop_token_ids (Req._check_token_based_finish
+    returns early), so the sample runs on past a stop token: it ends at the first one here.
+    Its tokens up to there are what SGLang would have made had it stopped."""
+    if not (s.ignore_eos and s.stop_token_ids):
+        return sample
+    stops = set(s.stop_token_ids)
+    end = next((i + 1 for i, t in enumerate(sample.token_ids) if t in stops), None)
+    if end is None:
+        return sample
+    return protocol.Sample(sample.token_ids[:end], "stop",
+                           sample.logprobs[:end] if sample.logprobs is not None else None,
+                           sample.top_logprobs[:end] if sample.top_logprobs is not None
+                           else None)
+
+
 def cpu_reasons(device: str) -> dict[str, str]:
     if device != "cpu":
         return {}
@@ -63,7 +98,8 @@ class SGLangBackend:
         args = {"model_path": model, "device": device, "dtype": dtype,
                 "max_total_tokens": max_total_tokens, "random_seed": random_seed,
                 "sleep_on_idle": True, "log_level": "error",
-                "enable_memory_saver": device != "cpu", **(engine_args or {})}
+                "enable_memory_saver": device != "cpu", **STRUCTURED_DEFAULTS,
+                **(engine_args or {})}
         self.engine = InProcessEngine(args, startup_timeout) if mode == "engine" else \
             ServerEngine(args, startup_timeout, request_timeout)
         self._running: dict[str, list[str]] = {}  # our request id -> SGLang rids
@@ -106,30 +142,51 @@ class SGLangBackend:
         # Like the other backends, generation stops at the context length (reason "length");
         # SGLang would reject the request instead.
         room = self.max_model_len - len(prompt)
-        s = attrs.evolve(request.sampling, max_tokens=min(request.sampling.max_tokens, room))
+        max_tokens = min(request.sampling.max_tokens, room)
+        s = attrs.evolve(request.sampling, max_tokens=max_tokens,
+                         min_tokens=min(request.sampling.min_tokens, max_tokens))
         # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
         rids = [uuid.uuid4().hex for _ in range(s.n)]
         self._running[request.id] = rids
         try:
             outs = await asyncio.gather(
                 *(self.engine.generate(protocol.generate_body(rid, prompt, s)) for rid in rids))
-            samples = [protocol.parse_output(o, s.logprobs) for o in outs]
+            samples = [_stop_at_tokens(protocol.parse_output(o, s.logprobs), s) for o in outs]
+            if s.logprobs is not None and s.structured_outputs is None \
+                    and protocol.reshapes_logprobs(s):
+                samples = await asyncio.gather(*(self._raw_logprobs(prompt, x, s.logprobs)
+                                                 for x in samples))
         except RolloutError as exc:
             if isinstance(exc, InvalidRequestError) and exc.field == "prompt_token_ids":
                 exc = InvalidRequestError(prompt_field(request), exc.message.split(": ", 1)[-1])
             if isinstance(exc, rollout.EngineDeadError):
                 raise
-            return exc
+            return _constraint_error(exc, s.structured_outputs)
         finally:
             self._running.pop(request.id, None)
             self._aborted.discard(request.id)
         return [self._result(request, sample, len(prompt), i) for i, sample in enumerate(samples)]
 
+    async def _raw_logprobs(self, prompt: list[int], sample: protocol.Sample,
+                            logprobs: int) -> protocol.Sample:
+        """The sample's logprobs from a scoring prefill: the raw model's, as the contract
+        wants, where SGLang's own are after penalties, bias and the min_tokens ban. (Under
+        a constraint the mask cannot be re-applied this way: SGLang's values stay.)"""
+        if not sample.token_ids:
+            return sample
+        out = await self.engine.generate(
+            protocol.score_body(uuid.uuid4().hex, prompt, sample.token_ids, logprobs))
+        return protocol.parse_scores(out, sample, logprobs)
+
     def _result(self, request, sample: protocol.Sample, prompt_tokens: int, index: int) -> Result:
         text = self.prompts.decode(sample.token_ids)
-        cuts = [i for i in (text.find(stop) for stop in request.sampling.stop) if i >= 0]
-        if cuts:  # the text ends before the stop string, whatever SGLang's detokenizer did
-            text = text[: min(cuts)]
+        found = [(i, i + len(stop)) for i, stop in
+                 ((text.find(stop), stop) for stop in request.sampling.stop) if i >= 0]
+        if found:  # the text ends before the stop string, whatever SGLang's detokenizer did,
+            # or right after the first one to complete if it is kept
+            text = text[: min(end for _, end in found)] \
+                if request.sampling.include_stop_str_in_output \
+                else text[: min(start for start, _ in found)]
         return Result(
             request_id=request.id, index=index, token_ids=tuple(sample.token_ids), text=text,
             finish_reason=sample.finish_reason, prompt_tokens=prompt_tokens,

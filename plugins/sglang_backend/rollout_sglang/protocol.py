@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from rollout import GenerationError, InvalidRequestError, RolloutError
-from rollout.schemas import SamplingParams
+from rollout.schemas import SamplingParams, StructuredOutputs
 
 # body name -> (module, class) in sglang.srt
 STRUCTS = {
@@ -43,9 +43,64 @@ class Sample(NamedTuple):
 
 
 def sampling_body(s: SamplingParams) -> dict:
-    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1,
+    body = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1,
             "max_new_tokens": s.max_tokens, "stop": list(s.stop),
-            "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos}
+            "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
+            "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty, "min_p": s.min_p,
+            "min_new_tokens": s.min_tokens,
+            # SGLang's keys are strings (SamplingParams.logit_bias: Dict[str, float]).
+            "logit_bias": {str(t): float(b) for t, b in s.logit_bias.items()} or None,
+            # Token ids stop at the stop string either way; the backend decodes the text.
+            "no_stop_trim": s.include_stop_str_in_output}
+    if s.structured_outputs is not None:
+        body.update(constraint_body(s.structured_outputs))
+    return body
+
+
+def constraint_body(so: StructuredOutputs) -> dict:
+    """SGLang's own constraint fields, compiled by its xgrammar backend. A choice becomes
+    an EBNF of escaped alternatives (as vLLM builds it). A JSON schema becomes EBNF too,
+    built by xgrammar with compact separators: SGLang's `json_schema` with
+    constrained_json_disable_any_whitespace still writes `", "` and `": "` (it passes no
+    separators to compile_json_schema, and xgrammar's default then has spaces)."""
+    if so.regex is not None:
+        return {"regex": so.regex}
+    if so.grammar is not None:
+        return {"ebnf": so.grammar}
+    if so.choice is not None:
+        return {"ebnf": choice_grammar(so.choice)}
+    return {"ebnf": json_grammar(so.json)}
+
+
+def choice_grammar(choices) -> str:
+    def escape(ch: str) -> str:
+        named = {"\\": r"\\", '"': r'\"', "\n": r"\n", "\r": r"\r", "\t": r"\t"}
+        if ch in named:
+            return named[ch]
+        return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
+
+    return "root ::= " + " | ".join('"' + "".join(map(escape, c)) + '"' for c in choices)
+
+
+def json_grammar(schema: dict) -> str:
+    import json
+
+    import xgrammar
+
+    field = "sampling.structured_outputs.json"
+    try:
+        from sglang.srt.constrained.json_schema_validation import validate_xgrammar_json_schema
+    except ImportError:  # an SGLang without it: xgrammar's own checks only
+        validate_xgrammar_json_schema = None
+    try:
+        if validate_xgrammar_json_schema is not None:
+            validate_xgrammar_json_schema(schema)  # what SGLang's json_schema path refuses
+        grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
+                                                    separators=(",", ":"))
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError, SGLang its own
+        raise InvalidRequestError(field, f"cannot compile the JSON schema: {exc}") from None
+    return str(grammar)
 
 
 def generate_body(rid: str, prompt: list[int], s: SamplingParams) -> dict:
@@ -56,6 +111,37 @@ def generate_body(rid: str, prompt: list[int], s: SamplingParams) -> dict:
     if s.logprobs is not None:
         body.update(return_logprob=True, top_logprobs_num=s.logprobs)
     return body
+
+
+def reshapes_logprobs(s: SamplingParams) -> bool:
+    """SGLang computes output logprobs from the logits after penalties, logit_bias and
+    the min_new_tokens ban (ModelRunner._preprocess_logits applies them in place before
+    Sampler.forward takes its log_softmax), where the contract wants the raw model's."""
+    return (s.repetition_penalty != 1.0 or s.presence_penalty != 0.0
+            or s.frequency_penalty != 0.0 or bool(s.logit_bias) or s.min_tokens > 0)
+
+
+def score_body(rid: str, prompt: list[int], tokens: list[int], logprobs: int) -> dict:
+    """A prefill of prompt + sample that generates nothing and returns the sample's raw
+    logprobs as input logprobs (the logits processor's, with no penalty, bias or
+    temperature). It starts one token early: SGLang gives the first position None."""
+    return {"rid": rid, "input_ids": list(prompt) + list(tokens),
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True, "logprob_start_len": len(prompt) - 1,
+            "top_logprobs_num": logprobs, "stream": False}
+
+
+def parse_scores(out: dict, sample: Sample, logprobs: int) -> Sample:
+    meta = out["meta_info"]
+    chosen = [float(step[0]) for step in (meta.get("input_token_logprobs") or [])[1:]]
+    if len(chosen) != len(sample.token_ids):
+        raise GenerationError(f"SGLang scored {len(chosen)} of {len(sample.token_ids)} tokens")
+    top = None
+    if logprobs:
+        top = [sorted(((int(t), float(lp)) for lp, t, *_ in step or []),
+                      key=lambda pair: -pair[1])[:logprobs]
+               for step in (meta.get("input_top_logprobs") or [])[1:]]
+    return Sample(sample.token_ids, sample.finish_reason, chosen, top)
 
 
 def abort_body(rid: str | None) -> dict:
@@ -94,7 +180,10 @@ def engine_error(message: str) -> RolloutError:
         return InvalidRequestError("sampling.max_tokens", message)
     if "context length" in lowered or "input_ids" in lowered or "too long" in lowered:
         return InvalidRequestError("prompt_token_ids", message)
-    for field in ("temperature", "top_p", "top_k", "stop_token_ids", "stop"):
+    if "grammar" in lowered or "regex" in lowered or "ebnf" in lowered or "json" in lowered:
+        return GenerationError(message)  # the backend names the request's constraint
+    for field in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p",
+                  "logit_bias", "temperature", "top_p", "top_k", "stop_token_ids", "stop"):
         if field in lowered:
             return InvalidRequestError(f"sampling.{field}", message)
     return GenerationError(message)

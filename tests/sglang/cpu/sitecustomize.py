@@ -11,14 +11,18 @@ import sys
 def _patch(torch):
     if getattr(torch, "_rollout_cpu_patch", False):
         return
+    import functools
+
     orig = torch.get_device_module
 
+    # functools.wraps keeps `__wrapped__`: torch.compile looks it up on torch functions
+    # (SGLang's compiled repetition penalty failed without it).
+    @functools.wraps(orig)
     def get_device_module(device=None):
         if device is None and not torch.cuda.is_available():
             return torch.cpu
         return orig(device)
 
-    get_device_module.__doc__ = orig.__doc__
     torch.get_device_module = get_device_module
     torch._rollout_cpu_patch = True
 
