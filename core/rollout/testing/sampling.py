@@ -18,6 +18,7 @@ from rollout import InvalidRequestError, Tool
 from rollout.tool_parsers import load_tool_parser
 
 PROMPT = "the ka lo"
+REPEATING = "1 2 3 +"  # greedy output repeats tokens here, so every penalty changes it
 NEAR_TIE = 1e-3  # processed logits this close may be ordered either way by another kernel
 MASKED = -1e4  # a logprob at or below this is a token the constraint forbids
 
@@ -74,6 +75,7 @@ class SamplingContract:
         class Reference:
             eos = tokenizer.eos_token_id
             prompt = tokenizer(PROMPT).input_ids
+            repeating = tokenizer(REPEATING).input_ids
 
             @staticmethod
             def logits(ids: list[int]):
@@ -92,8 +94,8 @@ class SamplingContract:
         request = {"prompt": PROMPT, "sampling": {"temperature": 0.0, **sampling}}
         return harness.backend.generate([request])[0].unwrap()
 
-    def _ids(self, harness, reference, **sampling):
-        request = {"prompt_token_ids": reference.prompt,
+    def _ids(self, harness, reference, prompt=None, **sampling):
+        request = {"prompt_token_ids": prompt or reference.prompt,
                    "sampling": {"temperature": 0.0, **sampling}}
         return harness.backend.generate([request])[0].unwrap()[0]
 
@@ -142,19 +144,20 @@ class SamplingContract:
         {"repetition_penalty": 1.3, "frequency_penalty": -0.5, "presence_penalty": 0.7},
     ], ids=lambda p: ",".join(f"{k.split('_')[0]}={v}" for k, v in p.items()))
     def test_penalties_follow_the_documented_formula(self, harness, reference, penalties):
-        plain = self._ids(harness, reference, max_tokens=16, ignore_eos=True)
-        result = self._ids(harness, reference, max_tokens=16, ignore_eos=True, logprobs=0,
-                           **penalties)
+        prompt = reference.repeating
+        plain = self._ids(harness, reference, prompt, max_tokens=16, ignore_eos=True)
+        result = self._ids(harness, reference, prompt, max_tokens=16, ignore_eos=True,
+                           logprobs=0, **penalties)
         assert result.token_ids != plain.token_ids, "the penalty changed nothing"
-        ids = list(reference.prompt) + list(result.token_ids)
-        logits = reference.logits(ids)[len(reference.prompt) - 1 : -1]
+        ids = list(prompt) + list(result.token_ids)
+        logits = reference.logits(ids)[len(prompt) - 1 : -1]
         args = (penalties.get("repetition_penalty", 1.0),
                 penalties.get("presence_penalty", 0.0), penalties.get("frequency_penalty", 0.0))
         for step, token in enumerate(result.token_ids):
             # Logprobs stay the raw model's; the penalty acts on the choice.
             raw = logits[step].log_softmax(-1)
             assert abs(result.logprobs[step] - float(raw[token])) < NEAR_TIE
-            z = penalized(logits[step], reference.prompt, list(result.token_ids[:step]), *args)
+            z = penalized(logits[step], prompt, list(result.token_ids[:step]), *args)
             best = float(z.max())
             assert float(z[token]) >= best - NEAR_TIE, (
                 f"step {step}: chose {token} ({float(z[token]):.4f}), but "
