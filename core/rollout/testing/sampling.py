@@ -83,6 +83,14 @@ class SamplingContract:
                 with torch.inference_mode():
                     return model(torch.tensor([ids])).logits[0].float()
 
+            vocab = model.get_input_embeddings().num_embeddings
+
+            @staticmethod
+            def batch_logits(ids):
+                """Raw next-token logits after each row of `ids` (equal lengths)."""
+                with torch.inference_mode():
+                    return model(ids).logits[:, -1].float()
+
             @staticmethod
             def token(text: str) -> int:
                 (token,) = tokenizer(text, add_special_tokens=False).input_ids
@@ -162,6 +170,26 @@ class SamplingContract:
             assert float(z[token]) >= best - NEAR_TIE, (
                 f"step {step}: chose {token} ({float(z[token]):.4f}), but "
                 f"{int(z.argmax())} scores {best:.4f} after the penalties")
+
+    def test_repetition_penalty_covers_the_prompt(self, harness, reference):
+        import torch
+
+        # A prompt of one token repeated, which the model would repeat once more, unless
+        # the penalty on the prompt's tokens (the output is still empty) turns it away.
+        with torch.inference_mode():
+            raw = reference.batch_logits(torch.arange(reference.vocab)[:, None].repeat(1, 4))
+        loops = raw.argmax(-1) == torch.arange(reference.vocab)
+        penalized = torch.where(raw > 0, raw / 2.0, raw * 2.0)  # where the token is its own
+        own = penalized.gather(1, torch.arange(reference.vocab)[:, None])[:, 0]
+        others = raw.scatter(1, torch.arange(reference.vocab)[:, None], float("-inf"))
+        flips = loops & (others.max(-1).values > own + NEAR_TIE)
+        if not flips.any():
+            pytest.skip("no token that the tiny model repeats and the penalty turns away")
+        token = int(flips.nonzero()[0, 0])
+        result = self._ids(harness, reference, [token] * 4, max_tokens=1, ignore_eos=True,
+                           repetition_penalty=2.0)
+        assert result.token_ids[0] != token
+        assert result.token_ids[0] == int(others[token].argmax())
 
     # --- stop strings ---------------------------------------------------------------------
 
