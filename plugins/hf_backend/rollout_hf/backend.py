@@ -2,6 +2,8 @@
 
 Its own decode loop (not `model.generate`) lets every row of a batch carry its own
 sampling parameters, seed, stop strings and length limit, and lets `abort` end single rows.
+Penalties, logit bias, min_p and min_tokens are in processors.py (in vLLM's order), and
+structured outputs in grammars.py (xgrammar, one matcher per row).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rollout.buckets import unpack
 from rollout.prompts import PromptEncoder
 
 from rollout_hf.decode import Row, decode_batch
+from rollout_hf.grammars import Grammars
 
 
 class HFBackend:
@@ -42,6 +45,7 @@ class HFBackend:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.prompts = PromptEncoder(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)  # compiles lazily
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = min(self.eos_ids) if self.eos_ids else 0
@@ -65,12 +69,15 @@ class HFBackend:
         outputs: list = [None] * len(requests)
         rows: list[Row] = []
         for i, request in enumerate(requests):
+            structured = request.sampling.structured_outputs
             try:
                 prompt = self.prompts.encode(request)
+                grammar = None if structured is None else self.grammars.compile(structured)
             except InvalidRequestError as exc:
                 outputs[i] = exc
                 continue
-            rows += [self._row(i, request, prompt, k) for k in range(request.sampling.n)]
+            rows += [self._row(i, request, prompt, k, grammar)
+                     for k in range(request.sampling.n)]
         ids = {requests[row.slot].id for row in rows}
         self._in_flight |= ids  # before the lock, so a queued call can be aborted too
         try:
@@ -78,7 +85,7 @@ class HFBackend:
                 rows.sort(key=lambda r: len(r.prompt))  # less padding per batch
                 for start in range(0, len(rows), self.batch_size):
                     decode_batch(self.model, self.tokenizer, rows[start : start + self.batch_size],
-                                 self.pad_id, self.device, self._aborted)
+                                 self.pad_id, self.device, self._aborted, self.vocab_size)
         finally:
             self._in_flight -= ids
             self._aborted -= ids
@@ -88,7 +95,8 @@ class HFBackend:
             outputs[row.slot][row.index] = row.result(self.tokenizer)
         return outputs
 
-    def _row(self, slot: int, request: Request, prompt: list[int], index: int) -> Row:
+    def _row(self, slot: int, request: Request, prompt: list[int], index: int,
+             grammar=None) -> Row:
         s = request.sampling
         generator = None
         if not s.greedy:
@@ -100,6 +108,10 @@ class HFBackend:
             max_new=min(s.max_tokens, self.max_model_len - len(prompt)),
             stop_ids=frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else self.eos_ids),
             stop=s.stop, logprobs=s.logprobs, generator=generator,
+            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, min_p=s.min_p, min_tokens=s.min_tokens,
+            logit_bias=dict(s.logit_bias), include_stop=s.include_stop_str_in_output,
+            matcher=None if grammar is None else self.grammars.matcher(grammar),  # one per row
         )
 
     @rollout.hookimpl
