@@ -59,4 +59,6 @@ def check_greedy_tokens(pairs: list[tuple[Result, Result]]) -> None:
                 break
         else:
             assert hf.token_ids == other.token_ids
-            assert hf.text == other.text
+            # A sample cut by its length may end inside a character: vLLM holds those bytes
+            # back, HF decodes them as U+FFFD.
+            assert hf.text.rstrip("\ufffd") == other.text.rstrip("\ufffd")

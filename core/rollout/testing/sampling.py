@@ -92,14 +92,18 @@ class SamplingContract:
                     return model(ids).logits[:, -1].float()
 
             @staticmethod
+            def decode(ids) -> str:
+                return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+            @staticmethod
             def token(text: str) -> int:
                 (token,) = tokenizer(text, add_special_tokens=False).input_ids
                 return token
 
         return Reference
 
-    def _one(self, harness, **sampling):
-        request = {"prompt": PROMPT, "sampling": {"temperature": 0.0, **sampling}}
+    def _one(self, harness, prompt=PROMPT, **sampling):
+        request = {"prompt": prompt, "sampling": {"temperature": 0.0, **sampling}}
         return harness.backend.generate([request])[0].unwrap()
 
     def _ids(self, harness, reference, prompt=None, **sampling):
@@ -206,6 +210,29 @@ class SamplingContract:
         assert kept.finish_reason == "stop"
         assert kept.text == full.text[: start + len(stop)]
 
+    def test_stop_strings_wait_for_min_tokens(self, harness, reference):
+        held_tokens = 6
+        for prompt in (PROMPT, REPEATING, "def x", "mi ne su ta ri po"):
+            full = self._one(harness, max_tokens=24, ignore_eos=True, prompt=prompt)[0]
+            early = reference.decode(full.token_ids[:2])
+            stops = [early[i:i + 2] for i in range(len(early) - 1)
+                     if early[i:i + 2].isascii() and early[i:i + 2].strip() == early[i:i + 2]]
+            if stops and full.text.startswith(early):
+                break
+        else:
+            pytest.skip("no probe output starts with a clean two-character stop string")
+        stop = stops[0]
+        result = self._one(harness, max_tokens=24, ignore_eos=True, prompt=prompt, stop=[stop],
+                           min_tokens=held_tokens)[0]
+        assert len(result.token_ids) > held_tokens  # the early match did not end it
+        held = len(reference.decode(full.token_ids[:held_tokens]))
+        later = full.text.find(stop, max(0, held - len(stop) + 1))
+        if later < 0:
+            assert (result.finish_reason, result.token_ids) == ("length", full.token_ids)
+        else:
+            assert result.finish_reason == "stop" and result.text == full.text[:later]
+            assert full.token_ids[: len(result.token_ids)] == result.token_ids
+
     # --- structured outputs ---------------------------------------------------------------
 
     def _constrained(self, harness, n=3, max_tokens=48, **constraint):
@@ -277,7 +304,11 @@ class SamplingContract:
         from transformers import AutoTokenizer
 
         messages = [{"role": "user", "content": "what is 2 + 3?"}]
-        sampling = {"temperature": 1.0, "max_tokens": 48}
+        # A constraint allows any spelling of the call: a random model often spells it out
+        # a few letters a token, so it needs room.
+        sampling = {"temperature": 1.0, "max_tokens": 128}
+        if harness.caps.supports("seed"):
+            sampling["seed"] = 3
         first = harness.backend.generate([{"messages": messages, "tools": [ADD], "sampling": {
             **sampling, "structured_outputs": {"regex": CALL_REGEX}}}])[0].unwrap()[0]
         parsed = load_tool_parser("hermes").parse(first.text, [Tool(**ADD)])

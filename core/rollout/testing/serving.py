@@ -230,7 +230,7 @@ class ServerContract:
     @pytest.mark.parametrize("stream", [False, True])
     def test_a_tool_round_trip_with_the_openai_client(self, client, tiny_model, stream):
         messages = [{"role": "user", "content": "what is 2 + 3?"}]
-        first = _chat(client, stream, messages=messages, tools=TOOLS, max_tokens=48,
+        first = _chat(client, stream, messages=messages, tools=TOOLS, max_tokens=128,
                       temperature=1.0, seed=1, extra_body={"structured_outputs": {
                           "regex": CALL_REGEX}})
         assert first["finish_reason"] == "tool_calls" and not first["content"]
@@ -241,7 +241,7 @@ class ServerContract:
         messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": call["id"],
                       "content": str(arguments["a"] + arguments["b"])}]
-        final = _chat(client, stream, messages=messages, tools=TOOLS, max_tokens=24,
+        final = _chat(client, stream, messages=messages, tools=TOOLS, max_tokens=64,
                       temperature=1.0, seed=2, extra_body={"structured_outputs": {
                           "regex": ANSWER_REGEX}})
         assert final["finish_reason"] == "stop" and not final["tool_calls"]
@@ -263,7 +263,7 @@ class ServerContract:
         import jsonschema
 
         response = client.chat.completions.create(
-            model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice, max_tokens=64,
+            model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice, max_tokens=128,
             temperature=1.0, n=2, seed=3, parallel_tool_calls=False)
         for answer in response.choices:
             assert answer.finish_reason == "tool_calls"
@@ -275,7 +275,7 @@ class ServerContract:
     def test_a_malformed_tool_call_is_reported_not_answered(self, client):
         regex = r'<tool_call>\{"name": "subtract", "arguments": \{\}\}</tool_call>'
         response = client.chat.completions.create(
-            model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=48, temperature=0,
+            model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=128, temperature=0,
             extra_body={"structured_outputs": {"regex": regex}})
         (choice,) = response.choices
         assert choice.finish_reason == "tool_call_error"

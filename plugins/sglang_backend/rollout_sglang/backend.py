@@ -28,10 +28,15 @@ MODES = ("engine", "server")
 ABORT_RETRY_S = 5.0  # how long an abort keeps chasing a request SGLang has not registered yet
 
 
-# Structured outputs through xgrammar (the grammar dialect every backend reads) and compact
+# Structured outputs through xgrammar (the grammar dialect every backend reads), compact
 # JSON (a random model otherwise loops on whitespace); `engine_args` may override.
-STRUCTURED_DEFAULTS = {"grammar_backend": "xgrammar",
-                       "constrained_json_disable_any_whitespace": True}
+ENGINE_DEFAULTS = {"grammar_backend": "xgrammar",
+                       "constrained_json_disable_any_whitespace": True,
+                       # The prompt's share of the repetition penalty (processors.py),
+                       # which needs each request's output up to date when it runs: the
+                       # overlap scheduler hands it the output one token late.
+                       "enable_custom_logit_processor": True,
+                       "disable_overlap_schedule": True}
 CONSTRAINT_WORDS = ("grammar", "regex", "ebnf", "json", "schema", "xgrammar")
 
 
@@ -61,6 +66,17 @@ def _stop_at_tokens(sample: protocol.Sample, s) -> protocol.Sample:
                            sample.logprobs[:end] if sample.logprobs is not None else None,
                            sample.top_logprobs[:end] if sample.top_logprobs is not None
                            else None)
+
+
+def first_stop(text: str, stops, after: int = 0) -> tuple[int, int] | None:
+    """(start, end) of the stop string match that ends first, among those ending past
+    `after` characters (the text of the first min_tokens tokens)."""
+    found = []
+    for stop in stops:
+        i = text.find(stop, max(0, after - len(stop) + 1))
+        if i >= 0:
+            found.append((i + len(stop), i))
+    return (min(found)[1], min(found)[0]) if found else None
 
 
 def cpu_reasons(device: str) -> dict[str, str]:
@@ -98,8 +114,10 @@ class SGLangBackend:
         args = {"model_path": model, "device": device, "dtype": dtype,
                 "max_total_tokens": max_total_tokens, "random_seed": random_seed,
                 "sleep_on_idle": True, "log_level": "error",
-                "enable_memory_saver": device != "cpu", **STRUCTURED_DEFAULTS,
+                "enable_memory_saver": device != "cpu", **ENGINE_DEFAULTS,
                 **(engine_args or {})}
+        self.prompt_penalty = args["enable_custom_logit_processor"] and \
+            args["disable_overlap_schedule"]
         self.engine = InProcessEngine(args, startup_timeout) if mode == "engine" else \
             ServerEngine(args, startup_timeout, request_timeout)
         self._running: dict[str, list[str]] = {}  # our request id -> SGLang rids
@@ -137,6 +155,11 @@ class SGLangBackend:
     async def _one(self, request):
         try:
             prompt = self.prompts.encode(request)
+            if request.sampling.repetition_penalty != 1.0 and not self.prompt_penalty:
+                raise InvalidRequestError(
+                    "sampling.repetition_penalty", "this engine's repetition penalty would "
+                    "leave out the prompt (engine_args turn off the custom logit processor "
+                    "or on the overlap scheduler)", "1.0, or the backend's default engine_args")
         except InvalidRequestError as exc:
             return exc
         # Like the other backends, generation stops at the context length (reason "length");
@@ -151,7 +174,8 @@ class SGLangBackend:
         try:
             outs = await asyncio.gather(
                 *(self.engine.generate(protocol.generate_body(rid, prompt, s)) for rid in rids))
-            samples = [_stop_at_tokens(protocol.parse_output(o, s.logprobs), s) for o in outs]
+            samples = [self._stop_at_strings(_stop_at_tokens(
+                protocol.parse_output(o, s.logprobs), s), s) for o in outs]
             if s.logprobs is not None and s.structured_outputs is None \
                     and protocol.reshapes_logprobs(s):
                 samples = await asyncio.gather(*(self._raw_logprobs(prompt, x, s.logprobs)
@@ -178,15 +202,32 @@ class SGLangBackend:
             protocol.score_body(uuid.uuid4().hex, prompt, sample.token_ids, logprobs))
         return protocol.parse_scores(out, sample, logprobs)
 
+    def _stop_at_strings(self, sample: protocol.Sample, s) -> protocol.Sample:
+        """SGLang checks stop strings from the first token on (Req.update_finish_state);
+        with min_tokens they go to it unsent, and the sample ends here at the first match
+        that ends in text made after the first min_tokens tokens."""
+        if not (s.min_tokens and s.stop):
+            return sample
+        tokens = sample.token_ids
+        text = self.prompts.decode(tokens)
+        match = first_stop(text, s.stop, len(self.prompts.decode(tokens[:s.min_tokens])))
+        if match is None:
+            return sample
+        end = next(k for k in range(s.min_tokens + 1, len(tokens) + 1)
+                   if len(self.prompts.decode(tokens[:k])) >= match[1])
+        return protocol.Sample(tokens[:end], "stop",
+                               sample.logprobs[:end] if sample.logprobs is not None else None,
+                               sample.top_logprobs[:end] if sample.top_logprobs is not None
+                               else None)
+
     def _result(self, request, sample: protocol.Sample, prompt_tokens: int, index: int) -> Result:
         text = self.prompts.decode(sample.token_ids)
-        found = [(i, i + len(stop)) for i, stop in
-                 ((text.find(stop), stop) for stop in request.sampling.stop) if i >= 0]
-        if found:  # the text ends before the stop string, whatever SGLang's detokenizer did,
-            # or right after the first one to complete if it is kept
-            text = text[: min(end for _, end in found)] \
-                if request.sampling.include_stop_str_in_output \
-                else text[: min(start for start, _ in found)]
+        s = request.sampling
+        held = len(self.prompts.decode(sample.token_ids[:s.min_tokens])) if s.min_tokens else 0
+        match = first_stop(text, s.stop, held)
+        if match is not None:  # the text ends before the stop string, whatever SGLang's
+            # detokenizer did, or right after it if it is kept
+            text = text[: match[1] if s.include_stop_str_in_output else match[0]]
         return Result(
             request_id=request.id, index=index, token_ids=tuple(sample.token_ids), text=text,
             finish_reason=sample.finish_reason, prompt_tokens=prompt_tokens,

@@ -44,7 +44,9 @@ class Sample(NamedTuple):
 
 def sampling_body(s: SamplingParams) -> dict:
     body = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1,
-            "max_new_tokens": s.max_tokens, "stop": list(s.stop),
+            # With min_tokens the backend checks stop strings itself (SGLang would end a
+            # sample on one before min_new_tokens).
+            "max_new_tokens": s.max_tokens, "stop": [] if s.min_tokens else list(s.stop),
             "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
             "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
             "frequency_penalty": s.frequency_penalty, "min_p": s.min_p,
@@ -108,6 +110,12 @@ def generate_body(rid: str, prompt: list[int], s: SamplingParams) -> dict:
     SGLang's own `n` replaces the rids and its samples could then not be aborted."""
     body = {"rid": rid, "input_ids": prompt, "sampling_params": sampling_body(s),
             "stream": False}
+    if s.repetition_penalty != 1.0:
+        from rollout_sglang.processors import prompt_penalty_fields
+
+        extra = prompt_penalty_fields(s.repetition_penalty)
+        body["custom_logit_processor"] = extra["custom_logit_processor"]
+        body["sampling_params"]["custom_params"] = extra["custom_params"]
     if s.logprobs is not None:
         body.update(return_logprob=True, top_logprobs_num=s.logprobs)
     return body
