@@ -130,7 +130,10 @@ def subreaper():
 def children() -> list[int]:
     pids = []
     for task in Path("/proc/self/task").iterdir():
-        pids += [int(p) for p in (task / "children").read_text().split()]
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except FileNotFoundError:  # that thread ended since the listing
+            continue
     return pids
 
 

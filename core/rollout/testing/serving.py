@@ -22,7 +22,7 @@ from rollout.serving.service import BackendService
 
 KEY = "test-key"
 MODEL = "tiny"
-MAX_MODEL_LEN = 384  # small, so a too-long prompt is cheap to write; room for tool turns
+MAX_MODEL_LEN = 1024  # small, so a too-long prompt is cheap to write; room for tool turns
 CHAT = [{"role": "user", "content": "def add(a, b):"}]
 DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
 TOOLS = [{"type": "function", "function": {
@@ -202,16 +202,20 @@ class ServerContract:
     # --- sampling, structured outputs, tools -----------------------------------------------------
 
     def test_sampling_extensions_reach_the_engine(self, client, engine):
+        plain = direct(engine, messages=CHAT, sampling={"max_tokens": 8, "temperature": 0})[0]
+        first = plain.token_ids[0]  # banned, so the answer must change
         extra = {"repetition_penalty": 1.4, "presence_penalty": 0.3, "frequency_penalty": 0.2,
-                 "min_p": 0.05, "min_tokens": 4, "logit_bias": {"5": -100},
+                 "min_p": 0.05, "min_tokens": 4, "logit_bias": {str(first): -100},
                  "top_k": 20, "include_stop_str_in_output": True}
         response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8,
-                                                  temperature=0, extra_body=extra)
-        sampling = {**extra, "logit_bias": {5: -100.0}, "max_tokens": 8, "temperature": 0}
+                                                  temperature=0, logprobs=True,
+                                                  extra_body=extra)
+        sampling = {**extra, "logit_bias": {first: -100.0}, "max_tokens": 8, "temperature": 0}
         expected = direct(engine, messages=CHAT, sampling=sampling)[0]
         assert response.choices[0].message.content == expected.text
-        plain = direct(engine, messages=CHAT, sampling={"max_tokens": 8, "temperature": 0})[0]
-        assert expected.token_ids != plain.token_ids  # the fields did something
+        assert [e.token for e in response.choices[0].logprobs.content] == [
+            f"token_id:{t}" for t in expected.token_ids]
+        assert expected.token_ids[0] != first
 
     def test_structured_outputs_through_both_names(self, client):
         schema = {"type": "object", "properties": {"x": DIGIT}, "required": ["x"],
