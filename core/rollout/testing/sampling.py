@@ -34,7 +34,7 @@ JSON_SCHEMA = {
 GRAMMAR = 'root ::= greeting " " name "!"\ngreeting ::= "hi" | "hello"\nname ::= "ka" | "lo" | "mi"'
 GRAMMAR_LANGUAGE = r"(hi|hello) (ka|lo|mi)!"
 REGEX = r"(ka|lo|mi)( (ka|lo|mi)){1,3}\."
-CHOICES = ("yes", "no", "maybe so")
+CHOICES = ("yes", "no", 'maybe "so"\t\\')  # escapes must survive
 DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
 ADD = {"name": "add", "description": "add two digits",
        "parameters": {"type": "object", "properties": {"a": DIGIT, "b": DIGIT},

@@ -15,6 +15,7 @@ import torch
 
 from rollout import InvalidRequestError
 from rollout.schemas import StructuredOutputs
+from rollout.structured import choice_grammar
 
 ALLOWED = {
     "regex": "a regular expression that xgrammar can compile",
@@ -87,12 +88,6 @@ class Grammars:
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids or None)
             self._compiler = xgrammar.GrammarCompiler(info)
         return self._compiler
-
-
-def choice_grammar(choices) -> str:
-    """EBNF that matches exactly one of `choices`. JSON string literals are valid GBNF
-    literals (quotes, backslashes and control characters escaped; other text as is)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def allowed_tokens(matchers, vocab: int, device: torch.device) -> torch.Tensor:

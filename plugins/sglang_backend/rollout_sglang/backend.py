@@ -19,6 +19,7 @@ from rollout import Capabilities, InvalidRequestError, Result, RolloutError, Tok
 from rollout.buckets import DEFAULT_BUCKET_BYTES
 from rollout.checkpoint import checkpoint_shapes
 from rollout.prompts import PromptEncoder, prompt_field
+from rollout.structured import constraint_error
 
 from rollout_sglang import protocol
 from rollout_sglang.engines import InProcessEngine, ServerEngine
@@ -31,25 +32,12 @@ ABORT_RETRY_S = 5.0  # how long an abort keeps chasing a request SGLang has not 
 # Structured outputs through xgrammar (the grammar dialect every backend reads), compact
 # JSON (a random model otherwise loops on whitespace); `engine_args` may override.
 ENGINE_DEFAULTS = {"grammar_backend": "xgrammar",
-                       "constrained_json_disable_any_whitespace": True,
-                       # The prompt's share of the repetition penalty (processors.py),
-                       # which needs each request's output up to date when it runs: the
-                       # overlap scheduler hands it the output one token late.
-                       "enable_custom_logit_processor": True,
-                       "disable_overlap_schedule": True}
-CONSTRAINT_WORDS = ("grammar", "regex", "ebnf", "json", "schema", "xgrammar")
-
-
-def _constraint_error(exc: RolloutError, so) -> RolloutError:
-    """SGLang aborts a request whose constraint does not compile ("Failed to compile regex
-    grammar: ..."): that request's own error, naming its constraint."""
-    if so is None or isinstance(exc, InvalidRequestError) and exc.field.startswith(
-            "sampling.structured_outputs"):
-        return exc
-    if isinstance(exc, rollout.GenerationError) and any(
-            word in str(exc).lower() for word in CONSTRAINT_WORDS):
-        return InvalidRequestError(f"sampling.structured_outputs.{so.kind}", str(exc))
-    return exc
+                   "constrained_json_disable_any_whitespace": True,
+                   # The prompt's share of the repetition penalty (processors.py), which
+                   # needs each request's output up to date when it runs: the overlap
+                   # scheduler hands it the output one token late.
+                   "enable_custom_logit_processor": True,
+                   "disable_overlap_schedule": True}
 
 
 def _stop_at_tokens(sample: protocol.Sample, s) -> protocol.Sample:
@@ -185,7 +173,7 @@ class SGLangBackend:
                 exc = InvalidRequestError(prompt_field(request), exc.message.split(": ", 1)[-1])
             if isinstance(exc, rollout.EngineDeadError):
                 raise
-            return _constraint_error(exc, s.structured_outputs)
+            return constraint_error(exc, s.structured_outputs)
         finally:
             self._running.pop(request.id, None)
             self._aborted.discard(request.id)

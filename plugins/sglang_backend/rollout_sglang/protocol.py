@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from rollout import GenerationError, InvalidRequestError, RolloutError
 from rollout.schemas import SamplingParams, StructuredOutputs
+from rollout.structured import choice_grammar
 
 # body name -> (module, class) in sglang.srt
 STRUCTS = {
@@ -73,16 +74,6 @@ def constraint_body(so: StructuredOutputs) -> dict:
     if so.choice is not None:
         return {"ebnf": choice_grammar(so.choice)}
     return {"ebnf": json_grammar(so.json)}
-
-
-def choice_grammar(choices) -> str:
-    def escape(ch: str) -> str:
-        named = {"\\": r"\\", '"': r'\"', "\n": r"\n", "\r": r"\r", "\t": r"\t"}
-        if ch in named:
-            return named[ch]
-        return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
-
-    return "root ::= " + " | ".join('"' + "".join(map(escape, c)) + '"' for c in choices)
 
 
 def json_grammar(schema: dict) -> str:

@@ -14,6 +14,7 @@ from rollout.buckets import DEFAULT_BUCKET_BYTES
 from rollout.checkpoint import checkpoint_shapes
 from rollout.prompts import PromptEncoder
 from rollout.schemas import SamplingParams, StructuredOutputs
+from rollout.structured import constraint_error
 
 from rollout_vllm.engines import InProcessEngine, Sample, ServerEngine, samples_of
 from rollout_vllm.weights import layer_groups
@@ -70,29 +71,6 @@ def _has_ebnf_rule(grammar: str) -> bool:
     import re
 
     return any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
-
-
-def constraint_error(exc: RolloutError, so: StructuredOutputs | None) -> RolloutError:
-    """vLLM's refusal of a constraint (it names no parameter, or `structured_outputs`) as
-    an error naming the constraint's own field."""
-    if so is None or not isinstance(exc, (InvalidRequestError, rollout.GenerationError)):
-        return exc
-    field = getattr(exc, "field", "") or ""
-    if field.startswith("sampling.structured_outputs"):
-        pass
-    elif isinstance(exc, InvalidRequestError) and field not in ("sampling", ""):
-        return exc
-    elif not _mentions_constraint(str(exc)):
-        return exc
-    message = str(exc)
-    if isinstance(exc, InvalidRequestError) and message.startswith(f"{field}: "):
-        message = message[len(field) + 2:]
-    return InvalidRequestError(f"sampling.structured_outputs.{so.kind}", message)
-
-
-def _mentions_constraint(message: str) -> bool:
-    words = ("grammar", "regex", "json", "schema", "choice", "structured", "xgrammar")
-    return any(word in message.lower() for word in words)
 
 
 class VLLMBackend:
