@@ -13,3 +13,14 @@ class TestSGLangEngine(BackendContract):
     def make_backend(cls):
         return lambda model: rollout.load_backend("sglang", model=str(model), mode="engine",
                                                   **ENGINE)
+
+    def test_raw_logprobs_it_cannot_give_are_refused(self, harness):
+        # SGLang's logprobs come after penalties; their raw values are recomputed by a
+        # prefill, which knows no constraint: that one case is refused, not approximated.
+        refused, fine = harness.backend.generate([
+            {"prompt": "the ka lo", "sampling": {"logprobs": 1, "repetition_penalty": 1.2,
+                                                 "structured_outputs": {"regex": "ka"}}},
+            {"prompt": "the ka lo", "sampling": {"logprobs": 1, "repetition_penalty": 1.2,
+                                                 "max_tokens": 4}}])
+        assert refused.error.field == "sampling.logprobs"
+        assert len(fine.unwrap()[0].logprobs) == fine.unwrap()[0].completion_tokens

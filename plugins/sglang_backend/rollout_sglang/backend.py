@@ -33,9 +33,8 @@ ABORT_RETRY_S = 5.0  # how long an abort keeps chasing a request SGLang has not 
 # JSON (a random model otherwise loops on whitespace); `engine_args` may override.
 ENGINE_DEFAULTS = {"grammar_backend": "xgrammar",
                    "constrained_json_disable_any_whitespace": True,
-                   # The prompt's share of the repetition penalty (processors.py), which
-                   # needs each request's output up to date when it runs: the overlap
-                   # scheduler hands it the output one token late.
+                   # The penalties (processors.py), which need each request's output up
+                   # to date when they run: the overlap scheduler hands it one token late.
                    "enable_custom_logit_processor": True,
                    "disable_overlap_schedule": True}
 
@@ -104,7 +103,7 @@ class SGLangBackend:
                 "sleep_on_idle": True, "log_level": "error",
                 "enable_memory_saver": device != "cpu", **ENGINE_DEFAULTS,
                 **(engine_args or {})}
-        self.prompt_penalty = args["enable_custom_logit_processor"] and \
+        self.penalties = args["enable_custom_logit_processor"] and \
             args["disable_overlap_schedule"]
         self.engine = InProcessEngine(args, startup_timeout) if mode == "engine" else \
             ServerEngine(args, startup_timeout, request_timeout)
@@ -143,11 +142,7 @@ class SGLangBackend:
     async def _one(self, request):
         try:
             prompt = self.prompts.encode(request)
-            if request.sampling.repetition_penalty != 1.0 and not self.prompt_penalty:
-                raise InvalidRequestError(
-                    "sampling.repetition_penalty", "this engine's repetition penalty would "
-                    "leave out the prompt (engine_args turn off the custom logit processor "
-                    "or on the overlap scheduler)", "1.0, or the backend's default engine_args")
+            self._check_sampling(request.sampling)
         except InvalidRequestError as exc:
             return exc
         # Like the other backends, generation stops at the context length (reason "length");
@@ -164,8 +159,7 @@ class SGLangBackend:
                 *(self.engine.generate(protocol.generate_body(rid, prompt, s)) for rid in rids))
             samples = [self._stop_at_strings(_stop_at_tokens(
                 protocol.parse_output(o, s.logprobs), s), s) for o in outs]
-            if s.logprobs is not None and s.structured_outputs is None \
-                    and protocol.reshapes_logprobs(s):
+            if s.logprobs is not None and protocol.reshapes_logprobs(s):
                 samples = await asyncio.gather(*(self._raw_logprobs(prompt, x, s.logprobs)
                                                  for x in samples))
         except RolloutError as exc:
@@ -179,11 +173,25 @@ class SGLangBackend:
             self._aborted.discard(request.id)
         return [self._result(request, sample, len(prompt), i) for i, sample in enumerate(samples)]
 
+    def _check_sampling(self, s) -> None:
+        """What SGLang cannot do as the contract says is refused, never done otherwise."""
+        if s.logprobs is not None and s.structured_outputs is not None \
+                and protocol.reshapes_logprobs(s):
+            raise InvalidRequestError(
+                "sampling.logprobs", "SGLang's logprobs come after penalties, bias and "
+                "min_tokens, and the raw ones cannot be recomputed under a constraint",
+                "no logprobs, or no penalties, logit_bias or min_tokens with a constraint")
+        if protocol.penalized(s) and not self.penalties:
+            raise InvalidRequestError(
+                "sampling.repetition_penalty", "the penalties need SGLang's custom logit "
+                "processor and no overlap scheduler, which engine_args changed",
+                "no penalties, or the backend's default engine_args")
+
     async def _raw_logprobs(self, prompt: list[int], sample: protocol.Sample,
                             logprobs: int) -> protocol.Sample:
         """The sample's logprobs from a scoring prefill: the raw model's, as the contract
-        wants, where SGLang's own are after penalties, bias and the min_tokens ban. (Under
-        a constraint the mask cannot be re-applied this way: SGLang's values stay.)"""
+        wants, where SGLang's own are after penalties, bias and the min_tokens ban. (A
+        prefill knows no constraint: _check_sampling refuses that case.)"""
         if not sample.token_ids:
             return sample
         out = await self.engine.generate(

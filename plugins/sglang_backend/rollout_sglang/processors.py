@@ -1,38 +1,53 @@
-"""A custom logit processor that makes SGLang's repetition penalty cover the prompt.
+"""Rollout's penalties for SGLang, as a custom logit processor.
 
-SGLang's penalizer counts the output's tokens only (BatchedRepetitionPenalizer); rollout's
-definition, like vLLM's, covers every token seen in the prompt or the output. This adds the
-prompt's tokens not yet in the output, with the same formula, so each seen token is
-penalised once. It runs in SGLang's scheduler (`--enable-custom-logit-processor`), which
-imports it from this installed package; `__req__` is the request SGLang hands to custom
-processors.
+SGLang's own penalizers differ from the definition every backend shares (vLLM's): its
+repetition penalty covers the output only, not the prompt, and it applies its penalties
+before the logit bias, where vLLM applies them after. This processor applies the
+repetition penalty over the prompt and the output, then the frequency and presence
+penalties over the output, to logits that already carry the bias and the min_new_tokens
+ban, so the order and the formulas are docs/sampling.md's. It runs in SGLang's scheduler
+(`--enable-custom-logit-processor`), which imports it from this installed package, and
+reads the request from the `__req__` that SGLang hands custom processors. The request's
+output must be up to date when it runs: SGLang's overlap scheduler hands it one token late.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
+NEUTRAL = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
-class PromptRepetitionPenalty(CustomLogitProcessor):
+
+class Penalties(CustomLogitProcessor):
     def __call__(self, logits: torch.Tensor, custom_param_list=None) -> torch.Tensor:
         for row, params in enumerate(custom_param_list or ()):
-            penalty = params["repetition_penalty"]
             request = params["__req__"]
-            if "_prompt" not in params:  # the same dict every step: computed once
-                params["_prompt"] = set(request.origin_input_ids)
-            ids = params["_prompt"].difference(request.output_ids)
-            if not ids:
-                continue
-            index = torch.tensor(sorted(ids), device=logits.device)
-            z = logits[row, index]
-            logits[row, index] = torch.where(z > 0, z / penalty, z * penalty)
+            # The same dict every step: the counts grow by the tokens made since the last.
+            state = params.setdefault("_state", {"prompt": set(request.origin_input_ids),
+                                                 "counts": Counter(), "done": 0})
+            counts = state["counts"]
+            counts.update(request.output_ids[state["done"]:])
+            state["done"] = len(request.output_ids)
+            r = params["repetition_penalty"]
+            if r != 1.0:
+                ids = torch.tensor(sorted(state["prompt"] | counts.keys()), device=logits.device)
+                z = logits[row, ids]
+                logits[row, ids] = torch.where(z > 0, z / r, z * r)
+            if counts:
+                ids = torch.tensor(list(counts), device=logits.device)
+                made = torch.tensor(list(counts.values()), dtype=logits.dtype,
+                                    device=logits.device)
+                logits[row, ids] -= (params["frequency_penalty"] * made
+                                     + params["presence_penalty"])
         return logits
 
 
-def prompt_penalty_fields(repetition_penalty: float) -> dict:
-    """What a generate body carries for the prompt's share of the repetition penalty."""
-    if repetition_penalty == 1.0:
+def penalty_fields(s) -> dict:
+    """The generate body's fields for a request's penalties; none when it has none."""
+    given = {name: getattr(s, name) for name in NEUTRAL}
+    if given == NEUTRAL:
         return {}
-    return {"custom_logit_processor": PromptRepetitionPenalty.to_str(),
-            "custom_params": {"repetition_penalty": repetition_penalty}}
+    return {"custom_logit_processor": Penalties.to_str(), "custom_params": given}

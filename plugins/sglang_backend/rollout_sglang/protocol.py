@@ -49,8 +49,8 @@ def sampling_body(s: SamplingParams) -> dict:
             # sample on one before min_new_tokens).
             "max_new_tokens": s.max_tokens, "stop": [] if s.min_tokens else list(s.stop),
             "stop_token_ids": list(s.stop_token_ids), "ignore_eos": s.ignore_eos,
-            "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
-            "frequency_penalty": s.frequency_penalty, "min_p": s.min_p,
+            # Penalties go to the backend's custom logit processor (processors.py).
+            "min_p": s.min_p,
             "min_new_tokens": s.min_tokens,
             # SGLang's keys are strings (SamplingParams.logit_bias: Dict[str, float]).
             "logit_bias": {str(t): float(b) for t, b in s.logit_bias.items()} or None,
@@ -101,10 +101,10 @@ def generate_body(rid: str, prompt: list[int], s: SamplingParams) -> dict:
     SGLang's own `n` replaces the rids and its samples could then not be aborted."""
     body = {"rid": rid, "input_ids": prompt, "sampling_params": sampling_body(s),
             "stream": False}
-    if s.repetition_penalty != 1.0:
-        from rollout_sglang.processors import prompt_penalty_fields
+    if penalized(s):
+        from rollout_sglang.processors import penalty_fields
 
-        extra = prompt_penalty_fields(s.repetition_penalty)
+        extra = penalty_fields(s)
         body["custom_logit_processor"] = extra["custom_logit_processor"]
         body["sampling_params"]["custom_params"] = extra["custom_params"]
     if s.logprobs is not None:
@@ -112,12 +112,15 @@ def generate_body(rid: str, prompt: list[int], s: SamplingParams) -> dict:
     return body
 
 
+def penalized(s: SamplingParams) -> bool:
+    return s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
+
+
 def reshapes_logprobs(s: SamplingParams) -> bool:
-    """SGLang computes output logprobs from the logits after penalties, logit_bias and
-    the min_new_tokens ban (ModelRunner._preprocess_logits applies them in place before
-    Sampler.forward takes its log_softmax), where the contract wants the raw model's."""
-    return (s.repetition_penalty != 1.0 or s.presence_penalty != 0.0
-            or s.frequency_penalty != 0.0 or bool(s.logit_bias) or s.min_tokens > 0)
+    """SGLang computes output logprobs from the logits after logit_bias, the min_new_tokens
+    ban (ModelRunner._preprocess_logits applies them in place) and custom processors (the
+    penalties) where the contract wants the raw model's."""
+    return penalized(s) or bool(s.logit_bias) or s.min_tokens > 0
 
 
 def score_body(rid: str, prompt: list[int], tokens: list[int], logprobs: int) -> dict:
