@@ -1,8 +1,10 @@
 """The SGLang backend against SGLang called directly, side by side in one process.
 
 Throughput: 256 prompts x 64 sampled tokens (EOS ignored), through `rollout` (engine mode)
-and through `sglang.Engine.generate` on one batch, with the same engine settings; rounds
-alternate and medians are compared. Target: ratio >= 0.97.
+and through `sglang.Engine.generate` on one batch, with the same engine settings (the
+backend's defaults included: no overlap scheduler, for its penalties); rounds alternate and
+medians are compared. Target: ratio >= 0.97. With `--overlap`, a third engine with SGLang's
+overlap scheduler on prices that default.
 
 Run in the SGLang environment (scripts/env.sh sglang), from the repository root:
     python bench/bench_sglang.py [--prompts 256] [--tokens 64] [--rounds 3]
@@ -23,6 +25,8 @@ SETTINGS = {"dtype": "float32"}
 
 def main() -> None:
     parser = workload_parser()
+    parser.add_argument("--overlap", action="store_true",
+                        help="also time SGLang with its overlap scheduler on")
     args = parser.parse_args()
 
     import torch
@@ -40,8 +44,11 @@ def main() -> None:
         model = str(build_tiny_model(tmp))
         backend = rollout.load_backend("sglang", model=model, mode="engine", **SETTINGS)
         inner = backend._backend
+        from rollout_sglang.backend import ENGINE_DEFAULTS
+
         llm = sglang.Engine(model_path=model, device=inner.device, max_total_tokens=4096,
-                            random_seed=0, sleep_on_idle=True, log_level="error", **SETTINGS)
+                            random_seed=0, sleep_on_idle=True, log_level="error",
+                            **ENGINE_DEFAULTS, **SETTINGS)
         texts = prompts(args.prompts)
         ids = [inner.tokenizer(t).input_ids for t in texts]
         requests = [{"prompt_token_ids": p, "sampling": {"temperature": 1.0, "max_tokens":
@@ -68,6 +75,15 @@ def main() -> None:
         print(f"  rollout sglang backend:        {a:7.3f} s  {total / a:9.1f} tokens/s")
         print(f"  throughput ratio (rollout / direct): {b / a:.3f}  (target >= 0.97)")
         llm.shutdown()
+        if args.overlap:
+            overlapped = sglang.Engine(
+                model_path=model, device=inner.device, max_total_tokens=4096, random_seed=0,
+                sleep_on_idle=True, log_level="error", **SETTINGS)
+            c = statistics.median(timed(lambda: overlapped.generate(
+                input_ids=ids, sampling_params=params)) for _ in range(args.rounds))
+            print(f"  sglang with its overlap scheduler: {c:7.3f} s  {total / c:9.1f} tokens/s"
+                  f"  (backend / overlapped: {c / a:.3f})")
+            overlapped.shutdown()
         backend.close()
 
 
