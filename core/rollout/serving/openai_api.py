@@ -365,19 +365,17 @@ class ToolUse:
         # Without parallel calls the first one is the call; "required" asked for one only.
         calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
         message = {"role": "assistant", "content": parsed.content or None}
-        finish_reason = result.finish_reason
         if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": c.arguments}} for c in calls]
-            finish_reason = "tool_calls"
-        else:
-            message["content"] = result.text
         if parsed.errors:  # a call that failed to parse is no final answer: say so
             message["content"] = result.text
             message["tool_call_errors"] = [{"text": e.text, "reason": e.reason}
                                            for e in parsed.errors]
-            finish_reason = TOOL_CALL_ERROR
-        return message, finish_reason
+            return message, TOOL_CALL_ERROR
+        if not calls:
+            return {"role": "assistant", "content": result.text}, result.finish_reason
+        return message, "tool_calls"
 
 
 def _tool(tool: Any, where: str) -> Tool:
@@ -428,8 +426,11 @@ def _structured_outputs(body: dict) -> tuple[dict, str] | None:
             raise bad_field(f"structured_outputs.{extra[0]}", "not supported",
                             ", ".join(STRUCTURED_FIELDS))
         ours = {k: v for k, v in ours.items() if v is not None and v is not False}
-        if ours.pop("json_object", None):
-            ours.setdefault("json", {"type": "object"})
+        if ours.pop("json_object", None):  # any JSON object: a schema that says just that
+            if "json" in ours:
+                raise bad_field("structured_outputs.json_object", "given together with json",
+                                "one of " + ", ".join(STRUCTURED_FIELDS))
+            ours["json"] = {"type": "object"}
         if isinstance(ours.get("json"), str):
             try:
                 ours["json"] = json.loads(ours["json"])
