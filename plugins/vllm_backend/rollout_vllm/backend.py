@@ -4,6 +4,7 @@ OpenAI-compatible server in a child process (`mode="server"`)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 
@@ -68,8 +69,6 @@ def structured_outputs(so: StructuredOutputs | None) -> dict | None:
 
 
 def _has_ebnf_rule(grammar: str) -> bool:
-    import re
-
     return any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
 
 
