@@ -17,6 +17,7 @@ import pytest
 from processes import replicas_of
 
 from rollout.process import HOST, ServerProcess, free_port
+from rollout.testing.serving import CALL_REGEX, TOOLS
 
 KEY = "front-key"
 
@@ -54,6 +55,13 @@ def test_replicas_behind_one_server_survive_one_death_and_503_after_all(front, t
     answer = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0,
                                             messages=[{"role": "user", "content": "hi"}])
     assert answer.choices[0].finish_reason in ("stop", "length")
+    # Tools, a constraint and a bias travel to the replicas in rollout's own schema.
+    called = client.chat.completions.create(
+        model="tiny", max_tokens=128, temperature=1.0, tools=TOOLS,
+        messages=[{"role": "user", "content": "2 + 3?"}],
+        extra_body={"structured_outputs": {"regex": CALL_REGEX}, "logit_bias": {"7": -100}})
+    assert called.choices[0].finish_reason == "tool_calls"
+    assert called.choices[0].message.tool_calls[0].function.name == "add"
     status, body = health(url)
     assert status == 200 and body["healthy"] == 2
 
