@@ -65,6 +65,21 @@ def test_config_file_and_text_prompts(tiny_model, tmp_path):
         r["response_token_ids"][0][:2] for r in first]  # greedy: a prefix
 
 
+def test_the_whole_sampling_vocabulary_from_a_config_file(tiny_model, tmp_path):
+    prompts = write_prompts(tmp_path / "in.parquet", ["the ka lo", "def x"])
+    config = tmp_path / "job.yaml"
+    config.write_text(f"backend: hf\nmodel: {tiny_model}\ninput: {prompts}\n"
+                      f"output: {tmp_path / 'out.parquet'}\n"
+                      "sampling: {n: 3, temperature: 1.0, max_tokens: 16, min_p: 0.05,\n"
+                      "  repetition_penalty: 1.2, frequency_penalty: 0.5, min_tokens: 1,\n"
+                      "  logit_bias: {5: -100},\n"
+                      "  structured_outputs: {choice: ['yes', 'no', maybe]}}\n")  # YAML: yes is true
+    rollout_cli("generate", "--config", config)
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert all(set(r["responses"]) <= {"yes", "no", "maybe"} for r in rows)
+    assert all(r["error"] is None and len(r["responses"]) == 3 for r in rows)
+
+
 def test_a_bad_row_fails_alone(tiny_model, tmp_path):
     rows = [[{"role": "user", "content": "hi"}], [{"role": "robot", "content": "x"}],
             [{"role": "user", "content": "the ka"}]]
