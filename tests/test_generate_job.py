@@ -154,4 +154,6 @@ def test_killed_job_resumes_without_losing_or_repeating_rows(tiny_model, tmp_pat
 def test_backends_command_lists_hf_with_capabilities():
     result = rollout_cli("backends")
     assert "hf  (rollout-hf" in result.stdout
-    assert "images          no: the HF backend serves text-only models" in result.stdout
+    lines = [line.split(None, 1) for line in result.stdout.splitlines()[1:]]
+    assert ["images", "no: the HF backend serves text-only models"] in lines
+    assert ["structured_outputs.grammar", "yes"] in lines and ["tools", "yes"] in lines

@@ -45,9 +45,10 @@ def backends() -> None:
             click.echo("  capabilities: reported once loaded")
             continue
         caps = describe()
+        width = max(map(len, CAPABILITIES))
         for capability in CAPABILITIES:
             mark = "yes" if caps.supports(capability) else f"no: {caps.unsupported[capability]}"
-            click.echo(f"  {capability:15} {mark}")
+            click.echo(f"  {capability:{width}} {mark}")
 
 
 @main.command("tiny-model")
