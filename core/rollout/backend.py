@@ -29,6 +29,7 @@ from rollout.schemas import TAGS, Capabilities, Completion, Request
 HOOKS_FOR = {"release": ("release", "resume"), "update_weights": ("update_weights",),
              "abort": ("abort",)}
 LIFECYCLE_TIMEOUT_S = 600.0
+ABORT_RESEND_S = 0.5  # a timed-out call's abort is sent again this often until it returns
 
 
 class Rollout:
@@ -125,18 +126,25 @@ class Rollout:
                     f"{self.capabilities.unsupported[capability]}")
 
     def _generate_hook(self, requests: list[Request], timeout: float | None) -> list:
-        timer = None
+        done = threading.Event()
         if timeout is not None:
             self.capabilities.require("abort")
             ids = [r.id for r in requests]
-            timer = threading.Timer(timeout, self._pm.hook.abort, kwargs={"request_ids": ids})
-            timer.daemon = True
-            timer.start()
+
+            def abort_when_late():
+                # Sent again until the call returns: a starved process may reach the
+                # backend's registration of these requests only after a first abort.
+                if not done.wait(timeout):
+                    while True:
+                        self._pm.hook.abort(request_ids=ids)
+                        if done.wait(ABORT_RESEND_S):
+                            return
+
+            threading.Thread(target=abort_when_late, name="rollout-timeout", daemon=True).start()
         try:
             outputs = self._pm.hook.generate(requests=requests)
         finally:
-            if timer is not None:
-                timer.cancel()
+            done.set()
         if not isinstance(outputs, list) or len(outputs) != len(requests):
             raise BackendContractError(
                 f"backend {self.name!r}: generate returned {type(outputs).__name__} "
