@@ -47,8 +47,11 @@ def _stop_at_tokens(sample: protocol.Sample, s) -> protocol.Sample:
         return sample
     stops = set(s.stop_token_ids)
     end = next((i + 1 for i, t in enumerate(sample.token_ids) if t in stops), None)
-    if end is None:
-        return sample
+    return sample if end is None else _stopped_at(sample, end)
+
+
+def _stopped_at(sample: protocol.Sample, end: int) -> protocol.Sample:
+    """The sample's first `end` tokens (and their logprobs), ended by a stop."""
     return protocol.Sample(sample.token_ids[:end], "stop",
                            sample.logprobs[:end] if sample.logprobs is not None else None,
                            sample.top_logprobs[:end] if sample.top_logprobs is not None
@@ -211,10 +214,7 @@ class SGLangBackend:
             return sample
         end = next(k for k in range(s.min_tokens + 1, len(tokens) + 1)
                    if len(self.prompts.decode(tokens[:k])) >= match[1])
-        return protocol.Sample(tokens[:end], "stop",
-                               sample.logprobs[:end] if sample.logprobs is not None else None,
-                               sample.top_logprobs[:end] if sample.top_logprobs is not None
-                               else None)
+        return _stopped_at(sample, end)
 
     def _result(self, request, sample: protocol.Sample, prompt_tokens: int, index: int) -> Result:
         text = self.prompts.decode(sample.token_ids)
