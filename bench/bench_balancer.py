@@ -17,11 +17,11 @@ import statistics
 import tempfile
 import time
 
-from rollout import convert
-from rollout.schemas import Request
-from rollout.serving.pool import ReplicaPool
-from rollout.serving.replicas import start_replicas
-from rollout.tiny_model import build_tiny_model
+from rollout.contract import convert
+from rollout.contract.schemas import Request
+from rollout.apps.serving.pool import ReplicaPool
+from rollout.apps.serving.replicas import start_replicas
+from rollout.kit.tiny_model import build_tiny_model
 
 from common import prompts
 

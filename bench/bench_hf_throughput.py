@@ -13,7 +13,7 @@ import tempfile
 import time
 
 import rollout
-from rollout.tiny_model import build_tiny_model
+from rollout.kit.tiny_model import build_tiny_model
 
 from common import prompts
 

@@ -17,8 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-from rollout.datasets.humaneval import load_problems
-from rollout.judges import ProgramTests, Sample, load_judge
+from rollout.apps.datasets.humaneval import load_problems
+from rollout.apps.judges import ProgramTests, Sample, load_judge
 
 from common import timed
 

@@ -20,8 +20,8 @@ import time
 import aiohttp
 
 import rollout
-from rollout.process import HOST, ServerProcess, free_port
-from rollout.tiny_model import build_tiny_model
+from rollout.kit.process import HOST, ServerProcess, free_port
+from rollout.kit.tiny_model import build_tiny_model
 
 
 def percentile(values: list[float], q: float) -> float:

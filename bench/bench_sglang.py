@@ -8,7 +8,7 @@ overlap scheduler on prices that default.
 
 Run in the SGLang environment (scripts/env.sh sglang), from the repository root:
     python bench/bench_sglang.py [--prompts 256] [--tokens 64] [--rounds 3]
-Without a GPU it loads the test-only CPU scaffolding from tests/sglang/conftest.py.
+Without a GPU it loads the test-only CPU scaffolding from plugins/sglang_backend/tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ def main() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "sglang"))
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plugins" / "sglang_backend" / "tests"))
         import conftest  # noqa: F401 - sets up the CPU scaffolding on import
 
     import sglang
 
     import rollout
-    from rollout.tiny_model import build_tiny_model
+    from rollout.kit.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_tiny_model(tmp))

@@ -36,7 +36,7 @@ def main() -> None:
 
     import rollout
     from rollout.testing.models import load_weights
-    from rollout.tiny_model import build_tiny_model
+    from rollout.kit.tiny_model import build_tiny_model
     from vllm import LLM, SamplingParams, TokensPrompt
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -33,7 +33,7 @@ def main() -> None:
     import aiohttp
 
     import rollout
-    from rollout.tiny_model import build_tiny_model
+    from rollout.kit.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_tiny_model(tmp))

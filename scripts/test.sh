@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 (
   source scripts/env.sh hf requirements/test.txt requirements/ray.txt
   pip install -q --no-deps -e . -e plugins/hf_backend
-  python -m pytest tests --ignore=tests/vllm --ignore=tests/sglang "$@"
+  python -m pytest tests plugins/hf_backend/tests "$@"
 )
 
 # The vLLM backend on the real engine (CPU build), in its own environment; the HF backend
@@ -17,11 +17,11 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 (
   source scripts/env.sh vllm requirements/test.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
-  python -m pytest tests/vllm "$@"
+  python -m pytest plugins/vllm_backend/tests "$@"
 )
 
 # The SGLang backend on the real engine (the PyPI wheel, a CUDA build, run on CPU with the
-# test-only driver stub and start-up shim in tests/sglang/cpu/, which need gcc), in its
+# test-only driver stub and start-up shim in plugins/sglang_backend/tests/cpu/, which need gcc), in its
 # own environment; the HF backend is installed beside it for the cross-engine comparison.
 (
   # vLLM's serving benchmark runs against the SGLang backend from the vLLM environment.
@@ -29,5 +29,5 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   export ROLLOUT_VLLM_PYTHON
   source scripts/env.sh sglang requirements/test.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/sglang_backend
-  python -m pytest tests/sglang "$@"
+  python -m pytest plugins/sglang_backend/tests "$@"
 )

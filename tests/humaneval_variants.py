@@ -6,8 +6,8 @@ from __future__ import annotations
 import functools
 import secrets
 
-from rollout.datasets.humaneval import load_problems
-from rollout.judges import ProgramTests, Sample
+from rollout.apps.datasets.humaneval import load_problems
+from rollout.apps.judges import ProgramTests, Sample
 
 # Lines put at the start of the function body, and the status each must get.
 BROKEN = {

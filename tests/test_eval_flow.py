@@ -16,10 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollout.errors import InvalidRequestError
-from rollout.judges import STATUSES, ProgramTests, StdioTests, parse_tests
-from rollout.judges.extract import extract_code, syntax_error
-from rollout.metrics import ks_for, pass_at_k, summarize
+from rollout.contract.errors import InvalidRequestError
+from rollout.apps.judges import STATUSES, ProgramTests, StdioTests, parse_tests
+from rollout.apps.judges.extract import extract_code, syntax_error
+from rollout.apps.metrics import ks_for, pass_at_k, summarize
 from test_generate_job import rollout_cli
 
 

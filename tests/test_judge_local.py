@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from humaneval_variants import (ESCAPE_PATH, KINDS, VARIANT_PROBLEMS, broken, canonical,
                                 expected, problems)
-from rollout.errors import InvalidRequestError
-from rollout.judges import STATUSES, ProgramTests, Sample, StdioTests, load_judge
-from rollout.judges.local import isolation
+from rollout.contract.errors import InvalidRequestError
+from rollout.apps.judges import STATUSES, ProgramTests, Sample, StdioTests, load_judge
+from rollout.apps.judges.local import isolation
 
 PR_SET_CHILD_SUBREAPER = 36
 

@@ -4,14 +4,14 @@ import sys
 
 import pytest
 
-from rollout.errors import PluginLoadError
-from rollout.judges import ProgramTests, Sample, available_judges, load_judge
+from rollout.contract.errors import PluginLoadError
+from rollout.apps.judges import ProgramTests, Sample, available_judges, load_judge
 
 # A judge that runs nothing and says every program passed: enough to test discovery and
 # that a plugin only has to say how one case runs.
 OPTIMIST = '''
-from rollout.judges.base import Judge
-from rollout.judges.harness import Limits, Outcome
+from rollout.apps.judges.base import Judge
+from rollout.apps.judges.harness import Limits, Outcome
 
 
 class Optimist(Judge):

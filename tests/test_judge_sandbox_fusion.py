@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from humaneval_variants import KINDS, VARIANT_PROBLEMS, broken, canonical, problems
-from rollout.errors import InvalidRequestError
-from rollout.judges import ProgramTests, Sample, StdioTests, load_judge
-from rollout.judges.sandbox_fusion import ENDPOINT_ENV
+from rollout.contract.errors import InvalidRequestError
+from rollout.apps.judges import ProgramTests, Sample, StdioTests, load_judge
+from rollout.apps.judges.sandbox_fusion import ENDPOINT_ENV
 
 ENDPOINT = os.environ.get(ENDPOINT_ENV)
 real_server = pytest.mark.skipif(

@@ -7,7 +7,7 @@ import pytest
 
 import rollout
 from rollout import PluginLoadError, UnknownBackendError
-from rollout.plugins import BLOCK_ENV, available_backends
+from rollout.contract.plugins import BLOCK_ENV, available_backends
 
 # A backend that is no engine at all: it returns the prompt's token ids reversed. It tests
 # discovery and the contract checks of registration, nothing an engine does.

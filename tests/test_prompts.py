@@ -4,8 +4,9 @@ template that would drop them is an error naming the field."""
 import pytest
 from transformers import AutoTokenizer
 
-from rollout import InvalidRequestError, Request, convert
-from rollout.prompts import PromptEncoder
+from rollout import InvalidRequestError, Request
+from rollout.contract import convert
+from rollout.kit.prompts import PromptEncoder
 
 ADD = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
 CALLED = [{"role": "user", "content": "add 1"},

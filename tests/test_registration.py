@@ -155,7 +155,7 @@ def test_agenerate_from_an_event_loop():
 
 
 def test_results_serialize_with_their_token_count():
-    from rollout import convert
+    from rollout.contract import convert
 
     result = Result("r", 0, (1, 2, 3), "abc", "stop", 4)
     data = convert.unstructure(result)

@@ -2,7 +2,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout import InvalidRequestError, Message, Request, SamplingParams, TextPart, convert
+from rollout import InvalidRequestError, Message, Request, SamplingParams, TextPart
+from rollout.contract import convert
 from rollout.testing.strategies import CORRUPTIONS, requests
 
 

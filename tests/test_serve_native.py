@@ -7,10 +7,10 @@ import aiohttp
 import pytest
 
 import rollout
-from rollout import convert
-from rollout.schemas import Completion
-from rollout.serving.app import ServerThread
-from rollout.serving.service import BackendService
+from rollout.contract import convert
+from rollout.contract.schemas import Completion
+from rollout.apps.serving.app import ServerThread
+from rollout.apps.serving.service import BackendService
 
 
 @pytest.fixture(scope="module")

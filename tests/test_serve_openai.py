@@ -10,8 +10,8 @@ import openai
 import pytest
 
 import rollout
-from rollout.errors import EngineDeadError, NoReplicaError, RolloutTimeoutError
-from rollout.serving.app import ServerThread
+from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutTimeoutError
+from rollout.apps.serving.app import ServerThread
 from rollout.testing.serving import CHAT, ServerContract, http
 
 
@@ -67,8 +67,8 @@ def test_a_service_that_cannot_serve_is_a_503_or_504(error, status):
 
 SERVE_SCRIPT = """
 import asyncio, sys, rollout
-from rollout.serving.app import serve
-from rollout.serving.service import BackendService
+from rollout.apps.serving.app import serve
+from rollout.apps.serving.service import BackendService
 
 class Service(BackendService):
     async def close(self):

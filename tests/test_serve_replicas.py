@@ -16,7 +16,7 @@ import pytest
 
 from processes import replicas_of
 
-from rollout.process import HOST, ServerProcess, free_port
+from rollout.kit.process import HOST, ServerProcess, free_port
 from rollout.testing.serving import CALL_REGEX, TOOLS
 
 KEY = "front-key"

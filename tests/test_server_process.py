@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.process import ServerProcess
+from rollout.kit.process import ServerProcess
 
 # A server that starts a worker in its process group; the worker ignores SIGTERM, as an
 # engine's busy worker may, and so outlives the server.
@@ -63,7 +63,7 @@ def test_server_gets_sigterm_when_its_owner_dies(tmp_path):
     pid_file = tmp_path / "server.pid"
     owner = textwrap.dedent(f"""
         import os, sys
-        from rollout.process import ServerProcess
+        from rollout.kit.process import ServerProcess
         server = ServerProcess("test", [sys.executable, "-c", "import time; time.sleep(600)"],
                                die_with_parent=True)
         open({str(pid_file)!r}, "w").write(f"{{server.proc.pid}}\\n")

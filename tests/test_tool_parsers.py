@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from rollout import InvalidRequestError, Tool
-from rollout.tool_parsers import available_tool_parsers, forced, load_tool_parser
+from rollout.apps.tool_parsers import available_tool_parsers, forced, load_tool_parser
 
 ADD = Tool("add", "add two numbers", {"type": "object", "properties": {
     "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]})
@@ -80,7 +80,7 @@ def test_an_unknown_parser_names_the_installed_ones():
 
 
 PIPE_PARSER = '''
-from rollout.tool_parsers import ParsedMessage, make_call
+from rollout.apps.tool_parsers import ParsedMessage, make_call
 
 
 class PipeParser:

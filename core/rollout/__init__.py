@@ -3,7 +3,7 @@
 Importing this package is cheap: no torch or engine is imported until a backend is loaded.
 """
 
-from rollout.errors import (
+from rollout.contract.errors import (
     BackendContractError,
     BackendReleasedError,
     EngineDeadError,
@@ -16,8 +16,8 @@ from rollout.errors import (
     UnknownBackendError,
     UnsupportedError,
 )
-from rollout.hookspecs import hookimpl
-from rollout.schemas import (
+from rollout.contract.hookspecs import hookimpl
+from rollout.contract.schemas import (
     Capabilities,
     Completion,
     ImagePart,
@@ -31,8 +31,8 @@ from rollout.schemas import (
     Tool,
     ToolCall,
 )
-from rollout.backend import Rollout, load_backend
-from rollout.plugins import available_backends
+from rollout.api import Rollout, load_backend
+from rollout.contract.plugins import available_backends
 
 __version__ = "0.1.0"
 

@@ -1,3 +1,3 @@
-from rollout.cli import main
+from rollout.apps.cli import main
 
 main()

@@ -10,7 +10,7 @@ WEIGHTS_FILE = "model.safetensors"
 
 def tiny_model_dir(root: str | Path, seed: int = 0) -> Path:
     """Build the tiny model under `root` once; later calls reuse it."""
-    from rollout.tiny_model import build_tiny_model
+    from rollout.kit.tiny_model import build_tiny_model
 
     out = Path(root) / f"tiny-{seed}"
     if not (out / WEIGHTS_FILE).exists():

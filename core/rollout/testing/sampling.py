@@ -15,7 +15,7 @@ import re
 import pytest
 
 from rollout import InvalidRequestError, Tool
-from rollout.tool_parsers import load_tool_parser
+from rollout.apps.tool_parsers import load_tool_parser
 
 PROMPT = "the ka lo"
 REPEATING = "1 2 3 +"  # greedy output repeats tokens here, so every penalty changes it

@@ -17,8 +17,8 @@ import urllib.request
 import openai
 import pytest
 
-from rollout.serving.app import ServerThread
-from rollout.serving.service import BackendService
+from rollout.apps.serving.app import ServerThread
+from rollout.apps.serving.service import BackendService
 
 KEY = "test-key"
 MODEL = "tiny"

@@ -38,7 +38,7 @@ def check_vllm_bench(bench_python: str, backend: str, model_dir: str,
                      options: dict | None = None, prompts: int = 32) -> list[dict]:
     """Serve `backend` with `rollout serve`, run the benchmark on both endpoints; every
     request must succeed."""
-    from rollout.process import ServerProcess, free_port
+    from rollout.kit.process import ServerProcess, free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "rollout", "serve", "--backend", backend, "--model",

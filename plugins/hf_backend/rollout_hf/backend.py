@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rollout
 from rollout import Capabilities, InvalidRequestError, Request
-from rollout.buckets import unpack
-from rollout.prompts import PromptEncoder
+from rollout.kit.buckets import unpack
+from rollout.kit.prompts import PromptEncoder
 
 from rollout_hf.decode import Row, decode_batch
 from rollout_hf.grammars import Grammars

@@ -14,8 +14,8 @@ from collections import OrderedDict
 import torch
 
 from rollout import InvalidRequestError
-from rollout.schemas import StructuredOutputs
-from rollout.structured import choice_grammar
+from rollout.contract.schemas import StructuredOutputs
+from rollout.kit.structured import choice_grammar
 
 ALLOWED = {
     "regex": "a regular expression that xgrammar can compile",

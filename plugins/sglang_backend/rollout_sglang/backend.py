@@ -16,10 +16,10 @@ import attrs
 
 import rollout
 from rollout import Capabilities, InvalidRequestError, Result, RolloutError, TokenLogprob
-from rollout.buckets import DEFAULT_BUCKET_BYTES
-from rollout.checkpoint import checkpoint_shapes
-from rollout.prompts import PromptEncoder, prompt_field
-from rollout.structured import constraint_error
+from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
+from rollout.kit.checkpoint import checkpoint_shapes
+from rollout.kit.prompts import PromptEncoder, prompt_field
+from rollout.kit.structured import constraint_error
 
 from rollout_sglang import protocol
 from rollout_sglang.engines import InProcessEngine, ServerEngine

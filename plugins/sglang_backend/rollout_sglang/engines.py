@@ -21,8 +21,8 @@ import time
 import weakref
 
 from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
-from rollout.aio import LoopThread, client_session
-from rollout.process import HOST, ServerProcess, cli_flags, free_port
+from rollout.kit.aio import LoopThread, client_session
+from rollout.kit.process import HOST, ServerProcess, cli_flags, free_port
 
 from rollout_sglang import protocol
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from rollout import GenerationError, InvalidRequestError, RolloutError
-from rollout.schemas import SamplingParams, StructuredOutputs
-from rollout.structured import choice_grammar
+from rollout.contract.schemas import SamplingParams, StructuredOutputs
+from rollout.kit.structured import choice_grammar
 
 # body name -> (module, class) in sglang.srt
 STRUCTS = {

@@ -1,12 +1,12 @@
-"""Preparing weight updates for SGLang, after the checks of `rollout.checkpoint` (SGLang
+"""Preparing weight updates for SGLang, after the checks of `rollout.kit.checkpoint` (SGLang
 silently ignores unknown names, and a wrong shape kills its scheduler)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from rollout.buckets import Bucket
-from rollout.checkpoint import checked_tensors
+from rollout.kit.buckets import Bucket
+from rollout.kit.checkpoint import checked_tensors
 
 
 def checked_groups(buckets: Iterable[Bucket], shapes: dict[str, tuple[int, ...]],

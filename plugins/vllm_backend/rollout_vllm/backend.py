@@ -10,12 +10,12 @@ import uuid
 
 import rollout
 from rollout import Capabilities, InvalidRequestError, Result, RolloutError, TokenLogprob
-from rollout.aio import LoopThread
-from rollout.buckets import DEFAULT_BUCKET_BYTES
-from rollout.checkpoint import checkpoint_shapes
-from rollout.prompts import PromptEncoder
-from rollout.schemas import SamplingParams, StructuredOutputs
-from rollout.structured import constraint_error
+from rollout.kit.aio import LoopThread
+from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
+from rollout.kit.checkpoint import checkpoint_shapes
+from rollout.kit.prompts import PromptEncoder
+from rollout.contract.schemas import SamplingParams, StructuredOutputs
+from rollout.kit.structured import constraint_error
 
 from rollout_vllm.engines import InProcessEngine, Sample, ServerEngine, samples_of
 from rollout_vllm.weights import layer_groups

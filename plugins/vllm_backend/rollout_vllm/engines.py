@@ -22,8 +22,8 @@ import threading
 from typing import NamedTuple
 
 from rollout import EngineDeadError, GenerationError, InvalidRequestError, RolloutError
-from rollout.aio import client_session
-from rollout.process import HOST, ServerProcess, cli_flags, free_port
+from rollout.kit.aio import client_session
+from rollout.kit.process import HOST, ServerProcess, cli_flags, free_port
 
 EXTENSION = "rollout_vllm.worker.WeightUpdateExtension"
 SERVED_NAME = "rollout"

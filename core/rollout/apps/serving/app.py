@@ -1,0 +1,301 @@
+"""The HTTP server in front of a `Service`: the OpenAI routes, rollout's native route, health.
+
+`serve()` runs it until cancelled or SIGTERM and closes the service on the way out;
+`ServerThread` runs the same server on a loop of its own in a background thread, for tests
+and benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from rollout.contract import convert
+from rollout.api import _raw_id
+from rollout.contract.errors import InvalidRequestError, RolloutError
+from rollout.contract.schemas import Completion, Request
+from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
+    model_not_found
+from rollout.apps.serving.service import Service
+from rollout.apps.tool_parsers import DEFAULT_PARSER, load_tool_parser
+
+log = logging.getLogger("rollout.serve")
+
+MAX_BODY_BYTES = 64 << 20
+SHUTDOWN_GRACE_S = 5.0
+
+
+def make_app(service: Service, model_name: str, api_key: str | None = None,
+             tool_parser: str = DEFAULT_PARSER) -> web.Application:
+    load_tool_parser(tool_parser)  # an unknown parser stops the server before it starts
+    routes = _Routes(service, model_name, tool_parser)
+    app = web.Application(client_max_size=MAX_BODY_BYTES,
+                          middlewares=[_errors_middleware, _auth_middleware(api_key)])
+    app.add_routes([
+        web.post("/v1/completions", routes.completions),
+        web.post("/v1/chat/completions", routes.chat),
+        web.get("/v1/models", routes.models),
+        web.get("/v1/models/{model}", routes.model),
+        web.get("/health", routes.health),
+        web.post("/rollout/generate", routes.native_generate),
+    ])
+    return app
+
+
+class _Routes:
+    def __init__(self, service: Service, model_name: str, tool_parser: str):
+        self.service = service
+        self.model_name = model_name
+        self.tool_parser = tool_parser
+        self.started = int(time.time())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, CompletionsCall(await _json(request), self.model_name))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, ChatCall(await _json(request), self.model_name,
+                                                    self.tool_parser))
+
+    async def _openai(self, request: web.Request, call: Call) -> web.StreamResponse:
+        if call.stream:
+            return await _stream(request, self.service, call)
+        completions = await self.service.generate(call.requests)
+        return web.json_response(call.response(completions))
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model_name:
+            raise model_not_found(request.match_info["model"], self.model_name)
+        return web.json_response(self._model())
+
+    def _model(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.started,
+                "owned_by": "rollout"}
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            return web.json_response(await self.service.health())
+        except Exception as exc:  # noqa: BLE001 - any failure means not healthy
+            kind = exc.kind if isinstance(exc, RolloutError) else "unhealthy"
+            raise ApiError(503, f"not healthy: {exc}", type="server_error", code=kind) from None
+
+    async def native_generate(self, request: web.Request) -> web.Response:
+        """Requests and completions in rollout's own schema; a bad request fails alone."""
+        body = await _json(request)
+        items = body.get("requests") if isinstance(body, dict) else None
+        if not isinstance(items, list) or set(body) != {"requests"}:
+            raise ApiError(400, 'the body must be {"requests": [request, ...]}',
+                           param="requests")
+        completions: list[Completion | None] = [None] * len(items)
+        valid: list[tuple[int, Request]] = []
+        seen: set[str] = set()
+        for i, item in enumerate(items):
+            try:
+                parsed = convert.structure(item, Request)
+                if parsed.id in seen:
+                    raise InvalidRequestError("id", f"{parsed.id!r} appears twice in the batch",
+                                              "ids unique within a batch")
+            except InvalidRequestError as exc:
+                completions[i] = Completion(_raw_id(item, i), error=exc)
+                continue
+            seen.add(parsed.id)
+            valid.append((i, parsed))
+        if valid:
+            done = await self.service.generate([r for _, r in valid])
+            for (i, _), completion in zip(valid, done):
+                completions[i] = completion
+        return web.json_response({"completions": [convert.unstructure(c) for c in completions]})
+
+
+async def _json(request: web.Request):
+    try:
+        return json.loads(await request.read())
+    except ValueError as exc:  # bad JSON, or bytes that are not UTF-8
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+
+
+async def _stream(request: web.Request, service: Service, call: Call) -> web.StreamResponse:
+    """Server-sent events. Backends return whole samples, so a choice's text comes in one
+    chunk when its prompt is done; the prompts of one call finish in any order."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+
+    async def send(data: str) -> None:
+        if not response.prepared:
+            await response.prepare(request)
+        await response.write(f"data: {data}\n\n".encode())
+
+    pending = {asyncio.ensure_future(service.generate([r])): i
+               for i, r in enumerate(call.requests)}
+    completions: list[Completion] = []
+    try:
+        for chunk in call.opening_chunks():
+            await send(json.dumps(chunk))
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                completion = task.result()[0]
+                call.check(completion, i)
+                completions.append(completion)
+                for chunk in call.result_chunks(i, completion):
+                    await send(json.dumps(chunk))
+        if call.include_usage:
+            await send(json.dumps(call.usage_chunk(completions)))
+        await send("[DONE]")
+    except ConnectionResetError:  # the client went away
+        return response
+    except Exception as exc:  # noqa: BLE001 - reported to the client, as any other error
+        error = _api_error(exc, request)
+        if not response.prepared:
+            raise error from None  # nothing sent yet: an ordinary error response
+        await send(json.dumps(error.body()))
+    finally:
+        for task in pending:
+            task.cancel()
+    await response.write_eof()
+    return response
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure becomes an OpenAI error body; a traceback goes to the log only."""
+    try:
+        return await handler(request)
+    except Exception as exc:  # noqa: BLE001 - a bug fails this call, not the server
+        if isinstance(exc, web.HTTPException) and exc.status < 400:
+            raise  # a redirect is no error
+        error = _api_error(exc, request)
+    return web.json_response(error.body(), status=error.status)
+
+
+def _api_error(exc: Exception, request: web.Request) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RolloutError):  # the service could serve nothing (no replica, dead)
+        return api_error(exc)
+    if isinstance(exc, web.HTTPException):  # unknown route, wrong method, body too large
+        return ApiError(exc.status, exc.text or exc.reason,
+                        code=exc.reason.lower().replace(" ", "_"))
+    log.exception("%s %s failed", request.method, request.path)
+    return ApiError(500, "internal server error (see the server log)", type="server_error")
+
+
+def _auth_middleware(api_key: str | None):
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def auth(request: web.Request, handler) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode()
+        if expected is not None and not hmac.compare_digest(given, expected):
+            raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                           code="invalid_api_key")
+        return await handler(request)
+
+    return auth
+
+
+# --- running it ---------------------------------------------------------------------------
+
+
+async def serve(service: Service, host: str = "127.0.0.1", port: int = 8000,
+                api_key: str | None = None, model_name: str | None = None,
+                on_started: Callable[[str], None] | None = None,
+                tool_parser: str = DEFAULT_PARSER) -> None:
+    """Serve until cancelled or SIGTERM, then stop taking calls, let running ones finish
+    (a few seconds at most) and close the service. `port=0` picks a free port;
+    `on_started` gets the server's URL once it listens; `tool_parser` reads tool calls
+    out of chat answers (an entry point of `rollout.tool_parsers`)."""
+    app = make_app(service, model_name or service.name, api_key, tool_parser)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, backlog=1024)
+        await site.start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
+        log.info("serving %s at %s", model_name or service.name, url)
+        if on_started is not None:
+            on_started(url)
+        handles_sigterm = _on_sigterm(loop, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            if handles_sigterm:
+                loop.remove_signal_handler(signal.SIGTERM)
+    finally:
+        await runner.cleanup()
+        await service.close()
+
+
+def _on_sigterm(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> bool:
+    try:
+        loop.add_signal_handler(signal.SIGTERM, callback)
+        return True
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
+        return False
+
+
+class ServerThread:
+    """`serve()` on its own event loop in a daemon thread; `.url` once entered.
+
+    with ServerThread(BackendService(engine, "tiny")) as server:
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    """
+
+    def __init__(self, service: Service, api_key: str | None = None,
+                 model_name: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                 start_timeout: float = 30.0, tool_parser: str = DEFAULT_PARSER):
+        self._args = dict(service=service, host=host, port=port, api_key=api_key,
+                          model_name=model_name, tool_parser=tool_parser)
+        self._start_timeout = start_timeout
+        self._started = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rollout-server", daemon=True)
+        self.url = ""
+
+    def _run(self) -> None:
+        async def main():
+            self._loop = asyncio.get_running_loop()
+            self._task = asyncio.current_task()
+            await serve(**self._args, on_started=self._set_url)
+
+        try:
+            asyncio.run(main())
+        except asyncio.CancelledError:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported to the thread that waits
+            self._error = exc
+        finally:
+            self._started.set()
+
+    def _set_url(self, url: str) -> None:
+        self.url = url
+        self._started.set()
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        if not self._started.wait(self._start_timeout):
+            raise TimeoutError(f"the server did not start within {self._start_timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._loop is not None and self._task is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(SHUTDOWN_GRACE_S + 30)

@@ -1,0 +1,59 @@
+"""Where a job or a server gets its samples from, by deployment mode:
+
+- `hybrid`: the backend in this process (a trainer pushes weights to it in process);
+- `colocated`: replica processes on this machine, sharing its devices with the trainer;
+- `standalone`: replicas of their own, placed locally or by Ray over a cluster, or a
+  running `rollout serve` at a URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from rollout.contract.errors import InvalidRequestError
+from rollout.apps.serving.service import Service
+
+MODES = ("hybrid", "colocated", "standalone")
+
+
+def resolve_mode(mode: str | None, replicas: int | None, placement: str,
+                 server: str | None) -> str:
+    """The mode asked for, checked against the other settings, or the one they imply."""
+    if mode is None:
+        if server or placement == "ray":
+            return "standalone"
+        return "colocated" if replicas else "hybrid"
+    if mode not in MODES:
+        raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
+    if mode == "hybrid" and (server or (replicas or 1) > 1 or placement != "local"):
+        raise InvalidRequestError("mode", "hybrid runs the backend in this process",
+                                  "no --replicas, --placement or --server with hybrid")
+    if mode == "colocated" and (server or placement != "local"):
+        raise InvalidRequestError("mode", "colocated replicas run on this machine",
+                                  "local placement and no --server with colocated")
+    return mode
+
+
+async def connect(backend: str | None = None, model: str | None = None,
+                  options: Mapping | None = None, replicas: int | None = None,
+                  placement: str = "local", server: str | None = None,
+                  api_key: str | None = None, mode: str | None = None) -> Service:
+    from rollout.apps.serving.pool import Replica, ReplicaPool
+
+    mode = resolve_mode(mode, replicas, placement, server)
+    if server:
+        from rollout.apps.serving.client import RemoteService
+
+        pool = ReplicaPool([Replica(RemoteService(server, api_key))], name=server)
+        return await pool.start()
+    if mode != "hybrid":
+        from rollout.apps.serving.replicas import start_replicas
+
+        return await start_replicas(backend, model, dict(options or {}), replicas or 1,
+                                    placement)
+    from rollout.api import load_backend
+    from rollout.apps.serving.service import BackendService
+
+    engine = await asyncio.to_thread(load_backend, backend, model=model, **dict(options or {}))
+    return BackendService(engine, name=model)

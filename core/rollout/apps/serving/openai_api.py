@@ -1,0 +1,568 @@
+"""The OpenAI HTTP API in rollout's terms: request bodies of `/v1/completions` and
+`/v1/chat/completions` become rollout `Request`s, and `Completion`s become OpenAI responses
+and stream chunks.
+
+Strict like the rest of rollout: an unknown field, or a known OpenAI field that rollout
+cannot honour given a value other than its default, is a 400 naming the field; it is never
+silently ignored. Token ids in logprobs are written as "token_id:N": the server may front
+remote replicas and has no tokenizer of its own, and ids are exact where decoded pieces of
+one character are not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+from rollout.contract import convert
+from rollout.contract.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    NoReplicaError,
+    RolloutError,
+    RolloutTimeoutError,
+)
+from rollout.contract.schemas import Completion, Request, Result, Tool
+from rollout.apps.tool_parsers import DEFAULT_PARSER, forced, load_tool_parser
+
+# Fields that change sampling, under their OpenAI names, with vLLM's and SGLang's
+# extensions; rollout's sampling fields carry the same names.
+SAMPLING_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore_eos",
+                   "stop_token_ids", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "min_p", "min_tokens", "logit_bias",
+                   "include_stop_str_in_output")
+COMMON_FIELDS = ("model", "stream", "stream_options", "return_token_ids", "max_tokens",
+                 "max_completion_tokens", "response_format", "structured_outputs",
+                 *SAMPLING_FIELDS)
+COMPLETIONS_FIELDS = ("prompt", "logprobs", *COMMON_FIELDS)
+CHAT_FIELDS = ("messages", "logprobs", "top_logprobs", "tools", "tool_choice",
+               "parallel_tool_calls", *COMMON_FIELDS)
+
+# Accepted and ignored: they only label or route the call at OpenAI.
+IGNORED_FIELDS = ("user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                  "prompt_cache_options", "service_tier", "metadata")
+
+_OLD_FUNCTIONS = "the deprecated functions API is not supported; use tools and tool_choice"
+# OpenAI fields rollout cannot honour: accepted only with one of their default values.
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
+    "best_of": ((None, 1), "best_of is not supported; ask for n samples and pick"),
+    "echo": ((None, False), "echoing the prompt is not supported"),
+    "suffix": ((None, ""), "insertion (suffix) is not supported"),
+    "functions": ((None, []), _OLD_FUNCTIONS),
+    "function_call": ((None, "none"), _OLD_FUNCTIONS),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "audio": ((None,), "only text output is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "not supported"),
+    "verbosity": ((None,), "not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "moderation": ((None,), "moderation is not supported"),
+    "store": ((None, False), "completions are not stored"),
+}
+# vLLM's `structured_outputs` object: what rollout takes of it.
+STRUCTURED_FIELDS = ("regex", "json", "choice", "grammar", "json_object")
+
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
+# What the openai client puts in a returned message: fine to send back while empty.
+EMPTY_MESSAGE_FIELDS = ("refusal", "function_call", "audio", "annotations")
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON
+# The finish reason of a sample whose text looks like a tool call but is not a valid one.
+TOOL_CALL_ERROR = "tool_call_error"
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_field(param: str, message: str, allowed: str | None = None) -> ApiError:
+    """A 400 for one field, worded like rollout's InvalidRequestError."""
+    return api_error(InvalidRequestError(param, message, allowed))
+
+
+def api_error(exc: RolloutError, param: str | None = None) -> ApiError:
+    """The HTTP status and OpenAI error for a rollout error; `param` renames its field."""
+    if isinstance(exc, InvalidRequestError):
+        param = param or exc.field
+        message = exc.message.removeprefix(f"{exc.field}: ")
+        return ApiError(400, f"{param}: {message}", param=param)
+    if isinstance(exc, (NoReplicaError, EngineDeadError)):
+        status = 503
+    elif isinstance(exc, RolloutTimeoutError):
+        status = 504
+    else:
+        status = 500
+    # `code` is the rollout error kind, so a rollout client can rebuild the typed error.
+    return ApiError(status, exc.message, type="server_error", code=exc.kind)
+
+
+def model_not_found(model: Any, served: str) -> ApiError:
+    return ApiError(404, f"model {model!r} is not served here (this server serves {served!r})",
+                    param="model", code="model_not_found")
+
+
+# --- request bodies -----------------------------------------------------------------------
+
+
+class Call:
+    """One OpenAI call: its rollout requests, and how to write their completions back."""
+
+    object = ""
+    chunk_object = ""
+    id_prefix = ""
+
+    def __init__(self, body: Any, model_name: str, fields: tuple[str, ...]):
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        _check_fields(body, fields)
+        if body.get("model") not in (None, model_name):
+            raise model_not_found(body["model"], model_name)
+        self.body = body
+        self.model = model_name
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.stream = _flag(body, "stream")
+        self.return_token_ids = _flag(body, "return_token_ids")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict) or set(options) - {"include_usage",
+                                                            "include_obfuscation"}:
+            raise bad_field("stream_options", f"got {_short(options)}",
+                            "an object with include_usage")
+        include_usage = _flag(options, "include_usage", "stream_options.")
+        self.include_usage = self.stream and include_usage
+        self.sampling = {name: body[name] for name in SAMPLING_FIELDS
+                         if body.get(name) is not None}
+        if isinstance(self.sampling.get("stop"), str):
+            self.sampling["stop"] = [self.sampling["stop"]]
+        # Rollout's sampling field -> the OpenAI field it came from, for error messages.
+        self.names: dict[str, str] = {}
+        self.n = body.get("n") or 1
+        self.requests: list[Request] = []
+        if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+            raise bad_field("max_completion_tokens", "given together with max_tokens",
+                            "one of max_tokens, max_completion_tokens")
+        self._set("max_tokens", "max_tokens")
+        self._set("max_tokens", "max_completion_tokens")
+        constraint = _structured_outputs(body)
+        if constraint is not None:
+            self.sampling["structured_outputs"], self.names["structured_outputs"] = constraint
+
+    def _set(self, field: str, param: str) -> None:
+        """Sampling `field` from the body's `param`, if given."""
+        if self.body.get(param) is not None:
+            self.sampling[field] = self.body[param]
+            self.names[field] = param
+
+    def _structure(self, items: list[dict]) -> list[Request]:
+        requests = []
+        for i, item in enumerate(items):
+            try:
+                requests.append(convert.structure({**item, "sampling": self.sampling}, Request))
+            except InvalidRequestError as exc:
+                raise api_error(exc, self.param(exc.field, i, len(items))) from None
+        return requests
+
+    def param(self, field: str, index: int = 0, count: int = 1) -> str:
+        """The OpenAI name of the field of request `index` (of `count`) that failed."""
+        if field.startswith("sampling."):
+            name = field.removeprefix("sampling.")
+            base = re.match(r"\w*", name).group()
+            return self.names.get(base, base) + name[len(base):]
+        return field
+
+    # --- completions back to OpenAI -------------------------------------------------------
+
+    def check(self, completion: Completion, index: int) -> None:
+        """Any failed prompt fails the whole OpenAI call."""
+        if completion.error is not None:
+            error = completion.error
+            field = getattr(error, "field", None)
+            raise api_error(error, field and self.param(field, index, len(self.requests)))
+
+    def response(self, completions: list[Completion]) -> dict:
+        for i, completion in enumerate(completions):
+            self.check(completion, i)
+        choices = [self.choice(i, r) for i, c in enumerate(completions) for r in c.results]
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices, "usage": usage(completions)}
+
+    def choice(self, i: int, result: Result) -> dict:
+        raise NotImplementedError
+
+    def chunk(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def opening_chunks(self) -> list[dict]:
+        """What a stream sends before any sample is done."""
+        return []
+
+    def result_chunks(self, i: int, completion: Completion) -> list[dict]:
+        """A finished prompt's choices: their content, then their finish reasons."""
+        raise NotImplementedError
+
+    def usage_chunk(self, completions: list[Completion]) -> dict:
+        return self.chunk([], usage=usage(completions))
+
+    def index(self, i: int, result: Result) -> int:
+        return i * self.n + result.index  # OpenAI numbers choices prompt after prompt
+
+    def token_ids(self, i: int, result: Result) -> dict:
+        if not self.return_token_ids:
+            return {}
+        prompt = self.requests[i].prompt_token_ids
+        return {"token_ids": list(result.token_ids),
+                "prompt_token_ids": None if prompt is None else list(prompt)}
+
+
+class CompletionsCall(Call):
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, body: Any, model_name: str):
+        super().__init__(body, model_name, COMPLETIONS_FIELDS)
+        self._set("logprobs", "logprobs")
+        self.requests = self._structure(_prompts(body.get("prompt")))
+
+    def param(self, field: str, index: int = 0, count: int = 1) -> str:
+        if field.startswith("prompt"):  # prompt or prompt_token_ids: OpenAI has one field
+            return "prompt" + (f"[{index}]" if count > 1 else "")
+        return super().param(field, index, count)
+
+    def choice(self, i: int, result: Result) -> dict:
+        return {"index": self.index(i, result), "text": result.text,
+                "logprobs": completion_logprobs(result),
+                "finish_reason": result.finish_reason, **self.token_ids(i, result)}
+
+    def result_chunks(self, i: int, completion: Completion) -> list[dict]:
+        texts = [{**self.choice(i, r), "finish_reason": None} for r in completion.results]
+        ends = [{"index": self.index(i, r), "text": "", "logprobs": None,
+                 "finish_reason": r.finish_reason} for r in completion.results]
+        return [self.chunk(texts), self.chunk(ends)]
+
+
+class ChatCall(Call):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, body: Any, model_name: str, tool_parser: str = DEFAULT_PARSER):
+        super().__init__(body, model_name, CHAT_FIELDS)
+        self.tools = ToolUse(body, tool_parser, "structured_outputs" in self.sampling)
+        if self.tools.constraint is not None:
+            self.sampling["structured_outputs"] = self.tools.constraint
+            self.names["structured_outputs"] = "tool_choice"
+        if _flag(body, "logprobs"):
+            self.sampling["logprobs"] = 0
+            self._set("logprobs", "top_logprobs")
+        elif body.get("top_logprobs") is not None:
+            raise bad_field("top_logprobs", "needs logprobs: true")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            got = "missing" if messages is None else f"got {_short(messages)}"
+            raise bad_field("messages", got, "a non-empty list of messages")
+        request = {"messages": [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]}
+        if self.tools.tools:
+            request["tools"] = [convert.unstructure(t) for t in self.tools.tools]
+        self.requests = self._structure([request])
+
+    def param(self, field: str, index: int = 0, count: int = 1) -> str:
+        # rollout's ToolCall is flat; OpenAI nests name and arguments under `function`.
+        field = re.sub(r"(tool_calls\[\d+\])\.(name|arguments)", r"\1.function.\2", field)
+        return super().param(field, index, count)
+
+    def choice(self, i: int, result: Result) -> dict:
+        message, finish_reason = self.tools.message(result)
+        return {"index": self.index(i, result), "message": message,
+                "logprobs": chat_logprobs(result), "finish_reason": finish_reason,
+                **self.token_ids(i, result)}
+
+    def opening_chunks(self) -> list[dict]:
+        return [self.chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}
+                            for k in range(self.n)])]
+
+    def result_chunks(self, i: int, completion: Completion) -> list[dict]:
+        contents, ends = [], []
+        for r in completion.results:
+            message, finish_reason = self.tools.message(r)
+            delta = {k: v for k, v in message.items() if k != "role"}
+            for k, call in enumerate(delta.get("tool_calls", ())):
+                delta["tool_calls"][k] = {"index": k, **call}
+            contents.append({"index": self.index(i, r), "delta": delta,
+                             "logprobs": chat_logprobs(r), "finish_reason": None,
+                             **self.token_ids(i, r)})
+            ends.append({"index": self.index(i, r), "delta": {}, "logprobs": None,
+                         "finish_reason": finish_reason})
+        return [self.chunk(contents), self.chunk(ends)]
+
+
+class ToolUse:
+    """A chat call's `tools`, `tool_choice` and `parallel_tool_calls`: what goes to the
+    chat template, the constraint that "required" or a named tool sets, and how each
+    sample's text becomes tool calls."""
+
+    def __init__(self, body: dict, parser: str, constrained: bool):
+        given = body.get("tools")
+        if given is not None and not isinstance(given, list):
+            raise bad_field("tools", f"got {_short(given)}", "a list of function tools")
+        self.tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(given or [])]
+        self.parallel = _flag(body, "parallel_tool_calls") if body.get(
+            "parallel_tool_calls") is not None else True
+        choice = body.get("tool_choice")
+        self.mode = choice if choice is not None else "auto" if self.tools else "none"
+        self.constraint = None
+        if self.mode == "none":
+            return
+        if not self.tools:
+            raise bad_field("tool_choice", f"got {_short(choice)} without tools",
+                            '"none", or give tools')
+        names = [t.name for t in self.tools]
+        if isinstance(choice, dict):
+            function = choice.get("function") if choice.get("type") == "function" else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if name not in names:
+                raise bad_field("tool_choice", f"got {_short(choice)}",
+                                '{"type": "function", "function": {"name": N}}, N one of '
+                                + ", ".join(names))
+            self.mode, self.named = "named", self.tools[names.index(name)]
+        elif self.mode not in ("auto", "required"):
+            raise bad_field("tool_choice", f"got {_short(choice)}",
+                            'none, auto, required, or {"type": "function", "function": {"name"}}')
+        if self.mode == "auto":
+            self.parser = load_tool_parser(parser)
+            return
+        if constrained:
+            raise bad_field("tool_choice", f"{self.mode} sets its own output constraint",
+                            "auto or none together with response_format or structured_outputs")
+        constraint = forced.named_constraint(self.named) if self.mode == "named" else \
+            forced.required_constraint(self.tools, self.parallel)
+        self.constraint = convert.unstructure(constraint)
+
+    def message(self, result: Result) -> tuple[dict, str]:
+        """The assistant message and finish reason of one sample."""
+        if self.mode == "none":
+            return {"role": "assistant", "content": result.text}, result.finish_reason
+        if self.mode == "named":
+            parsed = forced.parse_named(result.text, self.named)
+        elif self.mode == "required":
+            parsed = forced.parse_required(result.text, self.tools)
+        else:
+            parsed = self.parser.parse(result.text, self.tools)
+        # Without parallel calls the first one is the call; "required" asked for one only.
+        calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
+        message = {"role": "assistant", "content": parsed.content or None}
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in calls]
+        if parsed.errors:  # a call that failed to parse is no final answer: say so
+            message["content"] = result.text
+            message["tool_call_errors"] = [{"text": e.text, "reason": e.reason}
+                                           for e in parsed.errors]
+            return message, TOOL_CALL_ERROR
+        if not calls:
+            return {"role": "assistant", "content": result.text}, result.finish_reason
+        return message, "tool_calls"
+
+
+def _tool(tool: Any, where: str) -> Tool:
+    """An OpenAI function tool as rollout's Tool."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or tool.get("type", "function") != "function" or \
+            set(tool) - {"type", "function"}:
+        raise bad_field(where, f"got {_short(tool)}",
+                        '{"type": "function", "function": {"name", "description", "parameters"}}')
+    if function.get("strict"):
+        raise bad_field(f"{where}.function.strict", "arguments are not checked against the "
+                        "schema in tool_choice auto", 'false, or tool_choice "required" or a '
+                        "named tool, which enforce the schema")
+    fields = {k: v for k, v in function.items() if k != "strict" and v is not None}
+    try:
+        return convert.structure(fields, Tool)
+    except InvalidRequestError as exc:
+        raise api_error(exc, f"{where}.function.{exc.field}") from None
+
+
+def _structured_outputs(body: dict) -> tuple[dict, str] | None:
+    """(rollout's structured_outputs, the OpenAI field it came from) from OpenAI's
+    `response_format` or vLLM's `structured_outputs` object."""
+    fmt = body.get("response_format")
+    ours = body.get("structured_outputs")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text" and set(fmt) == {"type"}:
+            fmt = None
+        elif kind == "json_object" and set(fmt) == {"type"}:
+            fmt = {"json": {"type": "object"}}
+        elif kind == "json_schema" and set(fmt) == {"type", "json_schema"} and isinstance(
+                fmt["json_schema"], dict) and isinstance(fmt["json_schema"].get("schema"), dict):
+            fmt = {"json": fmt["json_schema"]["schema"]}
+        else:
+            raise bad_field("response_format", f"got {_short(fmt)}",
+                            '{"type": "text"}, {"type": "json_object"}, or {"type": '
+                            '"json_schema", "json_schema": {"name", "schema"}}')
+    if ours is not None:
+        if fmt is not None:
+            raise bad_field("structured_outputs", "given together with response_format",
+                            "one of response_format, structured_outputs")
+        if not isinstance(ours, dict):
+            raise bad_field("structured_outputs", f"got {_short(ours)}",
+                            "an object with one of " + ", ".join(STRUCTURED_FIELDS))
+        extra = sorted(set(ours) - set(STRUCTURED_FIELDS))
+        if extra:
+            raise bad_field(f"structured_outputs.{extra[0]}", "not supported",
+                            ", ".join(STRUCTURED_FIELDS))
+        ours = {k: v for k, v in ours.items() if v is not None and v is not False}
+        if ours.pop("json_object", None):  # any JSON object: a schema that says just that
+            if "json" in ours:
+                raise bad_field("structured_outputs.json_object", "given together with json",
+                                "one of " + ", ".join(STRUCTURED_FIELDS))
+            ours["json"] = {"type": "object"}
+        if isinstance(ours.get("json"), str):
+            try:
+                ours["json"] = json.loads(ours["json"])
+            except ValueError as exc:
+                raise bad_field("structured_outputs.json", f"not valid JSON: {exc}",
+                                "a JSON schema") from None
+        return ours, "structured_outputs"
+    return (fmt, "response_format") if fmt is not None else None
+
+
+def _check_fields(body: dict, fields: tuple[str, ...]) -> None:
+    for name, value in body.items():
+        if name in fields or name in IGNORED_FIELDS:
+            continue
+        if name in UNSUPPORTED_FIELDS:
+            defaults, why = UNSUPPORTED_FIELDS[name]
+            if value not in defaults:
+                allowed = [json.dumps(v) for v in defaults if v is not None]
+                raise bad_field(name, why, " or ".join(["left out", *allowed]))
+            continue
+        raise bad_field(name, "unknown field", ", ".join(sorted(fields)))
+
+
+def _flag(body: dict, name: str, prefix: str = "") -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise bad_field(prefix + name, f"got {value!r}", "true or false")
+    return bool(value)
+
+
+def _prompts(prompt: Any) -> list[dict]:
+    """OpenAI's four prompt forms, one request each."""
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [{"prompt": p} for p in prompt]
+        if all(isinstance(t, int) for t in prompt):
+            return [{"prompt_token_ids": prompt}]
+        if all(isinstance(p, list) for p in prompt):
+            return [{"prompt_token_ids": p} for p in prompt]
+    raise bad_field("prompt", "missing" if prompt is None else f"got {_short(prompt)}",
+                    "a string, a list of strings, a list of token ids, or a list of "
+                    "token-id lists")
+
+
+def _message(message: Any, where: str) -> dict:
+    """An OpenAI chat message as rollout's Message fields."""
+    if not isinstance(message, dict):
+        raise bad_field(where, f"got {_short(message)}", "an object with role and content")
+    for name, value in message.items():
+        if name in EMPTY_MESSAGE_FIELDS and value in (None, [], ""):
+            continue
+        if name not in MESSAGE_FIELDS:
+            raise bad_field(f"{where}.{name}", "unknown or unsupported field",
+                            ", ".join(MESSAGE_FIELDS))
+    out = {k: v for k, v in message.items() if k in MESSAGE_FIELDS and v is not None}
+    content = message.get("content")
+    # An assistant turn that only calls tools has no content.
+    out["content"] = "" if content is None else content
+    if isinstance(content, list):
+        out["content"] = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+    if isinstance(out.get("tool_calls"), list):
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]")
+                             for k, c in enumerate(out["tool_calls"])]
+    return out
+
+
+def _part(part: Any, where: str) -> Any:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        return part
+    if kind == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if set(part) != {"type", "image_url"} or not isinstance(url, str):
+            raise bad_field(f"{where}.image_url", f"got {_short(image)}",
+                            'a URL, or {"url": URL}')
+        return {"type": "image", "image": url}
+    raise bad_field(f"{where}.type", f"got {_short(kind)}", "text, image_url")
+
+
+def _tool_call(call: Any, where: str) -> Any:
+    if not isinstance(call, dict) or call.get("type", "function") != "function" or \
+            not isinstance(call.get("function"), dict) or set(call) - {"id", "type", "function"}:
+        raise bad_field(where, f"got {_short(call)}",
+                        '{"id", "type": "function", "function": {"name", "arguments"}}')
+    return {"id": call.get("id"), **call["function"]}
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# --- responses ----------------------------------------------------------------------------
+
+
+def usage(completions: list[Completion]) -> dict:
+    prompt = sum(c.results[0].prompt_tokens for c in completions if c.results)
+    generated = sum(r.completion_tokens for c in completions for r in c.results)
+    return {"prompt_tokens": prompt, "completion_tokens": generated,
+            "total_tokens": prompt + generated}
+
+
+def token_label(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def completion_logprobs(result: Result) -> dict | None:
+    if result.logprobs is None:
+        return None
+    top = None
+    if result.top_logprobs is not None:
+        top = [{token_label(t.token_id): _logprob(t.logprob) for t in position}
+               for position in result.top_logprobs]
+    # text_offset needs each token's text, which the server cannot know without a tokenizer.
+    return {"tokens": [token_label(t) for t in result.token_ids],
+            "token_logprobs": [_logprob(v) for v in result.logprobs],
+            "top_logprobs": top, "text_offset": None}
+
+
+def chat_logprobs(result: Result) -> dict | None:
+    if result.logprobs is None:
+        return None
+    tops = result.top_logprobs or [()] * len(result.logprobs)
+    content = [{"token": token_label(token), "logprob": _logprob(value), "bytes": None,
+                "top_logprobs": [{"token": token_label(t.token_id),
+                                  "logprob": _logprob(t.logprob), "bytes": None} for t in top]}
+               for token, value, top in zip(result.token_ids, result.logprobs, tops)]
+    return {"content": content, "refusal": None}

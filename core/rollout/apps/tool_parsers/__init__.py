@@ -1,0 +1,91 @@
+"""Tool-call parsers: from a model's text to the tool calls it made.
+
+Parsers are plugins in the entry-point group `rollout.tool_parsers`, like backends; `hermes`
+(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) ships with the core. A parser
+is a class built without arguments whose `parse(text, tools)` returns a `ParsedMessage`.
+Text that looks like a call but is not a valid one (bad JSON, an unknown tool, a block left
+open) is reported in `errors`, never passed off as a final answer.
+
+`tool_choice` "required" and a named tool are enforced by a structured-output constraint
+instead (`forced`), the way vLLM does it, so they hold even for a model that never learnt
+the format.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+
+from rollout.contract.schemas import Tool, ToolCall
+
+GROUP = "rollout.tool_parsers"
+DEFAULT_PARSER = "hermes"
+
+
+@attrs.frozen
+class ToolCallError:
+    text: str  # the text that looked like a call
+    reason: str
+
+
+@attrs.frozen
+class ParsedMessage:
+    """A sample's text split into what the model said and the tool calls it made."""
+
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    errors: tuple[ToolCallError, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class ToolParser(Protocol):
+    def parse(self, text: str, tools: Sequence[Tool] | None) -> ParsedMessage: ...
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def make_call(data, tools: Sequence[Tool] | None, arguments_key: str = "arguments"
+              ) -> ToolCall | str:
+    """A ToolCall from a decoded `{"name", arguments_key}` object, or why it is none."""
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return 'not an object with a "name"'
+    names = [t.name for t in tools or ()]
+    if tools is not None and data["name"] not in names:
+        return f"unknown tool {data['name']!r} (tools: {', '.join(names) or 'none'})"
+    arguments = data.get(arguments_key, {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return f"{arguments_key} is not valid JSON"
+    if not isinstance(arguments, dict):
+        return f"{arguments_key} is not an object"
+    return ToolCall(id=new_call_id(), name=data["name"],
+                    arguments=json.dumps(arguments, ensure_ascii=False))
+
+
+def available_tool_parsers() -> list[str]:
+    from rollout.contract.plugins import installed
+
+    return list(installed(GROUP))
+
+
+def load_tool_parser(name: str = DEFAULT_PARSER) -> ToolParser:
+    """The tool-call parser called `name` (InvalidRequestError if none is installed)."""
+    from rollout.contract.errors import InvalidRequestError
+    from rollout.contract.plugins import installed, load_one
+
+    found = installed(GROUP)
+    if name not in found:
+        raise InvalidRequestError("tool_call_parser", f"no tool-call parser named {name!r}",
+                                  ", ".join(found) or "none installed")
+    return load_one("tool-call parser", name, found[name])()

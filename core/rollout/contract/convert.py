@@ -1,0 +1,166 @@
+"""Converting schemas to and from plain dicts and JSON, strictly.
+
+Unknown keys and values of the wrong type are errors (a typo in a request must not be
+silently ignored), reported as one InvalidRequestError naming the field path.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+import attrs
+import cattrs
+from cattrs.errors import (
+    AttributeValidationNote,
+    ForbiddenExtraKeysError,
+    IterableValidationNote,
+)
+
+from rollout.contract import errors
+from rollout.contract.schemas import PART_TYPES, Content, ContentPart
+
+T = TypeVar("T")
+
+converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _strict(kind: type, allowed: str):
+    def structure(value, _):
+        if type(value) is bool and kind is not bool:
+            raise TypeError(f"got {value!r}, expected {allowed}")
+        if kind is float and isinstance(value, int):
+            return float(value)
+        if not isinstance(value, kind):
+            raise TypeError(f"got {value!r}, expected {allowed}")
+        return value
+
+    return structure
+
+
+for _kind, _allowed in ((int, "an integer"), (float, "a number"), (str, "a string"),
+                        (bool, "true or false")):
+    converter.register_structure_hook(_kind, _strict(_kind, _allowed))
+converter.register_structure_hook(dict, _strict(dict, "a mapping"))
+
+
+def _structure_part(value, _) -> ContentPart:
+    if not isinstance(value, dict) or value.get("type") not in PART_TYPES:
+        raise errors.InvalidRequestError("type", f"got {value!r}", ", ".join(PART_TYPES))
+    return converter.structure(value, PART_TYPES[value["type"]])
+
+
+def _structure_content(value, _):
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"got {value!r}, expected text or a list of parts")
+    parts = []
+    for i, part in enumerate(value):
+        try:
+            parts.append(converter.structure(part, ContentPart))
+        except errors.InvalidRequestError as exc:
+            raise errors.InvalidRequestError(
+                f"[{i}].{exc.field}", _message(exc), exc.allowed) from None
+    return tuple(parts)
+
+
+def _structure_logit_bias(value, _) -> dict[int, float]:
+    """Token id -> bias; JSON object keys are strings, so "42" is token 42."""
+    if not isinstance(value, dict):
+        raise TypeError(f"got {value!r}, expected a mapping of token id to bias")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if type(token) is not int:
+            raise errors.InvalidRequestError(str(key), "not a token id", "integers >= 0 as keys")
+        if type(bias) is bool or not isinstance(bias, (int, float)):
+            raise errors.InvalidRequestError(str(key), f"got {bias!r}", "a number")
+        out[token] = float(bias)
+    return out
+
+
+converter.register_structure_hook(ContentPart, _structure_part)
+converter.register_structure_hook_func(lambda t: t == dict[int, float], _structure_logit_bias)
+converter.register_structure_hook_func(lambda t: t == Content, _structure_content)
+converter.register_unstructure_hook(errors.RolloutError, lambda e: e.to_dict())
+converter.register_structure_hook(
+    errors.RolloutError, lambda d, _: errors.from_dict(d) if isinstance(d, dict) else d
+)
+
+
+def structure(data: Any, cls: type[T]) -> T:
+    """Build `cls` from plain data; raise InvalidRequestError naming the bad field."""
+    try:
+        return converter.structure(data, cls)
+    except Exception as exc:  # cattrs wraps field errors in exception groups
+        raise _as_invalid(exc, []) from None
+
+
+def unstructure(obj: Any) -> Any:
+    return converter.unstructure(obj)
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(unstructure(obj))
+
+
+def from_json(text: str | bytes, cls: type[T]) -> T:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise errors.InvalidRequestError("body", f"not valid JSON: {exc}") from None
+    return structure(data, cls)
+
+
+def _as_invalid(exc: BaseException, path: list[str]) -> errors.InvalidRequestError:
+    if isinstance(exc, errors.InvalidRequestError):
+        # A check on a whole nested object names the object itself: no "x.x".
+        field = path if path[-1:] == [exc.field] else path + [exc.field]
+        return errors.InvalidRequestError(_join(field), _message(exc), exc.allowed)
+    if isinstance(exc, ForbiddenExtraKeysError):
+        names = [a.name for a in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
+        extra = sorted(exc.extra_fields)
+        return errors.InvalidRequestError(
+            _join(path + [extra[0]]), "unknown field", ", ".join(names) or None
+        )
+    if isinstance(exc, BaseExceptionGroup):
+        # Report the first failing field; cattrs' notes on it say where it sits.
+        inner = exc.exceptions[0]
+        step = []
+        for note in getattr(inner, "__notes__", []):
+            if isinstance(note, AttributeValidationNote):
+                step.append(note.name)
+            elif isinstance(note, IterableValidationNote):
+                step.append(f"[{note.index}]")
+        return _as_invalid(inner, path + step)
+    where = _join(path) or "request"
+    if isinstance(exc, KeyError):
+        key = str(exc.args[0])
+        return errors.InvalidRequestError(_join(path if path[-1:] == [key] else path + [key]),
+                                          "missing")
+    if isinstance(exc, AttributeError) and not path:
+        return errors.InvalidRequestError(where, "must be an object (a mapping of fields)")
+    literal = getattr(exc, "__notes__", None) and _literal_values(exc)
+    message = "not one of the allowed values" if literal else str(exc) or type(exc).__name__
+    return errors.InvalidRequestError(where, message, literal or None)
+
+
+def _literal_values(exc: BaseException) -> str:
+    for note in exc.__notes__:
+        values = getattr(getattr(note, "type", None), "__args__", ())
+        if values and getattr(note.type, "__origin__", None) is Literal:
+            return ", ".join(map(str, values))
+    return ""
+
+
+def _message(exc: errors.InvalidRequestError) -> str:
+    text = exc.message.split(": ", 1)[1] if ": " in exc.message else exc.message
+    return text.split(" (allowed: ")[0]
+
+
+def _join(parts: list[str]) -> str:
+    out = ""
+    for part in parts:
+        out += part if part.startswith("[") or not out else "." + part
+    return out

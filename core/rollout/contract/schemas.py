@@ -1,0 +1,410 @@
+"""The request and result schemas: frozen attrs classes that validate themselves.
+
+Message content is a string or a tuple of parts (text, image) so that multimodal prompts
+and tool-calling turns fit without a schema change.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Literal, Union
+
+import attrs
+
+from rollout.contract.errors import InvalidRequestError, RolloutError
+
+FinishReason = Literal["stop", "length", "abort"]
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check(field: str, ok: bool, message: str, allowed: str | None = None) -> None:
+    if not ok:
+        raise InvalidRequestError(field, message, allowed)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _tuple(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _frozen_dict(value):
+    return dict(value) if isinstance(value, dict) else value
+
+
+# --- structured outputs -------------------------------------------------------------------
+
+STRUCTURED_KINDS = ("regex", "json", "choice", "grammar")
+
+
+@attrs.frozen
+class StructuredOutputs:
+    """Constrains a sample's text: exactly one of `regex`, `json` (a JSON schema), `choice`
+    (one of these strings) or `grammar` (EBNF in the GBNF dialect that xgrammar reads, which
+    every built-in backend uses). JSON is compact: no whitespace between tokens."""
+
+    regex: str | None = None
+    json: dict | None = attrs.field(default=None, converter=_frozen_dict)
+    choice: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple)
+    grammar: str | None = None
+
+    def __attrs_post_init__(self):
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
+        _check("structured_outputs", len(given) == 1, f"got {', '.join(given) or 'none'}",
+               "exactly one of " + ", ".join(STRUCTURED_KINDS))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(name, value is None or (isinstance(value, str) and value != ""),
+                   f"got {value!r}", "a non-empty string")
+        _check("json", self.json is None or isinstance(self.json, dict), f"got {self.json!r}",
+               "a JSON schema (an object)")
+        _check("choice", self.choice is None or (
+            isinstance(self.choice, tuple) and len(self.choice) > 0
+            and all(isinstance(c, str) and c for c in self.choice)),
+            f"got {self.choice!r}", "a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None)
+
+
+# --- sampling -----------------------------------------------------------------------------
+
+PENALTY_RANGE = 2.0
+BIAS_RANGE = 100.0
+
+
+@attrs.frozen
+class SamplingParams:
+    """How to sample. `logprobs` is the number of top alternatives to return per token
+    (0 returns only the chosen token's logprob; None returns none).
+
+    Penalties and bias (the same on every backend; docs/sampling.md has the formulas):
+    `repetition_penalty` divides a positive logit, and multiplies a negative one, of every
+    token seen in the prompt or the output; `presence_penalty` is subtracted once, and
+    `frequency_penalty` once per occurrence, from the logit of every token in the output;
+    `logit_bias` adds to a token's logit; `min_p` drops tokens less likely than `min_p`
+    times the most likely one; `min_tokens` keeps EOS, stop tokens and stop strings from
+    ending a sample before it has that many tokens.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_tokens: int = 16
+    n: int = 1
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
+    seed: int | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = attrs.field(factory=dict, converter=_frozen_dict)
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
+
+    def __attrs_post_init__(self):
+        _check("temperature", _is_number(self.temperature) and self.temperature >= 0,
+               f"got {self.temperature!r}", "a number >= 0; 0 means greedy")
+        _check("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"got {self.top_p!r}", "a number in (0, 1]")
+        _check("top_k", self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
+               f"got {self.top_k!r}", "None (no limit) or an integer >= 1")
+        _check("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"got {self.max_tokens!r}", "an integer >= 1")
+        _check("n", _is_int(self.n) and self.n >= 1, f"got {self.n!r}", "an integer >= 1")
+        _check("n", self.n == 1 or self.temperature > 0,
+               f"n={self.n} samples with temperature 0 would all be identical",
+               "n=1 with temperature 0, or temperature > 0")
+        _check("stop", isinstance(self.stop, tuple)
+               and all(isinstance(s, str) and s for s in self.stop),
+               f"got {self.stop!r}", "a list of non-empty strings")
+        _check("stop_token_ids", isinstance(self.stop_token_ids, tuple)
+               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"got {self.stop_token_ids!r}", "a list of integers >= 0")
+        _check("seed", self.seed is None or _is_int(self.seed),
+               f"got {self.seed!r}", "None or an integer")
+        _check("logprobs", self.logprobs is None
+               or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               f"got {self.logprobs!r}", "None, or an integer from 0 to 20")
+        _check("ignore_eos", isinstance(self.ignore_eos, bool),
+               f"got {self.ignore_eos!r}", "true or false")
+        _check("repetition_penalty", _is_number(self.repetition_penalty)
+               and 0 < self.repetition_penalty <= PENALTY_RANGE,
+               f"got {self.repetition_penalty!r}",
+               f"a number in (0, {PENALTY_RANGE}]; 1 means none")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(name, _is_number(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE,
+                   f"got {value!r}", f"a number from {-PENALTY_RANGE} to {PENALTY_RANGE}")
+        _check("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1,
+               f"got {self.min_p!r}", "a number in [0, 1]; 0 means none")
+        _check("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"got {self.min_tokens!r}", f"an integer from 0 to max_tokens ({self.max_tokens})")
+        _check("logit_bias", isinstance(self.logit_bias, dict), f"got {self.logit_bias!r}",
+               "a mapping of token id to bias")
+        for token, bias in self.logit_bias.items():
+            _check(f"logit_bias.{token}", _is_int(token) and token >= 0,
+                   "not a token id", "integers >= 0 as keys")
+            _check(f"logit_bias.{token}", _is_number(bias) and -BIAS_RANGE <= bias <= BIAS_RANGE,
+                   f"got {bias!r}", f"a number from {-BIAS_RANGE} to {BIAS_RANGE}")
+        _check("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool),
+               f"got {self.include_stop_str_in_output!r}", "true or false")
+        _check("structured_outputs", self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputs),
+               f"got {self.structured_outputs!r}", "an object with one of "
+               + ", ".join(STRUCTURED_KINDS))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# --- messages -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TextPart:
+    text: str
+    type: Literal["text"] = "text"
+
+
+@attrs.frozen
+class ImagePart:
+    """An image as a URL, a file path or a `data:` URI."""
+
+    image: str
+    type: Literal["image"] = "image"
+
+
+ContentPart = Union[TextPart, ImagePart]
+PART_TYPES = {"text": TextPart, "image": ImagePart}
+Content = Union[str, tuple[ContentPart, ...]]
+
+
+@attrs.frozen
+class ToolCall:
+    """A call the assistant made; `arguments` is a JSON object as text, as OpenAI sends it."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+@attrs.frozen
+class Tool:
+    """A function the model may call, as OpenAI's `function` object: `parameters` is the
+    JSON schema of its arguments. The chat template renders it."""
+
+    name: str
+    description: str | None = None
+    parameters: dict = attrs.field(factory=lambda: {"type": "object", "properties": {}},
+                                   converter=_frozen_dict)
+
+    def __attrs_post_init__(self):
+        _check("name", isinstance(self.name, str) and self.name != "", f"got {self.name!r}",
+               "a non-empty string")
+        _check("parameters", isinstance(self.parameters, dict), f"got {self.parameters!r}",
+               "a JSON schema (an object)")
+
+    def as_openai(self) -> dict:
+        function = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@attrs.frozen
+class Message:
+    role: Role
+    content: Content = attrs.field(converter=_tuple)
+    tool_calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=_tuple)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def __attrs_post_init__(self):
+        _check("role", self.role in ROLES, f"got {self.role!r}", ", ".join(ROLES))
+        _check("content", isinstance(self.content, str)
+               or all(isinstance(p, tuple(PART_TYPES.values())) for p in self.content),
+               "must be text or a list of parts", "text, or parts of type " + ", ".join(PART_TYPES))
+
+    @property
+    def images(self) -> tuple[ImagePart, ...]:
+        if isinstance(self.content, str):
+            return ()
+        return tuple(p for p in self.content if isinstance(p, ImagePart))
+
+    @property
+    def text(self) -> str:
+        """The content's text parts joined (what a text-only chat template renders)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+
+# --- requests and results -----------------------------------------------------------------
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+@attrs.frozen
+class Request:
+    """One prompt: exactly one of `prompt` (text), `prompt_token_ids` or `messages`.
+    `tools` go to the chat template with the messages."""
+
+    id: str = attrs.field(factory=_new_id)
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_tuple)
+    messages: tuple[Message, ...] | None = attrs.field(default=None, converter=_tuple)
+    tools: tuple[Tool, ...] | None = attrs.field(default=None, converter=_tuple)
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    metadata: dict = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self):
+        _check("id", isinstance(self.id, str) and self.id != "", f"got {self.id!r}",
+               "a non-empty string")
+        given = [name for name in ("prompt", "prompt_token_ids", "messages")
+                 if getattr(self, name) is not None]
+        _check("prompt", len(given) == 1, f"got {', '.join(given) or 'none'}",
+               "exactly one of prompt, prompt_token_ids, messages")
+        if self.prompt is not None:
+            _check("prompt", isinstance(self.prompt, str) and self.prompt != "",
+                   f"got {self.prompt!r}", "a non-empty string")
+        if self.prompt_token_ids is not None:
+            _check("prompt_token_ids", isinstance(self.prompt_token_ids, tuple)
+                   and len(self.prompt_token_ids) > 0
+                   and all(_is_int(t) and t >= 0 for t in self.prompt_token_ids),
+                   "must be a non-empty list of integers >= 0", "token ids in the vocabulary")
+        if self.messages is not None:
+            _check("messages", isinstance(self.messages, tuple) and len(self.messages) > 0
+                   and all(isinstance(m, Message) for m in self.messages),
+                   "must be a non-empty list of messages", "objects with role and content")
+        if self.tools is not None:
+            _check("tools", self.messages is not None, "tools need messages",
+                   "tools together with messages (the chat template renders them)")
+            _check("tools", isinstance(self.tools, tuple)
+                   and all(isinstance(t, Tool) for t in self.tools),
+                   "must be a list of tools", "objects with name, description, parameters")
+            names = [t.name for t in self.tools]
+            _check("tools", len(set(names)) == len(names), f"tool names repeat: {names}",
+                   "unique names")
+        _check("sampling", isinstance(self.sampling, SamplingParams),
+               f"got {type(self.sampling).__name__}", "a SamplingParams")
+        _check("metadata", isinstance(self.metadata, dict), f"got {self.metadata!r}",
+               "a mapping")
+
+
+@attrs.frozen
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@attrs.frozen
+class Result:
+    """One sample of one request.
+
+    `token_ids` are the generated tokens, including a final EOS or stop token; `text` is
+    their decoding without special tokens, cut before a matched stop string. `logprobs` are
+    the chosen tokens' log-probabilities under the model's raw distribution (temperature 1,
+    no top-p or top-k), one per token; `top_logprobs` the k most likely tokens per position.
+    """
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    logprobs: tuple[float, ...] | None = attrs.field(default=None, converter=_tuple)
+    top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = attrs.field(
+        default=None, converter=_tuple)
+    completion_tokens: int = attrs.field(
+        default=attrs.Factory(lambda self: len(self.token_ids), takes_self=True))
+
+    def __attrs_post_init__(self):
+        _check("completion_tokens", self.completion_tokens == len(self.token_ids),
+               f"{self.completion_tokens} but {len(self.token_ids)} token ids",
+               "the number of token ids")
+
+
+@attrs.frozen
+class Completion:
+    """What one request produced: its `n` results in index order, or the error that
+    stopped it (the other requests of its batch are unaffected)."""
+
+    request_id: str
+    results: tuple[Result, ...] = ()
+    error: RolloutError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def unwrap(self) -> tuple[Result, ...]:
+        """The results, or raise the request's error."""
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+
+# --- what a backend offers ----------------------------------------------------------------
+
+CAPABILITIES = {
+    "release": "free weights and KV cache with release() and bring them back with resume()",
+    "update_weights": "replace the weights in place with update_weights()",
+    "abort": "stop running requests with abort(), returning partial output",
+    "logprobs": "return per-token logprobs",
+    "seed": "reproduce a sample from a per-request seed",
+    "chat": "render chat messages with the model's chat template",
+    "images": "image parts in messages",
+    "tools": "render tool definitions and tool calls with the chat template",
+    **{f"structured_outputs.{kind}": f"constrain the output by {what}" for kind, what in (
+        ("regex", "a regular expression"), ("json", "a JSON schema"),
+        ("choice", "a choice among strings"), ("grammar", "an EBNF grammar"))},
+}
+TAGS = ("weights", "kv_cache")
+
+
+@attrs.frozen
+class Capabilities:
+    """What a backend supports. `unsupported` maps a capability name to the reason it is
+    missing here; `auto_resume` means generate() on a released backend resumes it instead
+    of raising; `concurrent_generate` means concurrent generate() calls share the engine's
+    continuous batching (otherwise they run one after another)."""
+
+    unsupported: dict[str, str] = attrs.field(factory=dict)
+    auto_resume: bool = False
+    concurrent_generate: bool = False
+
+    def __attrs_post_init__(self):
+        for name in self.unsupported:
+            _check("unsupported", name in CAPABILITIES, f"unknown capability {name!r}",
+                   ", ".join(CAPABILITIES))
+
+    def supports(self, name: str) -> bool:
+        return name not in self.unsupported
+
+    def require(self, name: str) -> None:
+        from rollout.contract.errors import UnsupportedError
+
+        if name in self.unsupported:
+            raise UnsupportedError(name, self.unsupported[name])
+
+
+for _cls in (StructuredOutputs, SamplingParams, TextPart, ImagePart, ToolCall, Tool, Message,
+             Request, TokenLogprob, Result, Completion, Capabilities):
+    attrs.resolve_types(_cls)

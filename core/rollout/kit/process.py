@@ -1,0 +1,140 @@
+"""An engine server run as a child process on the loopback address.
+
+Its output goes to a log file; waiting for it to become healthy has a timeout; if it dies,
+`check()` raises EngineDeadError carrying the end of its log, so callers fail in seconds
+instead of hanging.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from rollout.contract.errors import EngineDeadError, RolloutTimeoutError
+
+HOST = "127.0.0.1"
+LOG_TAIL_LINES = 40
+GROUP_GRACE_S = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def cli_flags(options: Mapping[str, object]) -> list[str]:
+    """Engine arguments as a server's command-line flags: `True` is a bare flag, `False`
+    and `None` are left out, anything else is `--key value`."""
+    argv: list[str] = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value not in (False, None):
+            argv += [flag, str(value)]
+    return argv
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    """A preexec_fn for Linux: SIGTERM the child when the thread that started it ends (the
+    owner crashed or was killed), so an engine server is never left running alone."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ServerProcess:
+    """`die_with_parent`: for a server owned by a thread that lives as long as it is used
+    (an engine's event loop); the signal comes when that thread ends."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                 die_with_parent: bool = False):
+        self.name = name
+        handle, path = tempfile.mkstemp(prefix=f"rollout-{name}-", suffix=".log")
+        self.log_path = Path(path)
+        self._log = os.fdopen(handle, "wb")
+        self.proc = subprocess.Popen(
+            list(argv), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, start_new_session=True,  # its own process group
+            preexec_fn=_die_with_parent() if die_with_parent else None,
+        )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def check(self) -> None:
+        """Raise EngineDeadError if the process has exited."""
+        code = self.proc.poll()
+        if code is not None:
+            raise EngineDeadError(
+                f"{self.name} server (pid {self.proc.pid}) exited with code {code}; "
+                f"end of its log ({self.log_path}):\n{self.log_tail()}")
+
+    def wait_healthy(self, url: str, timeout: float,
+                     headers: Mapping[str, str] | None = None) -> None:
+        """Poll `url` until it answers 200; fail early if the process dies."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check()
+            try:
+                request = urllib.request.Request(url, headers=dict(headers or {}))
+                with urllib.request.urlopen(request, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RolloutTimeoutError(
+            f"{self.name} server did not become healthy at {url} within {timeout:.0f} s; "
+            f"end of its log ({self.log_path}):\n{self.log_tail()}")
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left after `grace` s."""
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        # Children (an engine's workers) may outlive their parent: they get a few seconds
+        # to finish their own clean-up (shared memory), then SIGKILL.
+        deadline = time.monotonic() + GROUP_GRACE_S
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.alive():
+            self.proc.wait(10)
+        self._log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False

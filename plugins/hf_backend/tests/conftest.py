@@ -1,0 +1,3 @@
+"""The HF backend's tests: the contract suite on transformers."""
+
+pytest_plugins = ["rollout.testing.fixtures"]

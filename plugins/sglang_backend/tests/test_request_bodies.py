@@ -1,0 +1,88 @@
+"""Every body the backend sends is checked against SGLang's own request classes from the
+installed version: a field SGLang renames or drops fails here, not in a user's run."""
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+
+import rollout_sglang
+from rollout.contract.schemas import SamplingParams
+from rollout_sglang import protocol
+
+SAMPLINGS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.0, max_tokens=3, logprobs=0),
+    SamplingParams(temperature=0.7, top_p=0.5, top_k=5, n=3, stop=("a", "b."),
+                   stop_token_ids=(2, 7), logprobs=4, ignore_eos=True),
+]
+
+
+def struct_fields(cls) -> set[str]:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(cls.__struct_fields__)  # msgspec.Struct
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_generate_body_fits_generate_req_input(sampling):
+    body = protocol.generate_body("0" * 32, [5, 6, 7], sampling)
+    cls = protocol.struct("generate")
+    assert set(body) <= struct_fields(cls), set(body) - struct_fields(cls)
+    request = cls(**body)
+    request.normalize_batch_and_arguments()
+    # The in-process engine passes the same keys to Engine.async_generate.
+    from sglang import Engine
+
+    accepted = set(inspect.signature(Engine.async_generate).parameters)
+    assert set(body) - {"stream"} <= accepted
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_sampling_body_fits_sampling_params(sampling, tiny_model):
+    from transformers import AutoTokenizer
+
+    body = protocol.sampling_body(sampling)
+    cls = protocol.struct("sampling")
+    assert set(body) <= struct_fields(cls), set(body) - struct_fields(cls)
+    params = cls(**body)
+    params.normalize(AutoTokenizer.from_pretrained(str(tiny_model)))
+    params.verify(512)
+
+
+@pytest.mark.parametrize(("name", "body"), [
+    ("abort", protocol.abort_body("0" * 32)),
+    ("abort", protocol.abort_body(None)),
+    ("begin_weight_update", {}),
+    ("update_weights_from_tensor", protocol.update_tensor_body("gASV")),
+    ("end_weight_update", {}),
+    ("update_weights_from_disk", {"model_path": "/tmp/model"}),
+    ("release", {"tags": ["weights", "kv_cache"]}),
+    ("resume", {"tags": ["kv_cache"]}),
+])
+def test_control_bodies_fit_sglang_structs(name, body):
+    cls = protocol.struct(name)
+    assert set(body) <= struct_fields(cls), set(body) - struct_fields(cls)
+    built = cls(**body)  # keyword construction rejects unknown fields
+    for key, value in body.items():
+        assert getattr(built, key) == value
+
+
+def test_the_payload_is_what_sglang_deserializes():
+    import torch
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from rollout_sglang.weights import serialize
+
+    group = [("lm_head.weight", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
+    for as_text in (False, True):
+        back = MultiprocessingSerializer.deserialize(serialize(group, as_text))
+        assert [n for n, _ in back] == ["lm_head.weight"]
+        assert torch.equal(back[0][1], group[0][1])
+
+
+def test_package_holds_no_cpu_scaffolding():
+    package = Path(rollout_sglang.__file__).parent
+    names = {p.name for p in package.rglob("*")}
+    assert not {"sitecustomize.py", "libcuda_stub.c", "libcuda.so.1"} & names

@@ -1,0 +1,20 @@
+"""vLLM tests run in their own environment (scripts/test.sh builds it) on the CPU build."""
+
+pytest_plugins = ["rollout.testing.fixtures"]
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
+
+CACHE = Path(os.environ.get("ROLLOUT_CACHE", Path.home() / ".cache" / "rollout")) / "vllm"
+# A small KV cache on CPU; compiled kernels kept between runs; nothing from a hub.
+for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+                   "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
+                   "TORCHINDUCTOR_CACHE_DIR": str(CACHE / "inductor")}.items():
+    os.environ.setdefault(key, value)
+
+# float32 and eager mode: the tiny model's outputs then match the HF backend's.
+ENGINE = {"dtype": "float32", "enforce_eager": True}
