@@ -19,6 +19,7 @@ from rollout.contract.errors import (
 from rollout.contract.hookspecs import hookimpl
 from rollout.contract.schemas import (
     Capabilities,
+    Chunk,
     Completion,
     ImagePart,
     Message,
@@ -31,7 +32,7 @@ from rollout.contract.schemas import (
     Tool,
     ToolCall,
 )
-from rollout.api import Rollout, load_backend
+from rollout.api import Rollout, Stream, load_backend
 from rollout.contract.plugins import available_backends
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = [
     "BackendContractError",
     "BackendReleasedError",
     "Capabilities",
+    "Chunk",
     "Completion",
     "EngineDeadError",
     "NoReplicaError",
@@ -51,6 +53,7 @@ __all__ = [
     "Request",
     "Result",
     "Rollout",
+    "Stream",
     "RolloutError",
     "RolloutTimeoutError",
     "SamplingParams",

@@ -1,35 +1,42 @@
-"""`Rollout`: the one object a trainer talks to, whatever backend sits behind it.
+"""`Rollout`: the one object a trainer holds, whatever backend (plugin) sits behind it.
 
-It checks the backend against the hook specifications when it is registered, validates
-requests one by one (a bad request fails alone), enforces the released/resumed state and
-capabilities, and keeps lifecycle calls (release, resume, update_weights) from running
-while a generate call is in flight.
+It checks the backend against the hook specifications when it is registered, validates and
+encodes each request, and runs every request as its own coroutine on the engine loop:
+thousands can run at once without a thread each. It owns what every backend would
+otherwise redo: request bookkeeping, timeouts, aborts (also one that comes before the engine
+has seen the request), texts and stop-string cuts, streaming, and keeping lifecycle calls
+(release, resume, update_weights) apart from running requests, with bounded waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import pluggy
 
 from rollout.contract import convert, hookspecs
 from rollout.contract.errors import (
     BackendContractError,
     BackendReleasedError,
+    EngineDeadError,
+    GenerationError,
     InvalidRequestError,
     RolloutError,
     RolloutTimeoutError,
 )
-from rollout.contract.schemas import TAGS, Capabilities, Completion, Request
+from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result
+from rollout.kit.aio import engine_loop, on_loop
+from rollout.kit.text import TextStream, final_text
 
 # A supported capability needs these hooks implemented.
-HOOKS_FOR = {"release": ("release", "resume"), "update_weights": ("update_weights",),
-             "abort": ("abort",)}
+HOOKS_FOR = {"release": ("release", "resume"), "update_weights": ("update_weights",)}
 LIFECYCLE_TIMEOUT_S = 600.0
-ABORT_RESEND_S = 0.5  # a timed-out call's abort is sent again this often until it returns
 
 
 class Rollout:
@@ -57,53 +64,95 @@ class Rollout:
                     f"{', '.join(absent)}; implement it or list it in Capabilities.unsupported"
                 )
         self.capabilities = caps
+        self.encoder = self._pm.hook.prompt_encoder()
         self._implemented = implemented
         self._backend = backend
+        self._engine = engine_loop()
+        self._loop = self._engine.loop
         self._released: set[str] = set()
         self._closed = False
-        self._gate = threading.Condition()
-        self._generating = 0
-        self._lifecycle = False
+        self._dead: EngineDeadError | None = None
+        self._gate = threading.Condition()  # guards what follows
+        self._flights: dict[str, set[_Flight]] = {}  # request id -> its running calls
+        self._running = 0  # requests admitted and not yet done
+        self._lifecycle = False  # a lifecycle call runs
+        self._lifecycle_waiting = 0  # lifecycle calls waiting for running requests to end
 
     # --- generation ---------------------------------------------------------------------
 
-    def generate(
-        self, requests: Sequence[Request | Mapping], timeout: float | None = None
-    ) -> list[Completion]:
-        """One Completion per request, in order. A request that is invalid, or that fails in
-        the engine, carries its error; the rest of the batch completes. With `timeout`,
-        requests still running then are aborted and return what they have."""
-        completions: list[Completion | None] = [None] * len(requests)
-        valid: list[tuple[int, Request]] = []
-        seen: set[str] = set()
-        for i, item in enumerate(requests):
-            try:
-                request = item if isinstance(item, Request) else convert.structure(item, Request)
-                self._check_request(request, seen)
-            except InvalidRequestError as exc:
-                rid = item.id if isinstance(item, Request) else _raw_id(item, i)
-                completions[i] = Completion(rid, error=exc)
-                continue
-            seen.add(request.id)
-            valid.append((i, request))
-        if valid:
-            with self._generating_section():
-                outputs = self._generate_hook([r for _, r in valid], timeout)
-            for (i, request), output in zip(valid, outputs):
-                completions[i] = self._completion(request, output)
-        return completions  # type: ignore[return-value]
+    def generate(self, requests: Sequence[Request | Mapping],
+                 timeout: float | None = None) -> list[Completion]:
+        """One Completion per request, in order: a thin wrapper that runs every request as
+        `agenerate` does, together. A request that is invalid, or fails in the engine,
+        carries its error; the rest complete. With `timeout`, requests still running then
+        are aborted and return what they have."""
+        if on_loop(self._loop):
+            raise RuntimeError("Rollout.generate() blocks; on the engine loop use agenerate()")
+        checked = [self._validate(item, i) for i, item in enumerate(requests)]
+        flights = [self._register(r) for r in checked if isinstance(r, Request)]
 
-    async def agenerate(
-        self, requests: Sequence[Request | Mapping], timeout: float | None = None
-    ) -> list[Completion]:
-        import asyncio
+        async def run_all():
+            return await asyncio.gather(*(self._run(f, timeout) for f in flights),
+                                        return_exceptions=True)
 
-        return await asyncio.to_thread(self.generate, requests, timeout)
+        future = asyncio.run_coroutine_threadsafe(run_all(), self._loop)
+        try:
+            outputs = iter(future.result())
+        except BaseException:
+            future.cancel()  # (a KeyboardInterrupt) its requests stop in the engine too
+            raise
+        completions = [item if isinstance(item, Completion) else next(outputs)
+                       for item in checked]
+        for c in completions:
+            if isinstance(c, BaseException):
+                raise c
+        return completions
 
-    def _check_request(self, request: Request, seen: set[str]) -> None:
-        if request.id in seen:
-            raise InvalidRequestError("id", f"{request.id!r} appears twice in the batch",
-                                      "ids unique within a batch")
+    async def agenerate(self, request: Request | Mapping,
+                        timeout: float | None = None) -> Completion:
+        """Generate for one request, on any event loop; no thread is taken. The Completion
+        carries the request's own error; a dead engine or a closed or released backend
+        raises. Cancelling the call stops the request in the engine."""
+        checked = self._validate(request, 0)
+        if isinstance(checked, Completion):
+            return checked
+        flight = self._register(checked)
+        if on_loop(self._loop):
+            return await self._run(flight, timeout)
+        return await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self._run(flight, timeout), self._loop))
+
+    def stream(self, request: Request | Mapping, timeout: float | None = None) -> Stream:
+        """Iterate (`async for`) over the request's `Chunk`s as the engine makes them, each
+        with its new text; afterwards `.completion` holds the whole Completion, the same as
+        agenerate's. The request's own error is raised from the iteration. Leaving the
+        iteration early stops the request in the engine."""
+        return Stream(self, request, timeout)
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> None:
+        """Stop requests (all when None), from any thread; they return what they made, with
+        finish reason "abort". A request already registered (its call has been made) is
+        stopped even if the engine has not seen it yet. Unknown ids are ignored."""
+        with self._gate:
+            ids = list(self._flights) if request_ids is None else list(request_ids)
+            flights = [f for i in ids for f in self._flights.get(i, ())]
+            for flight in flights:
+                flight.aborted = True
+        if flights:
+            self._loop.call_soon_threadsafe(_cancel_all, flights)
+
+    # --- one request, on the engine loop ------------------------------------------------
+
+    def _validate(self, item: Request | Mapping, index: int) -> Request | Completion:
+        try:
+            request = item if isinstance(item, Request) else convert.structure(item, Request)
+            self._check_request(request)
+        except InvalidRequestError as exc:
+            rid = item.id if isinstance(item, Request) else _raw_id(item, index)
+            return Completion(rid, error=exc)
+        return request
+
+    def _check_request(self, request: Request) -> None:
         needs = []
         if request.sampling.logprobs is not None:
             needs.append(("logprobs", "sampling.logprobs"))
@@ -125,44 +174,113 @@ class Rollout:
                     field, f"backend {self.name!r} does not support {capability}: "
                     f"{self.capabilities.unsupported[capability]}")
 
-    def _generate_hook(self, requests: list[Request], timeout: float | None) -> list:
-        done = threading.Event()
-        if timeout is not None:
-            self.capabilities.require("abort")
-            ids = [r.id for r in requests]
+    def _register(self, request: Request) -> _Flight:
+        """Registered on the caller's thread, before anything runs: an abort from now on
+        finds the request."""
+        flight = _Flight(request)
+        with self._gate:
+            self._flights.setdefault(request.id, set()).add(flight)
+        return flight
 
-            def abort_when_late():
-                # Sent again until the call returns: a starved process may reach the
-                # backend's registration of these requests only after a first abort.
-                if not done.wait(timeout):
-                    while True:
-                        self._pm.hook.abort(request_ids=ids)
-                        if done.wait(ABORT_RESEND_S):
-                            return
-
-            threading.Thread(target=abort_when_late, name="rollout-timeout", daemon=True).start()
+    async def _run(self, flight: _Flight, timeout: float | None,
+                   sink: Callable[[Chunk], None] | None = None) -> Completion:
+        flight.task = asyncio.current_task()
+        request = flight.request
+        timer = None if timeout is None else self._loop.call_later(
+            timeout, _cancel_all, [flight], True)
         try:
-            outputs = self._pm.hook.generate(requests=requests)
+            if flight.aborted:  # before it started
+                return Completion(request.id, _aborted_results(request))
+            await self._admit()
+            try:
+                return await self._collect(flight, sink)
+            finally:
+                with self._gate:
+                    self._running -= 1
+                    self._gate.notify_all()
+        except asyncio.CancelledError:
+            if not flight.aborted:
+                raise
+            asyncio.current_task().uncancel()
+            return Completion(request.id, _aborted_results(request))
         finally:
-            done.set()
-        if not isinstance(outputs, list) or len(outputs) != len(requests):
-            raise BackendContractError(
-                f"backend {self.name!r}: generate returned {type(outputs).__name__} "
-                f"of {len(outputs) if isinstance(outputs, list) else '?'} entries "
-                f"for {len(requests)} requests")
-        return outputs
+            if timer is not None:
+                timer.cancel()
+            with self._gate:
+                same = self._flights.get(request.id)
+                if same is not None:
+                    same.discard(flight)
+                    if not same:
+                        del self._flights[request.id]
 
-    def _completion(self, request: Request, output) -> Completion:
-        if isinstance(output, RolloutError):
-            return Completion(request.id, error=output)
-        results = tuple(output)
-        if [r.index for r in results] != list(range(request.sampling.n)) or any(
-            r.request_id != request.id for r in results
-        ):
-            raise BackendContractError(
-                f"backend {self.name!r}: request {request.id!r} asked for "
-                f"{request.sampling.n} samples, got indices {[r.index for r in results]}")
-        return Completion(request.id, results)
+    async def _collect(self, flight: _Flight, sink) -> Completion:
+        request, s = flight.request, flight.request.sampling
+        try:
+            prompt = self.encoder.encode(request)
+        except InvalidRequestError as exc:
+            return Completion(request.id, error=exc)
+        samples = [_Sample(self.encoder.decode, s, sink is not None) for _ in range(s.n)]
+        chunks = self._pm.hook.generate(request=request, prompt_token_ids=prompt)
+        try:
+            async for chunk in chunks:
+                if not 0 <= chunk.index < s.n or samples[chunk.index].finish:
+                    raise BackendContractError(
+                        f"backend {self.name!r}: chunk for sample {chunk.index} of a request "
+                        f"with n={s.n} (or after that sample finished)")
+                text = samples[chunk.index].add(chunk)
+                if sink is not None and (chunk.token_ids or chunk.finish_reason or text):
+                    sink(attrs.evolve(chunk, text=text))
+        except asyncio.CancelledError:
+            if not flight.aborted:
+                raise
+            asyncio.current_task().uncancel()
+        except EngineDeadError as exc:
+            self._dead = exc
+            raise
+        except RolloutError as exc:
+            return Completion(request.id, error=exc)
+        except Exception as exc:  # noqa: BLE001 - a backend bug fails its request alone
+            return Completion(request.id, error=GenerationError(
+                f"backend {self.name!r} failed on request {request.id!r}: {exc!r}"))
+        finally:
+            await chunks.aclose()
+        if not flight.aborted and not all(x.finish for x in samples):
+            return Completion(request.id, error=BackendContractError(
+                f"backend {self.name!r}: the output of request {request.id!r} ended with "
+                "unfinished samples"))
+        results = []
+        for i, sample in enumerate(samples):
+            results.append(sample.result(request, i, prompt))
+            if sink is not None and sample.stream is not None and not sample.streamed_end:
+                sink(Chunk(i, finish_reason=results[-1].finish_reason,
+                           text=sample.stream.finish()))
+        return Completion(request.id, tuple(results))
+
+    async def _admit(self) -> None:
+        """Wait (bounded) while a lifecycle call runs or waits; resume a released backend
+        that resumes on its own; then count the request as running."""
+        deadline = time.monotonic() + LIFECYCLE_TIMEOUT_S
+        while True:
+            with self._gate:
+                if self._dead is not None:
+                    raise self._dead
+                if self._closed:
+                    raise BackendReleasedError(f"backend {self.name!r} is closed")
+                if not (self._lifecycle or self._lifecycle_waiting):
+                    if not self._released:
+                        self._running += 1
+                        return
+                    if not self.capabilities.auto_resume:
+                        raise BackendReleasedError(
+                            f"backend {self.name!r}: {', '.join(sorted(self._released))} "
+                            "released; call resume() before generate()")
+            if not (self._lifecycle or self._lifecycle_waiting):
+                await asyncio.to_thread(self.resume)  # one thread, once, for the resume
+                continue
+            if time.monotonic() > deadline:
+                raise RolloutTimeoutError(f"backend {self.name!r}: waited "
+                                          f"{LIFECYCLE_TIMEOUT_S:.0f} s for a weight update or release")
+            await asyncio.sleep(0.02)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -181,13 +299,10 @@ class Rollout:
         tags = _tags(tags)
         self.capabilities.require("release")
         with self._lifecycle_section():
-            self._resume(tags)
-
-    def _resume(self, tags: tuple[str, ...]) -> None:
-        todo = tuple(t for t in TAGS if t in tags and t in self._released)
-        if todo:
-            self._pm.hook.resume(tags=todo)
-            self._released.difference_update(todo)
+            todo = tuple(t for t in TAGS if t in tags and t in self._released)
+            if todo:
+                self._pm.hook.resume(tags=todo)
+                self._released.difference_update(todo)
 
     @property
     def released(self) -> frozenset[str]:
@@ -205,17 +320,16 @@ class Rollout:
             buckets = iter_buckets(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
             self._pm.hook.update_weights(buckets=buckets)
 
-    def abort(self, request_ids: Iterable[str] | None = None) -> None:
-        """Stop running requests (all when None); they return partial output."""
-        self.capabilities.require("abort")
-        ids = None if request_ids is None else list(request_ids)
-        self._pm.hook.abort(request_ids=ids)
-
     def close(self) -> None:
-        if not self._closed:
+        """Stop running requests and the engine."""
+        if self._closed:
+            return
+        self.abort()
+        with self._gate:
+            self._gate.wait_for(lambda: not self._running, timeout=30)
             self._closed = True
-            if "close" in self._implemented:
-                self._pm.hook.close()
+        if "close" in self._implemented:
+            self._pm.hook.close()
 
     def __enter__(self) -> Rollout:
         return self
@@ -223,56 +337,152 @@ class Rollout:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # --- state ---------------------------------------------------------------------------
-
-    def _generating_section(self):
-        return _Section(self, lifecycle=False)
-
-    def _lifecycle_section(self):
-        return _Section(self, lifecycle=True)
+    def _lifecycle_section(self) -> _Lifecycle:
+        if on_loop(self._loop):
+            raise RuntimeError("lifecycle calls block; make them off the engine loop")
+        return _Lifecycle(self)
 
 
-class _Section:
-    """Generate calls run together; a lifecycle call runs alone. Waits are bounded."""
+class Stream:
+    """The chunks of one request as they come (see `Rollout.stream`). `aclose()` (or leaving
+    an `async for` over it) stops the request in the engine if it still runs."""
 
-    def __init__(self, owner: Rollout, lifecycle: bool):
-        self.owner, self.lifecycle = owner, lifecycle
+    def __init__(self, owner: Rollout, request: Request | Mapping, timeout: float | None):
+        self.completion: Completion | None = None
+        self._chunks = self._iterate(owner, request, timeout)
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._chunks
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+
+    async def _iterate(self, owner: Rollout, request, timeout) -> AsyncIterator[Chunk]:
+        checked = owner._validate(request, 0)
+        if isinstance(checked, Completion):
+            self.completion = checked
+            raise checked.error
+        flight = owner._register(checked)
+        queue: asyncio.Queue = asyncio.Queue()
+        here = asyncio.get_running_loop()
+        if here is owner._loop:
+            sink = queue.put_nowait
+        else:
+            def sink(chunk):
+                here.call_soon_threadsafe(queue.put_nowait, chunk)
+
+        async def produce():
+            try:
+                return await owner._run(flight, timeout, sink)
+            finally:
+                sink(None)  # the end, whatever happened
+
+        if here is owner._loop:
+            task = done = here.create_task(produce())
+        else:
+            task = asyncio.run_coroutine_threadsafe(produce(), owner._loop)
+            done = asyncio.wrap_future(task)
+        try:
+            while (chunk := await queue.get()) is not None:
+                yield chunk
+            self.completion = await done
+        finally:
+            if not done.done():  # the caller left early: the request stops in the engine
+                task.cancel()
+        if self.completion.error is not None:
+            raise self.completion.error
+
+
+class _Flight:
+    """One call for one request."""
+
+    __slots__ = ("request", "aborted", "task")
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.aborted = False
+        self.task: asyncio.Task | None = None
+
+
+class _Sample:
+    """What one sample of a request has made so far."""
+
+    def __init__(self, decode, s, streaming: bool):
+        self.decode, self.s = decode, s
+        self.tokens: list[int] = []
+        self.logprobs: list[float] | None = [] if s.logprobs is not None else None
+        self.top: list | None = [] if s.logprobs else None
+        self.finish: str | None = None
+        self.stream = TextStream(decode, s) if streaming else None
+        self.streamed_end = False
+
+    def add(self, chunk: Chunk) -> str:
+        self.tokens += chunk.token_ids
+        if self.logprobs is not None:
+            self.logprobs += chunk.logprobs or ()
+        if self.top is not None:
+            self.top += chunk.top_logprobs or ()
+        self.finish = chunk.finish_reason
+        if self.stream is None:
+            return ""
+        text = self.stream.add(chunk.token_ids)
+        if self.finish:
+            self.streamed_end = True
+            text += self.stream.finish()
+        return text
+
+    def result(self, request: Request, index: int, prompt: list[int]) -> Result:
+        return Result(
+            request_id=request.id, index=index, token_ids=tuple(self.tokens),
+            text=final_text(self.decode, self.tokens, self.s),
+            finish_reason=self.finish or "abort", prompt_tokens=len(prompt),
+            prompt_token_ids=tuple(prompt),
+            logprobs=None if self.logprobs is None else tuple(self.logprobs),
+            top_logprobs=None if self.top is None else tuple(self.top))
+
+
+class _Lifecycle:
+    """A lifecycle call runs alone: it waits (bounded) for running requests to end, and
+    holds new ones back meanwhile."""
+
+    def __init__(self, owner: Rollout):
+        self.owner = owner
 
     def __enter__(self):
         o = self.owner
         with o._gate:
-            busy = (lambda: o._lifecycle or o._generating) if self.lifecycle else (
-                lambda: o._lifecycle)
-            if not o._gate.wait_for(lambda: not busy(), timeout=LIFECYCLE_TIMEOUT_S):
-                raise RolloutTimeoutError(
-                    f"backend {o.name!r}: waited {LIFECYCLE_TIMEOUT_S:.0f} s for "
-                    f"{'running generate calls' if self.lifecycle else 'a weight update or release'}")
+            o._lifecycle_waiting += 1
+            try:
+                if not o._gate.wait_for(lambda: not (o._lifecycle or o._running),
+                                        timeout=LIFECYCLE_TIMEOUT_S):
+                    raise RolloutTimeoutError(
+                        f"backend {o.name!r}: waited {LIFECYCLE_TIMEOUT_S:.0f} s for running "
+                        "requests or another lifecycle call")
+            finally:
+                o._lifecycle_waiting -= 1
             if o._closed:
                 raise BackendReleasedError(f"backend {o.name!r} is closed")
-            if self.lifecycle:
-                o._lifecycle = True
-            else:
-                if o._released:
-                    if not o.capabilities.auto_resume:
-                        raise BackendReleasedError(
-                            f"backend {o.name!r}: {', '.join(sorted(o._released))} released; "
-                            "call resume() before generate()")
-                    o._lifecycle = True
-                    try:
-                        o._resume(TAGS)
-                    finally:
-                        o._lifecycle = False
-                o._generating += 1
+            o._lifecycle = True
         return self
 
     def __exit__(self, *exc):
         o = self.owner
         with o._gate:
-            if self.lifecycle:
-                o._lifecycle = False
-            else:
-                o._generating -= 1
+            o._lifecycle = False
             o._gate.notify_all()
+
+
+def _cancel_all(flights: list[_Flight], abort: bool = False) -> None:
+    for flight in flights:
+        flight.aborted = flight.aborted or abort
+        if flight.task is not None and not flight.task.done():
+            flight.task.cancel()
+
+
+def _aborted_results(request: Request) -> tuple[Result, ...]:
+    return tuple(Result(request_id=request.id, index=i, token_ids=(), text="",
+                        finish_reason="abort", prompt_tokens=0)
+                 for i in range(request.sampling.n))
 
 
 def _tags(tags: Iterable[str] | None) -> tuple[str, ...]:
@@ -291,7 +501,7 @@ def _raw_id(item: Any, index: int) -> str:
 
 
 def load_backend(name: str, model: str, **options: Any) -> Rollout:
-    """Load the backend registered as `name` in `rollout.backends` on `model`."""
+    """A `Rollout` over the backend registered as `name` in `rollout.backends`, on `model`."""
     from rollout.contract.plugins import load_factory
 
     factory = load_factory(name)

@@ -61,7 +61,7 @@ def _structure_content(value, _):
             parts.append(converter.structure(part, ContentPart))
         except errors.InvalidRequestError as exc:
             raise errors.InvalidRequestError(
-                f"[{i}].{exc.field}", _message(exc), exc.allowed) from None
+                f"[{i}].{exc.field}", exc.detail, exc.allowed) from None
     return tuple(parts)
 
 
@@ -117,7 +117,7 @@ def _as_invalid(exc: BaseException, path: list[str]) -> errors.InvalidRequestErr
     if isinstance(exc, errors.InvalidRequestError):
         # A check on a whole nested object names the object itself: no "x.x".
         field = path if path[-1:] == [exc.field] else path + [exc.field]
-        return errors.InvalidRequestError(_join(field), _message(exc), exc.allowed)
+        return errors.InvalidRequestError(_join(field), exc.detail, exc.allowed)
     if isinstance(exc, ForbiddenExtraKeysError):
         names = [a.name for a in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
         extra = sorted(exc.extra_fields)
@@ -152,11 +152,6 @@ def _literal_values(exc: BaseException) -> str:
         if values and getattr(note.type, "__origin__", None) is Literal:
             return ", ".join(map(str, values))
     return ""
-
-
-def _message(exc: errors.InvalidRequestError) -> str:
-    text = exc.message.split(": ", 1)[1] if ": " in exc.message else exc.message
-    return text.split(" (allowed: ")[0]
 
 
 def _join(parts: list[str]) -> str:

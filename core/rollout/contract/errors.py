@@ -17,20 +17,23 @@ class RolloutError(Exception):
 
 
 class InvalidRequestError(RolloutError, ValueError):
-    """A request (or a setting) has a bad value. `field` is its dotted path."""
+    """A request (or a setting) has a bad value: `field` is its dotted path, `detail` what
+    is wrong with it, `allowed` what it may be. `message` joins the three for people."""
 
     kind = "invalid_request"
 
-    def __init__(self, field: str, message: str, allowed: str | None = None):
-        text = f"{field}: {message}"
+    def __init__(self, field: str, detail: str, allowed: str | None = None):
+        text = f"{field}: {detail}"
         if allowed:
             text += f" (allowed: {allowed})"
         super().__init__(text)
         self.field = field
+        self.detail = detail
         self.allowed = allowed
 
     def to_dict(self) -> dict:
-        return {**super().to_dict(), "field": self.field, "allowed": self.allowed}
+        return {**super().to_dict(), "field": self.field, "detail": self.detail,
+                "allowed": self.allowed}
 
 
 class UnknownBackendError(RolloutError, LookupError):
@@ -92,7 +95,8 @@ def from_dict(data: dict) -> RolloutError:
     cls = kinds.get(data.get("kind"), RolloutError)
     message = data.get("message", "")
     if cls is InvalidRequestError:
-        error = InvalidRequestError(data.get("field") or "request", "", data.get("allowed"))
+        error = InvalidRequestError(data.get("field") or "request", data.get("detail") or "",
+                                    data.get("allowed"))
     elif cls is UnsupportedError:
         error = UnsupportedError.__new__(cls)
         RolloutError.__init__(error, message)

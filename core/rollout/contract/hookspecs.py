@@ -2,8 +2,28 @@
 
 A backend is an object whose methods carry `@rollout.hookimpl`; each instance is registered
 in its own plugin manager, so one answer per hook is wanted (`firstresult`). Required hooks:
-`capabilities` and `generate`; the others may be left out when `capabilities()` lists them
-as unsupported.
+`capabilities`, `prompt_encoder` and `generate`; the lifecycle hooks may be left out when
+`capabilities()` lists them as unsupported.
+
+Threading rules. The core (`rollout.Rollout`) runs every `generate` on one event loop, the
+engine loop (`rollout.kit.aio.engine_loop()`), one request per call, thousands at a time:
+a backend must never block that loop (an engine that computes on the calling thread, like
+transformers, computes on a thread of its own and hands tokens back to the loop). Lifecycle
+hooks (`release`, `resume`, `update_weights`, `close`) are called from the trainer's thread,
+never from the engine loop, and only while no request is running; they may block, and may
+run coroutines on the engine loop and wait for them.
+
+Error rules. A request's own problem (a value the engine refuses, a grammar that does not
+compile) is raised from `generate` as a `RolloutError` (`InvalidRequestError` naming the
+field where there is one): it fails that request alone. `EngineDeadError` means the engine
+is gone: every later request fails with it too. Anything else raised is a backend bug and
+fails that request with a `GenerationError`.
+
+Aborts and timeouts are the core's: it stops a request by cancelling the consumer of its
+`generate` iterator. The cancellation reaches the iterator wherever it waits (before or
+after the engine has registered the request); its clean-up (a `finally`) must remove the
+request from the engine, without waiting on it for long. What the iterator yielded before is
+what the caller gets back, with finish reason `abort`.
 """
 
 from __future__ import annotations
@@ -13,17 +33,17 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import AsyncIterator, Iterable
 
+    from rollout.contract.schemas import Capabilities, Chunk, Request
     from rollout.kit.buckets import Bucket
-    from rollout.contract.errors import RolloutError
-    from rollout.contract.schemas import Capabilities, Request, Result
+    from rollout.kit.prompts import PromptEncoder
 
 PROJECT = "rollout"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-REQUIRED = ("capabilities", "generate")
+REQUIRED = ("capabilities", "prompt_encoder", "generate")
 
 
 @hookspec(firstresult=True)
@@ -32,18 +52,32 @@ def capabilities() -> Capabilities:
 
 
 @hookspec(firstresult=True)
-def generate(requests: Sequence[Request]) -> list[list[Result] | RolloutError]:
-    """Generate for a batch of valid requests.
+def prompt_encoder() -> PromptEncoder:
+    """The model's prompt encoder (`rollout.kit.prompts.PromptEncoder`): the core encodes
+    every prompt with it, and decodes every text, the same way for every backend."""
 
-    :param requests: validated requests; ids are unique within the batch.
-    :return: one entry per request, in order: its `n` results in index order, or the
-        RolloutError that stopped that request alone.
+
+@hookspec(firstresult=True)
+def generate(request: Request, prompt_token_ids: list[int]) -> AsyncIterator[Chunk]:
+    """Generate the `request.sampling.n` samples of one valid request.
+
+    Called on the engine loop; returns an async iterator (an `async def` with `yield`) that
+    yields `Chunk`s as the engine makes tokens: a chunk's `token_ids` follow those of the
+    sample's earlier chunks, with one logprob (and one top-logprobs entry when k > 0) per
+    token when the request asks for them. Every sample ends with a chunk whose
+    `finish_reason` is "stop" (EOS, a stop token or a stop string) or "length" (max_tokens
+    or the context length); the iterator then ends. Samples may interleave. Chunks may hold
+    several tokens, but a chunk should leave as soon as the engine has its tokens: the
+    caller may be streaming them.
+
+    :param request: validated, and within the backend's capabilities.
+    :param prompt_token_ids: the prompt as the core encoded it; exactly what the engine sees.
     """
 
 
 @hookspec(firstresult=True)
 def release(tags: tuple[str, ...]) -> None:
-    """Free memory: `weights`, `kv_cache` or both. Called only while not generating."""
+    """Free memory: `weights`, `kv_cache` or both. Called only while no request runs."""
 
 
 @hookspec(firstresult=True)
@@ -53,17 +87,11 @@ def resume(tags: tuple[str, ...]) -> None:
 
 @hookspec(firstresult=True)
 def update_weights(buckets: Iterable[Bucket]) -> None:
-    """Replace weights in place from buckets packed by `rollout.kit.buckets`.
+    """Replace weights in place from buckets packed by `rollout.kit.buckets`. Called only
+    while no request runs.
 
     :param buckets: an iterator; each bucket holds whole tensors, in the trainer's order.
     """
-
-
-@hookspec(firstresult=True)
-def abort(request_ids: Sequence[str] | None) -> None:
-    """Stop these running requests (all when None); they finish with reason `abort` and
-    return what they generated so far. Unknown ids are ignored. May be called from
-    another thread while `generate` runs."""
 
 
 @hookspec(firstresult=True)

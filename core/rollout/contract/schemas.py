@@ -272,10 +272,16 @@ class Request:
     tools: tuple[Tool, ...] | None = attrs.field(default=None, converter=_tuple)
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     metadata: dict = attrs.field(factory=dict)
+    # Requests of one session (the turns of one trajectory) go to the same replica while
+    # it is healthy, so later turns reuse its prefix cache.
+    session_id: str | None = None
 
     def __attrs_post_init__(self):
         _check("id", isinstance(self.id, str) and self.id != "", f"got {self.id!r}",
                "a non-empty string")
+        _check("session_id", self.session_id is None
+               or (isinstance(self.session_id, str) and self.session_id != ""),
+               f"got {self.session_id!r}", "a non-empty string or null")
         given = [name for name in ("prompt", "prompt_token_ids", "messages")
                  if getattr(self, name) is not None]
         _check("prompt", len(given) == 1, f"got {', '.join(given) or 'none'}",
@@ -318,7 +324,8 @@ class Result:
     """One sample of one request.
 
     `token_ids` are the generated tokens, including a final EOS or stop token; `text` is
-    their decoding without special tokens, cut before a matched stop string. `logprobs` are
+    their decoding without special tokens, cut before a matched stop string.
+    `prompt_token_ids` are exactly the tokens the engine saw before them. `logprobs` are
     the chosen tokens' log-probabilities under the model's raw distribution (temperature 1,
     no top-p or top-k), one per token; `top_logprobs` the k most likely tokens per position.
     """
@@ -334,11 +341,35 @@ class Result:
         default=None, converter=_tuple)
     completion_tokens: int = attrs.field(
         default=attrs.Factory(lambda self: len(self.token_ids), takes_self=True))
+    prompt_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self):
+        _check("prompt_token_ids", not self.prompt_token_ids
+               or len(self.prompt_token_ids) == self.prompt_tokens,
+               f"{len(self.prompt_token_ids)} ids but prompt_tokens={self.prompt_tokens}",
+               "as many ids as prompt_tokens")
         _check("completion_tokens", self.completion_tokens == len(self.token_ids),
                f"{self.completion_tokens} but {len(self.token_ids)} token ids",
                "the number of token ids")
+
+
+@attrs.frozen
+class Chunk:
+    """New output of one sample of a request, as a stream yields it.
+
+    A backend yields these from `generate` with the new `token_ids` (and, when the request
+    asks for logprobs, one `logprobs` entry and, for k > 0, one `top_logprobs` entry per
+    token), and `finish_reason` on the sample's last chunk; it leaves `text` empty. The core
+    fills `text` with the new text of the sample before handing chunks to the caller
+    (stop strings are held back until they can no longer match)."""
+
+    index: int
+    token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    logprobs: tuple[float, ...] | None = attrs.field(default=None, converter=_tuple)
+    top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = attrs.field(
+        default=None, converter=_tuple)
+    finish_reason: FinishReason | None = None
+    text: str = ""
 
 
 @attrs.frozen
@@ -366,7 +397,6 @@ class Completion:
 CAPABILITIES = {
     "release": "free weights and KV cache with release() and bring them back with resume()",
     "update_weights": "replace the weights in place with update_weights()",
-    "abort": "stop running requests with abort(), returning partial output",
     "logprobs": "return per-token logprobs",
     "seed": "reproduce a sample from a per-request seed",
     "chat": "render chat messages with the model's chat template",
@@ -383,12 +413,10 @@ TAGS = ("weights", "kv_cache")
 class Capabilities:
     """What a backend supports. `unsupported` maps a capability name to the reason it is
     missing here; `auto_resume` means generate() on a released backend resumes it instead
-    of raising; `concurrent_generate` means concurrent generate() calls share the engine's
-    continuous batching (otherwise they run one after another)."""
+    of raising."""
 
     unsupported: dict[str, str] = attrs.field(factory=dict)
     auto_resume: bool = False
-    concurrent_generate: bool = False
 
     def __attrs_post_init__(self):
         for name in self.unsupported:
@@ -406,5 +434,5 @@ class Capabilities:
 
 
 for _cls in (StructuredOutputs, SamplingParams, TextPart, ImagePart, ToolCall, Tool, Message,
-             Request, TokenLogprob, Result, Completion, Capabilities):
+             Request, TokenLogprob, Result, Chunk, Completion, Capabilities):
     attrs.resolve_types(_cls)

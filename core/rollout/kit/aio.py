@@ -1,5 +1,6 @@
-"""An event loop on its own thread, for backends whose engines are asyncio-based, driven
-from the trainer's synchronous code. Every wait on it has a timeout."""
+"""Event loops on threads of their own, driven from the trainer's synchronous code, and the
+engine loop: the one loop of this process on which the core runs every request and every
+backend's `generate`. Every wait on them has a timeout."""
 
 from __future__ import annotations
 
@@ -34,6 +35,28 @@ class LoopThread:
             self._thread.join(30)
         if not self.loop.is_running():
             self.loop.close()
+
+
+_engine_loop: LoopThread | None = None
+_engine_loop_lock = threading.Lock()
+
+
+def engine_loop() -> LoopThread:
+    """The process's engine loop, started on first use. Backends start their engines'
+    asyncio parts on it; the core runs requests on it; the server serves on it."""
+    global _engine_loop
+    with _engine_loop_lock:
+        if _engine_loop is None or _engine_loop.loop.is_closed():
+            _engine_loop = LoopThread("rollout-engine-loop")
+        return _engine_loop
+
+
+def on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the caller runs on `loop`'s thread."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 # Servers (uvicorn) close a connection after 5 s idle; a call sent on one they have just

@@ -167,7 +167,7 @@ class SGLangBackend:
                                                  for x in samples))
         except RolloutError as exc:
             if isinstance(exc, InvalidRequestError) and exc.field == "prompt_token_ids":
-                exc = InvalidRequestError(prompt_field(request), exc.message.split(": ", 1)[-1])
+                exc = InvalidRequestError(prompt_field(request), exc.detail, exc.allowed)
             if isinstance(exc, rollout.EngineDeadError):
                 raise
             return constraint_error(exc, s.structured_outputs)
