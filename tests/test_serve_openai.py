@@ -12,6 +12,7 @@ import pytest
 import rollout
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutTimeoutError
 from rollout.apps.serving.app import ServerThread
+from rollout.apps.serving.pool import WholeStream
 from rollout.testing.serving import CHAT, ServerContract, http
 
 
@@ -34,8 +35,11 @@ class FailingService:
     def __init__(self, error):
         self.error = error
 
-    async def generate(self, requests):
+    async def generate(self, request):
         raise self.error
+
+    def stream(self, request):
+        return WholeStream(self.generate(request))
 
     async def health(self):
         raise self.error
@@ -68,9 +72,9 @@ def test_a_service_that_cannot_serve_is_a_503_or_504(error, status):
 SERVE_SCRIPT = """
 import asyncio, sys, rollout
 from rollout.apps.serving.app import serve
-from rollout.apps.serving.service import BackendService
+from rollout.apps.serving.service import LocalService
 
-class Service(BackendService):
+class Service(LocalService):
     async def close(self):
         await super().close()
         print("closed", flush=True)
@@ -95,3 +99,14 @@ def test_serve_stops_on_sigterm_and_closes_the_service(tiny_model):
         process.wait()
 
 
+
+
+def test_serve_without_aiohttp_says_how_to_install_it(tiny_model):
+    blocked = ("import sys; sys.modules['aiohttp'] = None; sys.argv[0] = 'rollout'; "
+               "from rollout.apps.cli import main; main()")
+    done = subprocess.run([sys.executable, "-c", blocked, "serve", "--backend", "hf",
+                           "--model", str(tiny_model)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "needs aiohttp" in done.stderr and "pip install" in done.stderr

@@ -308,6 +308,16 @@ class Rollout:
     def released(self) -> frozenset[str]:
         return frozenset(self._released)
 
+    def health(self) -> dict:
+        """What runs now; raises the engine's death (or closing) if it happened."""
+        with self._gate:
+            if self._dead is not None:
+                raise self._dead
+            if self._closed:
+                raise BackendReleasedError(f"backend {self.name!r} is closed")
+            return {"backend": self.name, "running": self._running,
+                    "released": sorted(self._released)}
+
     def update_weights(self, named_tensors: Iterable, bucket_bytes: int | None = None) -> None:
         """Load new weights, given as (name, tensor) pairs, packed into buckets."""
         from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, iter_buckets

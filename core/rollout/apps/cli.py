@@ -17,6 +17,16 @@ def _fail(exc: Exception) -> None:
     sys.exit(2)
 
 
+def _require_serving(what: str) -> None:
+    """Serving needs aiohttp, an optional dependency: say how to get it, not a traceback."""
+    import importlib.util
+
+    if importlib.util.find_spec("aiohttp") is None:
+        _fail(f"{what} needs aiohttp, which is not installed. Install it with "
+              "`pip install 'aiohttp>=3.9'` (from a clone of rollout: "
+              "`pip install -e '.[serve]'`).")
+
+
 @click.group()
 @click.version_option(package_name="rollout-core")
 def main() -> None:
@@ -118,6 +128,8 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
             "api_key": api_key, "in_flight": in_flight,
         })
         options = {**settings.backend_options, **_parse_options(backend_option)}
+        if settings.server or settings.replicas or settings.placement == "ray":
+            _require_serving("rollout generate with replicas or --server")
         job = Job(settings)  # reads and checks the input before any model loads
         stats = asyncio.run(_run_job(job, settings, options, progress=not quiet))
     except RolloutError as exc:
@@ -166,12 +178,13 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
               help="Passed to the backend, e.g. -o batch_size=64.")
 @click.option("--tool-call-parser", default="hermes", show_default=True,
               help="Reads tool calls out of chat answers (tool_choice auto): a parser of the "
-                   "entry-point group rollout.apps.tool_parsers.")
+                   "entry-point group rollout.tool_parsers.")
 @click.option("--watch-parent", type=int, hidden=True,
               help="Exit when this process is gone (for replicas started by a pool).")
 def serve(backend, model, mode, replicas, placement, host, port, served_model_name, api_key,
           backend_option, tool_call_parser, watch_parent) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
+    _require_serving("rollout serve")
     from rollout.apps.serving.app import serve as serve_http
     from rollout.apps.serving.connect import connect
     from rollout.apps.tool_parsers import load_tool_parser

@@ -187,7 +187,7 @@ class Job:
         async def one(request: Request) -> Completion:
             try:
                 started = time.monotonic()
-                (completion,) = await service.generate([request])
+                completion = await service.generate(request)
                 summary.latencies.append(time.monotonic() - started)
                 return completion
             finally:

@@ -7,6 +7,7 @@ that the backend reports as unsupported are skipped with the backend's reason.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -58,7 +59,7 @@ def skip_unless(caps: Capabilities, capability: str) -> None:
 
 @attrs.define
 class Harness:
-    backend: Rollout
+    rollout: Rollout
     model_dir: object
     other_dir: object
     vocab_size: int
@@ -68,7 +69,7 @@ class Harness:
 
     @property
     def caps(self) -> Capabilities:
-        return self.backend.capabilities
+        return self.rollout.capabilities
 
 
 def check_completions(batch: list[dict], completions, caps: Capabilities) -> None:
@@ -133,8 +134,8 @@ class BackendContract(SamplingContract):
         yield
         if "harness" in request.fixturenames:
             h = request.getfixturevalue("harness")
-            if h.backend.released:
-                h.backend.resume()
+            if h.rollout.released:
+                h.rollout.resume()
 
     # --- generation ---------------------------------------------------------------------
 
@@ -154,7 +155,7 @@ class BackendContract(SamplingContract):
                 request["sampling"]["seed"] = None
             if not harness.caps.supports("logprobs"):
                 request["sampling"]["logprobs"] = None
-        check_completions(batch, harness.backend.generate(batch), harness.caps)
+        check_completions(batch, harness.rollout.generate(batch), harness.caps)
 
     @HYPOTHESIS
     @given(data=st.data())
@@ -163,8 +164,8 @@ class BackendContract(SamplingContract):
                                    max_size=3))
         for request in batch:
             request["sampling"].update(temperature=0.0, n=1, seed=None)
-        first = harness.backend.generate(batch)
-        second = harness.backend.generate(batch)
+        first = harness.rollout.generate(batch)
+        second = harness.rollout.generate(batch)
         assert [[r.token_ids for r in c.unwrap()] for c in first] == [
             [r.token_ids for r in c.unwrap()] for c in second]
         assert [c.results[0].text for c in first] == [c.results[0].text for c in second]
@@ -173,7 +174,7 @@ class BackendContract(SamplingContract):
         skip_unless(harness.caps, "seed")
         request = {"id": "seeded", "prompt": "the ka lo",
                    "sampling": {"temperature": 1.0, "n": 2, "seed": 1234, "max_tokens": 16}}
-        first, second = (harness.backend.generate([request])[0].unwrap() for _ in range(2))
+        first, second = (harness.rollout.generate([request])[0].unwrap() for _ in range(2))
         assert [r.token_ids for r in first] == [r.token_ids for r in second]
         assert first[0].token_ids != first[1].token_ids  # two samples, not one copied
 
@@ -181,14 +182,14 @@ class BackendContract(SamplingContract):
         for i, prompt in enumerate(PROBE_PROMPTS):
             base = {"id": f"stop-{i}", "prompt": prompt,
                     "sampling": {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}}
-            full = harness.backend.generate([base])[0].unwrap()[0]
+            full = harness.rollout.generate([base])[0].unwrap()[0]
             text = full.text
             middle = len(text) // 2
             stop = text[middle : middle + 2]
             if len(stop) < 2 or "\ufffd" in stop:
                 continue
             request = {**base, "sampling": {**base["sampling"], "stop": [stop]}}
-            cut = harness.backend.generate([request])[0].unwrap()[0]
+            cut = harness.rollout.generate([request])[0].unwrap()[0]
             assert cut.finish_reason == "stop"
             assert cut.text == text[: text.find(stop)]
             assert stop not in cut.text
@@ -200,7 +201,7 @@ class BackendContract(SamplingContract):
         skip_unless(harness.caps, "logprobs")
         request = {"id": "lp", "prompt": "the ka lo",
                    "sampling": {"temperature": 0.0, "max_tokens": 10, "logprobs": 3}}
-        result = harness.backend.generate([request])[0].unwrap()[0]
+        result = harness.rollout.generate([request])[0].unwrap()[0]
         assert len(result.logprobs) == len(result.top_logprobs) == result.completion_tokens
         for token, logprob, top in zip(result.token_ids, result.logprobs, result.top_logprobs):
             assert top[0].token_id == token  # greedy picks the most likely token
@@ -216,7 +217,7 @@ class BackendContract(SamplingContract):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False).input_ids
         sampling = {"temperature": 0.0, "max_tokens": 12}
-        chat, tokens = harness.backend.generate([
+        chat, tokens = harness.rollout.generate([
             {"id": "chat", "messages": messages, "sampling": sampling},
             {"id": "ids", "prompt_token_ids": ids, "sampling": sampling}])
         assert chat.unwrap()[0].prompt_tokens == len(ids)
@@ -233,7 +234,7 @@ class BackendContract(SamplingContract):
                 for _ in range(2)]
         for request in good:
             request["sampling"].update(seed=None, logprobs=None)
-        completions = harness.backend.generate([good[0], bad, good[1]])
+        completions = harness.rollout.generate([good[0], bad, good[1]])
         error = completions[1].error
         assert isinstance(error, InvalidRequestError), error
         assert error.field.startswith(field), (error.field, field)
@@ -243,7 +244,7 @@ class BackendContract(SamplingContract):
         room = 8  # engines may keep a few tokens of the context for themselves
         request = {"id": "edge", "prompt_token_ids": [5] * (harness.max_model_len - room),
                    "sampling": {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}}
-        result = harness.backend.generate([request])[0].unwrap()[0]
+        result = harness.rollout.generate([request])[0].unwrap()[0]
         assert result.finish_reason == "length"
         assert 0 < result.completion_tokens <= room
 
@@ -258,17 +259,16 @@ class BackendContract(SamplingContract):
                              "max_tokens": min(4000, harness.max_model_len - 16)}}
 
     def test_abort_returns_partial_output_and_spares_the_rest(self, harness):
-        skip_unless(harness.caps, "abort")
         long = self._long_request(harness, "long")
         short = {"id": "short", "prompt": "def x",
                  "sampling": {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}}
         done: list = []
         worker = threading.Thread(target=lambda: done.append(
-            harness.backend.generate([long, short])))
+            harness.rollout.generate([long, short])))
         worker.start()
         deadline = time.monotonic() + 120
         while worker.is_alive() and time.monotonic() < deadline:
-            harness.backend.abort(["long"])
+            harness.rollout.abort(["long"])
             worker.join(0.05)
         assert not worker.is_alive(), "abort did not stop the request within 120 s"
         aborted, spared = done[0]
@@ -278,29 +278,85 @@ class BackendContract(SamplingContract):
         assert spared.unwrap()[0].finish_reason == "length"
         assert spared.unwrap()[0].completion_tokens == 4
 
-    def test_concurrent_calls_share_the_engine(self, harness):
-        if not harness.caps.concurrent_generate:
-            pytest.skip("the backend runs concurrent generate calls one after another")
-        batch = [self._long_request(harness, f"long-{i}") for i in range(8)]
-        long_done: list = []
-        worker = threading.Thread(target=lambda: long_done.append(
-            harness.backend.generate(batch, timeout=60)))
-        worker.start()
-        try:
-            time.sleep(0.2)
-            short = harness.backend.generate(
-                [{"prompt": "def x", "sampling": {"max_tokens": 2, "ignore_eos": True}}])
-            assert short[0].unwrap()[0].completion_tokens == 2
-            assert worker.is_alive(), "a short call waited for a long one to finish"
-        finally:
-            harness.backend.abort([r["id"] for r in batch])
-            worker.join(120)
+    def test_a_stream_yields_tokens_before_its_end_and_joins_to_the_result(self, harness):
+        request = {"prompt": "the ka lo", "sampling": {
+            "temperature": 0.0, "max_tokens": 48, "ignore_eos": True, "logprobs": 2}}
+
+        async def run():
+            stream = harness.rollout.stream(request)
+            chunks = [chunk async for chunk in stream]
+            return chunks, stream.completion, await harness.rollout.agenerate(request)
+
+        chunks, completion, again = asyncio.run(run())
+        with_tokens = [c for c in chunks if c.token_ids]
+        assert len(with_tokens) >= 2, "the whole sample came in one piece"
+        assert chunks[-1].finish_reason == "length"
+        assert all(c.finish_reason is None for c in chunks[:-1])
+        result = completion.unwrap()[0]
+        assert tuple(t for c in chunks for t in c.token_ids) == result.token_ids
+        assert "".join(c.text for c in chunks) == result.text
+        assert tuple(x for c in chunks for x in c.logprobs) == result.logprobs
+        assert tuple(x for c in chunks for x in c.top_logprobs) == result.top_logprobs
+        assert result.token_ids == again.unwrap()[0].token_ids
+        assert result.prompt_token_ids == again.unwrap()[0].prompt_token_ids
+        assert len(result.prompt_token_ids) == result.prompt_tokens
+
+    def test_a_thousand_concurrent_requests_take_no_thread_each(self, harness):
+        requests = [{"prompt": PROBE_PROMPTS[i % len(PROBE_PROMPTS)], "sampling": {
+            "temperature": 0.0, "max_tokens": 3, "ignore_eos": True}} for i in range(1000)]
+        before = threading.active_count()
+        most = [before]
+
+        async def run():
+            tasks = [asyncio.ensure_future(harness.rollout.agenerate(r)) for r in requests]
+            while not all(t.done() for t in tasks):
+                most[0] = max(most[0], threading.active_count())
+                await asyncio.wait(tasks, timeout=0.05)
+            return [t.result() for t in tasks]
+
+        completions = asyncio.run(run())
+        assert all(c.unwrap()[0].completion_tokens == 3 for c in completions)
+        assert most[0] <= before + 8, f"{most[0] - before} threads more for 1000 requests"
+
+    def test_one_slow_request_does_not_delay_99_fast_ones(self, harness):
+        slow = self._long_request(harness, "slow-one")
+        fast = [{"prompt": "def x", "sampling": {"temperature": 0.0, "max_tokens": 2,
+                                                 "ignore_eos": True}} for _ in range(99)]
+
+        async def run():
+            slow_task = asyncio.ensure_future(harness.rollout.agenerate(slow, timeout=300))
+            done = await asyncio.gather(*(harness.rollout.agenerate(r) for r in fast))
+            slow_running = not slow_task.done()
+            harness.rollout.abort([slow["id"]])
+            return done, slow_running, await slow_task
+
+        done, slow_running, slow_done = asyncio.run(run())
+        assert all(c.unwrap()[0].completion_tokens == 2 for c in done)
+        assert slow_running, "the fast requests waited for the slow one"
+        assert all(r.finish_reason == "abort" for r in slow_done.unwrap())
+
+    def test_an_abort_right_after_the_call_still_aborts(self, harness):
+        """The abort comes before the engine has registered the request (most likely
+        before the core has even started it)."""
+        request = self._long_request(harness, "early")
+
+        async def run():
+            task = asyncio.ensure_future(harness.rollout.agenerate(request))
+            await asyncio.sleep(0)  # the call has been made, nothing more
+            harness.rollout.abort(["early"])
+            return await asyncio.wait_for(task, 120)
+
+        for result in asyncio.run(run()).unwrap():
+            assert result.finish_reason == "abort"
+            assert result.completion_tokens < request["sampling"]["max_tokens"]
+        # and a zero timeout fires before any engine can have started
+        for completion in harness.rollout.generate([request], timeout=0.0):
+            assert {r.finish_reason for r in completion.unwrap()} == {"abort"}
 
     def test_timeout_aborts_what_is_still_running(self, harness):
-        skip_unless(harness.caps, "abort")
         # A fast engine makes these 64 x 2000 tokens in seconds: stop them well before.
         batch = [self._long_request(harness, f"slow-{i}") for i in range(8)]
-        for completion in harness.backend.generate(batch, timeout=0.1):
+        for completion in harness.rollout.generate(batch, timeout=0.1):
             for result in completion.unwrap():
                 assert result.finish_reason == "abort", (
                     result.request_id, result.index, result.finish_reason,
@@ -313,16 +369,16 @@ class BackendContract(SamplingContract):
         skip_unless(harness.caps, "update_weights")
         assert harness.reference != harness.baseline, "the other weights change nothing"
         try:
-            harness.backend.update_weights(load_weights(harness.other_dir).items())
-            assert probe(harness.backend) == harness.reference
+            harness.rollout.update_weights(load_weights(harness.other_dir).items())
+            assert probe(harness.rollout) == harness.reference
         finally:
-            harness.backend.update_weights(load_weights(harness.model_dir).items(),
+            harness.rollout.update_weights(load_weights(harness.model_dir).items(),
                                            bucket_bytes=4096)
-        assert probe(harness.backend) == harness.baseline
+        assert probe(harness.rollout) == harness.baseline
 
     def test_generate_while_released(self, harness):
         skip_unless(harness.caps, "release")
-        backend = harness.backend
+        backend = harness.rollout
         for tags in (["kv_cache"], ["weights", "kv_cache"]):
             backend.release(tags)
             assert backend.released == set(tags)
@@ -338,11 +394,11 @@ class BackendContract(SamplingContract):
     def test_update_weights_needs_resident_weights(self, harness):
         skip_unless(harness.caps, "release")
         skip_unless(harness.caps, "update_weights")
-        harness.backend.release(["weights"])
+        harness.rollout.release(["weights"])
         with pytest.raises(BackendReleasedError, match="weights"):
-            harness.backend.update_weights(load_weights(harness.other_dir).items())
-        harness.backend.resume(["weights"])
-        assert probe(harness.backend) == harness.baseline
+            harness.rollout.update_weights(load_weights(harness.other_dir).items())
+        harness.rollout.resume(["weights"])
+        assert probe(harness.rollout) == harness.baseline
 
     def test_random_lifecycle(self, harness):
         """Hypothesis drives generate, update_weights, release, resume and abort in random
@@ -363,8 +419,8 @@ class ContractMachine(RuleBasedStateMachine):
         self.released: set[str] = set()
 
     @property
-    def backend(self) -> Rollout:
-        return self.harness.backend
+    def rollout(self) -> Rollout:
+        return self.harness.rollout
 
     def _supports(self, capability: str) -> bool:
         return self.harness.caps.supports(capability)
@@ -373,10 +429,10 @@ class ContractMachine(RuleBasedStateMachine):
     def generate(self):
         if self.released and not self.harness.caps.auto_resume:
             with pytest.raises(BackendReleasedError):
-                probe(self.backend)
+                probe(self.rollout)
             return
         expected = self.harness.baseline if self.loaded == "base" else self.harness.reference
-        assert probe(self.backend) == expected
+        assert probe(self.rollout) == expected
         self.released.clear()
 
     @precondition(lambda self: self._supports("update_weights"))
@@ -385,34 +441,33 @@ class ContractMachine(RuleBasedStateMachine):
         named = self.weights[weights].items()
         if "weights" in self.released:
             with pytest.raises(BackendReleasedError):
-                self.backend.update_weights(named, bucket_bytes=bucket_bytes)
+                self.rollout.update_weights(named, bucket_bytes=bucket_bytes)
             return
-        self.backend.update_weights(named, bucket_bytes=bucket_bytes)
+        self.rollout.update_weights(named, bucket_bytes=bucket_bytes)
         self.loaded = weights
 
     @precondition(lambda self: self._supports("release"))
     @rule(tags=st.sampled_from([("weights",), ("kv_cache",), ("weights", "kv_cache")]))
     def release(self, tags):
-        self.backend.release(tags)
+        self.rollout.release(tags)
         self.released.update(tags)
 
     @precondition(lambda self: self._supports("release"))
     @rule(tags=st.sampled_from([("weights",), ("kv_cache",), ("weights", "kv_cache")]))
     def resume(self, tags):
-        self.backend.resume(tags)
+        self.rollout.resume(tags)
         self.released.difference_update(tags)
 
-    @precondition(lambda self: self._supports("abort"))
     @rule()
     def abort_nothing_running(self):
-        self.backend.abort()
+        self.rollout.abort()
 
     def teardown(self):
-        if self.backend.released:
-            self.backend.resume()
+        if self.rollout.released:
+            self.rollout.resume()
         if self.loaded != "base":
-            self.backend.update_weights(self.weights["base"].items())
+            self.rollout.update_weights(self.weights["base"].items())
 
     @invariant()
     def released_state_matches(self):
-        assert self.backend.released == self.released
+        assert self.rollout.released == self.released

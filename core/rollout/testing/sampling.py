@@ -104,12 +104,12 @@ class SamplingContract:
 
     def _one(self, harness, prompt=PROMPT, **sampling):
         request = {"prompt": prompt, "sampling": {"temperature": 0.0, **sampling}}
-        return harness.backend.generate([request])[0].unwrap()
+        return harness.rollout.generate([request])[0].unwrap()
 
     def _ids(self, harness, reference, prompt=None, **sampling):
         request = {"prompt_token_ids": prompt or reference.prompt,
                    "sampling": {"temperature": 0.0, **sampling}}
-        return harness.backend.generate([request])[0].unwrap()[0]
+        return harness.rollout.generate([request])[0].unwrap()[0]
 
     # --- bias, min_tokens, min_p ----------------------------------------------------------
 
@@ -241,10 +241,10 @@ class SamplingContract:
         if harness.caps.supports("seed"):
             sampling["seed"] = 11
         request = {"prompt": PROMPT, "sampling": sampling}
-        results = harness.backend.generate([request])[0].unwrap()
+        results = harness.rollout.generate([request])[0].unwrap()
         assert all(r.finish_reason == "stop" for r in results), [r.text for r in results]
         if harness.caps.supports("seed"):  # a constrained sample is reproducible too
-            again = harness.backend.generate([request])[0].unwrap()
+            again = harness.rollout.generate([request])[0].unwrap()
             assert [r.token_ids for r in again] == [r.token_ids for r in results]
         return [r.text for r in results]
 
@@ -278,7 +278,7 @@ class SamplingContract:
         good = {"prompt": PROMPT, "sampling": {"temperature": 0.0, "max_tokens": 4}}
         bad = {"prompt": PROMPT, "sampling": {"max_tokens": 4,
                                               "structured_outputs": {kind: value}}}
-        first, failed, last = harness.backend.generate([good, bad, dict(good)])
+        first, failed, last = harness.rollout.generate([good, bad, dict(good)])
         assert isinstance(failed.error, InvalidRequestError), failed.error
         assert failed.error.field == f"sampling.structured_outputs.{kind}"
         assert first.unwrap()[0].token_ids == last.unwrap()[0].token_ids
@@ -309,7 +309,7 @@ class SamplingContract:
         sampling = {"temperature": 1.0, "max_tokens": 128}
         if harness.caps.supports("seed"):
             sampling["seed"] = 3
-        first = harness.backend.generate([{"messages": messages, "tools": [ADD], "sampling": {
+        first = harness.rollout.generate([{"messages": messages, "tools": [ADD], "sampling": {
             **sampling, "structured_outputs": {"regex": CALL_REGEX}}}])[0].unwrap()[0]
         parsed = load_tool_parser("hermes").parse(first.text, [Tool(**ADD)])
         assert parsed.ok and parsed.content == "", parsed
@@ -319,7 +319,7 @@ class SamplingContract:
                          {"id": call.id, "name": call.name, "arguments": call.arguments}]},
                      {"role": "tool", "tool_call_id": call.id,
                       "content": str(arguments["a"] + arguments["b"])}]
-        final = harness.backend.generate([{"messages": messages, "tools": [ADD], "sampling": {
+        final = harness.rollout.generate([{"messages": messages, "tools": [ADD], "sampling": {
             **sampling, "structured_outputs": {"regex": ANSWER_REGEX}}}])[0].unwrap()[0]
         assert re.fullmatch(ANSWER_REGEX, final.text)
         # The call and its result reached the template as the model's own format.

@@ -3,22 +3,24 @@ official `openai` client, the native route, the API key, and 500 concurrent call
 
 Subclass `ServerContract` in a test module and override `make_engine`: a class-scoped
 fixture giving `lambda model, max_model_len: rollout.Rollout`. The server runs in a thread
-of the test process, in front of that backend (`BackendService`).
+of the test process, in front of that backend (`LocalService`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import re
 import urllib.error
 import urllib.request
 
+import aiohttp
 import openai
 import pytest
 
 from rollout.apps.serving.app import ServerThread
-from rollout.apps.serving.service import BackendService
+from rollout.apps.serving.service import LocalService
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -75,7 +77,7 @@ class ServerContract:
     @pytest.fixture(scope="class")
     @classmethod
     def server(cls, engine):
-        with ServerThread(BackendService(engine, MODEL), api_key=KEY) as server:
+        with ServerThread(LocalService(engine, MODEL), api_key=KEY) as server:
             yield server
 
     @pytest.fixture(scope="class")
@@ -157,6 +159,38 @@ class ServerContract:
                     reasons[choice.index] = choice.finish_reason
         assert texts == {c.index: c.text for c in whole.choices}
         assert reasons == {c.index: c.finish_reason for c in whole.choices}
+
+    def test_streamed_chunks_come_token_by_token(self, client, engine):
+        stream = client.completions.create(model=MODEL, prompt="def add", max_tokens=16,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True,
+                                                       "return_token_ids": True})
+        tokens = [choice.model_extra.get("token_ids") or []
+                  for chunk in stream for choice in chunk.choices]
+        assert sum(1 for t in tokens if t) >= 8, "tokens came in a few pieces, not as made"
+        assert [t for ts in tokens for t in ts] == list(
+            direct(engine, prompt="def add", sampling={"max_tokens": 16, "temperature": 0,
+                                                       "ignore_eos": True})[0].token_ids)
+
+    def test_a_dropped_client_stops_its_request(self, server, engine):
+        body = {"model": MODEL, "prompt": "the ka lo", "max_tokens": MAX_MODEL_LEN - 16,
+                "ignore_eos": True, "stream": True, "temperature": 1.0}
+
+        async def drop_after_two_chunks():
+            async with aiohttp.ClientSession(
+                    headers={"Authorization": f"Bearer {KEY}"}) as session:
+                async with session.post(f"{server.url}/v1/completions", json=body) as response:
+                    seen = 0
+                    async for line in response.content:
+                        seen += line.startswith(b"data: {")
+                        if seen == 2:
+                            break  # leaving the block closes the connection
+            deadline = time.monotonic() + 10
+            while engine.health()["running"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return engine.health()["running"]
+
+        assert asyncio.run(drop_after_two_chunks()) == 0, "the request ran on without a client"
 
     # --- chat -----------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import attrs
 from aiohttp import web
 
 from rollout.contract import convert
@@ -30,6 +31,7 @@ from rollout.apps.tool_parsers import DEFAULT_PARSER, load_tool_parser
 log = logging.getLogger("rollout.serve")
 
 MAX_BODY_BYTES = 64 << 20
+SESSION_HEADER = "X-Session-ID"  # the requests of one session go to one replica
 SHUTDOWN_GRACE_S = 5.0
 
 
@@ -65,10 +67,14 @@ class _Routes:
                                                     self.tool_parser))
 
     async def _openai(self, request: web.Request, call: Call) -> web.StreamResponse:
+        session = request.headers.get(SESSION_HEADER)
+        if session:
+            call.requests = [attrs.evolve(r, session_id=session) for r in call.requests]
         if call.stream:
             return await _stream(request, self.service, call)
-        completions = await self.service.generate(call.requests)
-        return web.json_response(call.response(completions))
+        # A client that goes away cancels this handler, and so its requests in the engine.
+        completions = await asyncio.gather(*(self.service.generate(r) for r in call.requests))
+        return web.json_response(call.response(list(completions)))
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model()]})
@@ -98,22 +104,14 @@ class _Routes:
                            param="requests")
         completions: list[Completion | None] = [None] * len(items)
         valid: list[tuple[int, Request]] = []
-        seen: set[str] = set()
         for i, item in enumerate(items):
             try:
-                parsed = convert.structure(item, Request)
-                if parsed.id in seen:
-                    raise InvalidRequestError("id", f"{parsed.id!r} appears twice in the batch",
-                                              "ids unique within a batch")
+                valid.append((i, convert.structure(item, Request)))
             except InvalidRequestError as exc:
                 completions[i] = Completion(_raw_id(item, i), error=exc)
-                continue
-            seen.add(parsed.id)
-            valid.append((i, parsed))
-        if valid:
-            done = await self.service.generate([r for _, r in valid])
-            for (i, _), completion in zip(valid, done):
-                completions[i] = completion
+        done = await asyncio.gather(*(self.service.generate(r) for _, r in valid))
+        for (i, _), completion in zip(valid, done):
+            completions[i] = completion
         return web.json_response({"completions": [convert.unstructure(c) for c in completions]})
 
 
@@ -125,8 +123,8 @@ async def _json(request: web.Request):
 
 
 async def _stream(request: web.Request, service: Service, call: Call) -> web.StreamResponse:
-    """Server-sent events. Backends return whole samples, so a choice's text comes in one
-    chunk when its prompt is done; the prompts of one call finish in any order."""
+    """Server-sent events, token by token: each chunk a request's engine makes goes out as
+    it comes. A client that goes away stops its requests in the engine."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
 
@@ -135,21 +133,35 @@ async def _stream(request: web.Request, service: Service, call: Call) -> web.Str
             await response.prepare(request)
         await response.write(f"data: {data}\n\n".encode())
 
-    pending = {asyncio.ensure_future(service.generate([r])): i
-               for i, r in enumerate(call.requests)}
-    completions: list[Completion] = []
+    arrived: asyncio.Queue = asyncio.Queue()  # (prompt index, Chunk | Completion | error)
+
+    async def pump(i: int, request: Request) -> None:
+        stream = service.stream(request)
+        try:
+            async for chunk in stream:
+                arrived.put_nowait((i, chunk))
+            arrived.put_nowait((i, stream.completion))
+        except Exception as exc:  # noqa: BLE001 - the request's error, sent to the client
+            arrived.put_nowait((i, exc))
+        finally:
+            await stream.aclose()
+
+    pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(call.requests)]
+    completions: list[Completion | None] = [None] * len(pumps)
     try:
         for chunk in call.opening_chunks():
             await send(json.dumps(chunk))
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                i = pending.pop(task)
-                completion = task.result()[0]
-                call.check(completion, i)
-                completions.append(completion)
-                for chunk in call.result_chunks(i, completion):
+        while any(c is None for c in completions):
+            i, item = await arrived.get()
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, Completion):
+                call.check(item, i)
+                completions[i] = item
+                for chunk in call.closing_chunks(i, item):
                     await send(json.dumps(chunk))
+            elif (chunk := call.delta_chunk(i, item)) is not None:
+                await send(json.dumps(chunk))
         if call.include_usage:
             await send(json.dumps(call.usage_chunk(completions)))
         await send("[DONE]")
@@ -161,7 +173,7 @@ async def _stream(request: web.Request, service: Service, call: Call) -> web.Str
             raise error from None  # nothing sent yet: an ordinary error response
         await send(json.dumps(error.body()))
     finally:
-        for task in pending:
+        for task in pumps:
             task.cancel()
     await response.write_eof()
     return response
@@ -217,7 +229,9 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 8000,
     `on_started` gets the server's URL once it listens; `tool_parser` reads tool calls
     out of chat answers (an entry point of `rollout.tool_parsers`)."""
     app = make_app(service, model_name or service.name, api_key, tool_parser)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    # handler_cancellation: a client that disconnects cancels its call (and requests).
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
+                           handler_cancellation=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     try:
@@ -251,7 +265,7 @@ def _on_sigterm(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -
 class ServerThread:
     """`serve()` on its own event loop in a daemon thread; `.url` once entered.
 
-    with ServerThread(BackendService(engine, "tiny")) as server:
+    with ServerThread(LocalService(rollout, "tiny")) as server:
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
     """
 

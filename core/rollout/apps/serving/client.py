@@ -31,12 +31,12 @@ class RemoteService:
             self._session = client_session(headers=self._headers)
         return self._session
 
-    async def generate(self, requests: list[Request]) -> list[Completion]:
-        """Raises ReplicaDown when the replica cannot answer; a request's own error comes
+    async def generate(self, request: Request) -> Completion:
+        """Raises ReplicaDown when the replica cannot answer; the request's own error comes
         back in its Completion."""
         import aiohttp
 
-        body = {"requests": [convert.unstructure(r) for r in requests]}
+        body = {"requests": [convert.unstructure(request)]}
         try:
             async with self._client().post(
                 f"{self.url}/rollout/generate", json=body,
@@ -50,7 +50,7 @@ class RemoteService:
         except (aiohttp.ClientError, ValueError) as exc:
             raise ReplicaDown(f"{self.url}: {exc!r}") from None
         if status == 200:
-            return [convert.structure(c, Completion) for c in data["completions"]]
+            return convert.structure(data["completions"][0], Completion)
         message = _error_message(data)
         if status == 503:
             raise ReplicaDown(f"{self.url} answered 503: {message}")

@@ -53,7 +53,7 @@ async def connect(backend: str | None = None, model: str | None = None,
         return await start_replicas(backend, model, dict(options or {}), replicas or 1,
                                     placement)
     from rollout.api import load_backend
-    from rollout.apps.serving.service import BackendService
+    from rollout.apps.serving.service import LocalService
 
-    engine = await asyncio.to_thread(load_backend, backend, model=model, **dict(options or {}))
-    return BackendService(engine, name=model)
+    rollout = await asyncio.to_thread(load_backend, backend, model=model, **dict(options or {}))
+    return LocalService(rollout, name=model)

@@ -25,7 +25,7 @@ from rollout.contract.errors import (
     RolloutError,
     RolloutTimeoutError,
 )
-from rollout.contract.schemas import Completion, Request, Result, Tool
+from rollout.contract.schemas import Chunk, Completion, Request, Result, Tool
 from rollout.apps.tool_parsers import DEFAULT_PARSER, forced, load_tool_parser
 
 # Fields that change sampling, under their OpenAI names, with vLLM's and SGLang's
@@ -209,22 +209,26 @@ class Call:
         """What a stream sends before any sample is done."""
         return []
 
-    def result_chunks(self, i: int, completion: Completion) -> list[dict]:
-        """A finished prompt's choices: their content, then their finish reasons."""
+    def delta_chunk(self, i: int, chunk: Chunk) -> dict | None:
+        """What a stream sends for a chunk of prompt `i`'s engine output (None: nothing
+        before the prompt is done)."""
         raise NotImplementedError
+
+    def closing_chunks(self, i: int, completion: Completion) -> list[dict]:
+        """What a stream sends when prompt `i` is done."""
+        return []
 
     def usage_chunk(self, completions: list[Completion]) -> dict:
         return self.chunk([], usage=usage(completions))
 
-    def index(self, i: int, result: Result) -> int:
+    def index(self, i: int, result: Result | Chunk) -> int:
         return i * self.n + result.index  # OpenAI numbers choices prompt after prompt
 
     def token_ids(self, i: int, result: Result) -> dict:
         if not self.return_token_ids:
             return {}
-        prompt = self.requests[i].prompt_token_ids
         return {"token_ids": list(result.token_ids),
-                "prompt_token_ids": None if prompt is None else list(prompt)}
+                "prompt_token_ids": list(result.prompt_token_ids)}
 
 
 class CompletionsCall(Call):
@@ -247,11 +251,12 @@ class CompletionsCall(Call):
                 "logprobs": completion_logprobs(result),
                 "finish_reason": result.finish_reason, **self.token_ids(i, result)}
 
-    def result_chunks(self, i: int, completion: Completion) -> list[dict]:
-        texts = [{**self.choice(i, r), "finish_reason": None} for r in completion.results]
-        ends = [{"index": self.index(i, r), "text": "", "logprobs": None,
-                 "finish_reason": r.finish_reason} for r in completion.results]
-        return [self.chunk(texts), self.chunk(ends)]
+    def delta_chunk(self, i: int, chunk: Chunk) -> dict:
+        return self.chunk([{"index": self.index(i, chunk), "text": chunk.text,
+                            "logprobs": completion_logprobs(chunk),
+                            "finish_reason": chunk.finish_reason,
+                            **({"token_ids": list(chunk.token_ids)}
+                               if self.return_token_ids else {})}])
 
 
 class ChatCall(Call):
@@ -295,7 +300,18 @@ class ChatCall(Call):
                              "logprobs": None, "finish_reason": None}
                             for k in range(self.n)])]
 
-    def result_chunks(self, i: int, completion: Completion) -> list[dict]:
+    def delta_chunk(self, i: int, chunk: Chunk) -> dict | None:
+        if self.tools.mode != "none":
+            return None  # tool calls are read from the whole answer: sent when it is done
+        return self.chunk([{"index": self.index(i, chunk), "delta": {"content": chunk.text},
+                            "logprobs": chat_logprobs(chunk),
+                            "finish_reason": chunk.finish_reason,
+                            **({"token_ids": list(chunk.token_ids)}
+                               if self.return_token_ids else {})}])
+
+    def closing_chunks(self, i: int, completion: Completion) -> list[dict]:
+        if self.tools.mode == "none":
+            return []
         contents, ends = [], []
         for r in completion.results:
             message, finish_reason = self.tools.message(r)

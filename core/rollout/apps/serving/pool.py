@@ -2,7 +2,8 @@
 
 A request goes to the healthy replica with the fewest requests in flight, and the count
 drops as soon as that request finishes, so replicas stuck on long responses get fewer new
-ones. Each replica takes at most `max_in_flight` requests; the rest wait here for the first
+ones. The requests of one session (`Request.session_id`) go to the replica its first
+request went to, while that replica is healthy, so later turns reuse its prefix cache. Each replica takes at most `max_in_flight` requests; the rest wait here for the first
 free slot. A health monitor takes a replica out of rotation when its process dies or it
 stops answering; its requests in flight are sent again to a healthy replica. With none
 left, calls fail with NoReplicaError.
@@ -11,12 +12,15 @@ left, calls fail with NoReplicaError.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable
 from typing import Protocol
 
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutError
-from rollout.contract.schemas import Completion, Request
+from rollout.contract.schemas import Chunk, Completion, Request
 from rollout.apps.serving.client import ReplicaDown, RemoteService
 
+MAX_SESSIONS = 100_000  # sessions remembered (least recently used forgotten first)
 MAX_SENDS = 3  # a request that took down this many replicas fails instead of another
 HEALTH_STRIKES = 2  # failed health checks in a row before a running replica is taken out
 
@@ -47,6 +51,7 @@ class ReplicaPool:
         self.health_interval = health_interval
         self._changed: asyncio.Condition | None = None
         self._monitor: asyncio.Task | None = None
+        self._sessions: OrderedDict[str, Replica] = OrderedDict()  # session id -> replica
 
     async def start(self) -> ReplicaPool:
         self._changed = asyncio.Condition()
@@ -55,13 +60,10 @@ class ReplicaPool:
 
     # --- requests ---------------------------------------------------------------------
 
-    async def generate(self, requests: list[Request]) -> list[Completion]:
-        return list(await asyncio.gather(*(self._one(r) for r in requests)))
-
-    async def _one(self, request: Request) -> Completion:
+    async def generate(self, request: Request) -> Completion:
         for _ in range(MAX_SENDS):
-            replica = await self._acquire()
-            call = asyncio.ensure_future(replica.service.generate([request]))
+            replica = await self._acquire(request.session_id)
+            call = asyncio.ensure_future(replica.service.generate(request))
             replica.calls.add(call)
             try:
                 await asyncio.wait({call})
@@ -72,7 +74,7 @@ class ReplicaPool:
             if call.cancelled():  # its replica was taken out of rotation
                 continue
             try:
-                return call.result()[0]
+                return call.result()
             except ReplicaDown as exc:
                 await self._take_out(replica, str(exc))
             except RolloutError as exc:
@@ -80,16 +82,32 @@ class ReplicaPool:
         return Completion(request.id, error=EngineDeadError(
             f"the replicas serving this request stopped {MAX_SENDS} times"))
 
-    async def _acquire(self) -> Replica:
+    def stream(self, request: Request) -> WholeStream:
+        """Replicas answer whole completions: each sample comes in one chunk."""
+        return WholeStream(self.generate(request))
+
+    async def _acquire(self, session: str | None = None) -> Replica:
+        """The session's replica while it is healthy; else the healthy replica with the
+        fewest requests in flight (which a new session is pinned to)."""
         async with self._changed:
             while True:
                 up = [r for r in self.replicas if r.healthy]
                 if not up:
                     raise NoReplicaError(self._no_replica_message())
-                free = [r for r in up if r.in_flight < self.max_in_flight]
+                pinned = self._sessions.get(session) if session else None
+                if pinned is not None and pinned.healthy:
+                    self._sessions.move_to_end(session)
+                    choices = [pinned]
+                else:
+                    choices = up
+                free = [r for r in choices if r.in_flight < self.max_in_flight]
                 if free:
                     best = min(free, key=lambda r: r.in_flight)
                     best.in_flight += 1
+                    if session and best is not pinned:
+                        self._sessions[session] = best
+                        if len(self._sessions) > MAX_SESSIONS:
+                            self._sessions.popitem(last=False)  # the least recently used
                     return best
                 await self._changed.wait()
 
@@ -153,3 +171,26 @@ class ReplicaPool:
             await replica.service.close()
             if stop_replicas and replica.process is not None:
                 await asyncio.to_thread(replica.process.stop)
+
+
+class WholeStream:
+    """A completion to come, as a stream of one chunk per sample."""
+
+    def __init__(self, completion: Awaitable[Completion]):
+        self.completion: Completion | None = None
+        self._pending = completion
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[Chunk]:
+        self.completion = completion = await self._pending
+        if completion.error is not None:
+            raise completion.error
+        for r in completion.results:
+            yield Chunk(r.index, r.token_ids, r.logprobs, r.top_logprobs, r.finish_reason,
+                        r.text)
+
+    async def aclose(self) -> None:
+        if self.completion is None and asyncio.iscoroutine(self._pending):
+            self._pending.close()
