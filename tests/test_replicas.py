@@ -136,3 +136,41 @@ def test_deployment_modes(mode, replicas, placement, server, expected):
         assert error.value.field == "mode"
     else:
         assert resolve_mode(mode, replicas, placement, server) == expected
+
+
+def test_a_session_stays_on_one_replica_and_moves_when_it_dies(tiny_model):
+    from rollout import Request, SamplingParams
+
+    def request(session):
+        return Request(prompt="the ka", sampling=SamplingParams(max_tokens=4),
+                       session_id=session)
+
+    async def main():
+        pool = await start_replicas("hf", str(tiny_model), {}, 2)
+        served = []  # (session, replica) of every request sent
+        for replica in pool.replicas:
+            async def record(r, send=replica.service.generate, replica=replica):
+                served.append((r.session_id, replica))
+                return await send(r)
+
+            replica.service.generate = record
+        try:
+            for _ in range(4):
+                done = await asyncio.gather(*(pool.generate(request(s)) for s in "ab"),
+                                            pool.generate(request(None)))
+                assert all(c.ok for c in done)
+            homes = {s: {r for t, r in served if t == s} for s in "ab"}
+            victim = pool.replicas[0]
+            os.killpg(victim.process.proc.pid, signal.SIGKILL)
+            served.clear()
+            after = [await pool.generate(request("a")) for _ in range(3)]
+            return homes, victim, served, after
+        finally:
+            await pool.close()
+
+    homes, victim, served, after = asyncio.run(main())
+    assert all(len(replicas) == 1 for replicas in homes.values()), homes
+    assert homes["a"] != homes["b"], "least-in-flight put both new sessions on one replica"
+    assert all(c.ok for c in after)
+    assert served[-2:] == [("a", r) for _, r in served[-2:]] and victim not in {
+        r for _, r in served[-2:]}
