@@ -14,6 +14,15 @@ from rollout.contract.plugins import BLOCK_ENV, available_backends
 REVERSER = '''
 import rollout
 
+
+class Ids:
+    def encode(self, request):
+        return list(request.prompt_token_ids or (1,))
+
+    def decode(self, token_ids):
+        return ""
+
+
 class Reverser:
     def __init__(self, model, greeting="hi"):
         self.model = model
@@ -22,16 +31,17 @@ class Reverser:
     def capabilities(self):
         return rollout.Capabilities(unsupported={
             c: "reverser has none" for c in
-            ("release", "update_weights", "abort", "logprobs", "seed", "chat", "images")})
+            ("release", "update_weights", "logprobs", "seed", "chat", "images")})
 
     @rollout.hookimpl
-    def generate(self, requests):
-        out = []
-        for r in requests:
-            ids = tuple(reversed(r.prompt_token_ids or (1,)))[: r.sampling.max_tokens]
-            out.append([rollout.Result(r.id, i, ids, "", "length", len(ids))
-                        for i in range(r.sampling.n)])
-        return out
+    def prompt_encoder(self):
+        return Ids()
+
+    @rollout.hookimpl
+    async def generate(self, request, prompt_token_ids):
+        ids = tuple(reversed(prompt_token_ids))[: request.sampling.max_tokens]
+        for i in range(request.sampling.n):
+            yield rollout.Chunk(i, ids, finish_reason="length")
 '''
 
 

@@ -81,8 +81,12 @@ def test_completion_errors_serialize():
     error = InvalidRequestError("sampling.n", "bad", "an integer >= 1")
     data = convert.unstructure(Completion("r1", error=error))
     assert data["error"] == {"kind": "invalid_request", "message": str(error),
-                             "field": "sampling.n", "allowed": "an integer >= 1"}
+                             "field": "sampling.n", "detail": "bad",
+                             "allowed": "an integer >= 1"}
     back = convert.structure(data, Completion)
-    assert isinstance(back.error, InvalidRequestError) and back.error.field == "sampling.n"
+    assert isinstance(back.error, InvalidRequestError)
+    assert (back.error.field, back.error.detail, back.error.allowed) == (
+        "sampling.n", "bad", "an integer >= 1")
+    assert str(back.error) == str(error)
     with pytest.raises(InvalidRequestError):
         back.unwrap()

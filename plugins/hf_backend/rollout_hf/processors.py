@@ -13,7 +13,9 @@ Greedy rows take the argmax of the result; sampled rows then go through temperat
 min_p, top-k and top-p (sampling.py).
 
 Every per-row tensor here exists only when some row of the batch uses its feature, and a
-batch that uses none gets no processor at all: it costs nothing more than before.
+batch that uses none gets no processor at all: it costs nothing more than before. Rows of
+one batch may be at different steps (rows join a running batch): all state is per row, and
+built from what each row has generated so far, so the engine rebuilds it when rows join.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def _penalized(row) -> bool:
 
 
 class LogitsProcessor:
-    """Per-row state of one batch, aligned with its live rows (`select` follows drops)."""
+    """Per-row state of one batch, aligned with its rows (`select` follows drops)."""
 
     def __init__(self, rows, vocab: int, grammar_vocab: int, device: torch.device):
         """`vocab` is the logits' width, `grammar_vocab` the one the grammars were compiled
@@ -42,7 +44,8 @@ class LogitsProcessor:
         n = len(rows)
         self.vocab, self.grammar_vocab = vocab, grammar_vocab
         self.matchers = [r.matcher for r in rows]
-        self.min_tokens = [r.min_tokens for r in rows]
+        # Tokens each row must still make before EOS, stop tokens or stop strings may end it.
+        self.held = [max(0, r.min_tokens - len(r.tokens)) for r in rows]
         self.min_p = self.bias = self.ban = self.counts = None
         if any(r.min_p > 0 for r in rows):
             self.min_p = torch.tensor([float(r.min_p) for r in rows], device=device)
@@ -53,13 +56,12 @@ class LogitsProcessor:
                     ids = torch.tensor(list(r.logit_bias), device=device)
                     self.bias[i, ids] = torch.tensor([float(b) for b in r.logit_bias.values()],
                                                      device=device)
-        if any(self.min_tokens):
+        if any(self.held):
             self.ban = torch.zeros(n, vocab, dtype=torch.bool, device=device)
             for i, r in enumerate(rows):
                 ids = [t for t in r.stop_ids if t < vocab]  # a larger id never comes
-                if r.min_tokens and ids:
+                if self.held[i] and ids:
                     self.ban[i, ids] = True
-            self.min_tokens_t = torch.tensor(self.min_tokens, device=device)
         if any(_penalized(r) for r in rows):
             # Dense [rows, vocab] counts: one scatter per step, no Python per token.
             self.rep = torch.tensor([float(r.repetition_penalty) for r in rows], device=device)
@@ -67,10 +69,13 @@ class LogitsProcessor:
             self.pres = torch.tensor([float(r.presence_penalty) for r in rows], device=device)
             self.counts = torch.zeros(n, vocab, device=device)  # occurrences in the output
             self.seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)  # prompt | output
-            row_of = [i for i, r in enumerate(rows) for _ in r.prompt]
-            prompt_ids = [t for r in rows for t in r.prompt]
-            self.seen[torch.tensor(row_of, device=device),
-                      torch.tensor(prompt_ids, device=device)] = True
+            # From what each row has so far: a row that joined late has output already.
+            prompt_rows, prompt_ids = _flat([r.prompt for r in rows], device)
+            self.seen[prompt_rows, prompt_ids] = True
+            output_rows, output_ids = _flat([r.tokens for r in rows], device)
+            self.counts.index_put_((output_rows, output_ids),
+                                   torch.ones(len(output_ids), device=device), accumulate=True)
+            self.seen |= self.counts > 0
 
     def constrain(self, logits: torch.Tensor) -> None:
         """Set the tokens each constrained row's grammar forbids to -inf, in place."""
@@ -87,14 +92,15 @@ class LogitsProcessor:
         index = torch.tensor(rows, device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
-    def process(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        """The logits to choose from at `step` (tokens generated so far); `logits` is kept
-        as it is for the logprobs. A -inf stays -inf through every stage."""
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits to choose from this step; `logits` is kept as it is for the logprobs.
+        A -inf stays -inf through every stage."""
         z = logits
         if self.bias is not None:
             z = z + self.bias
-        if self.ban is not None and step < max(self.min_tokens):
-            banned = z.masked_fill(self.ban & (self.min_tokens_t > step)[:, None], float("-inf"))
+        if self.ban is not None and any(self.held):
+            holding = torch.tensor([h > 0 for h in self.held], device=z.device)
+            banned = z.masked_fill(self.ban & holding[:, None], float("-inf"))
             # A grammar that allows only EOS here wins over min_tokens: a row with nothing
             # left to choose keeps EOS.
             z = torch.where(banned.isneginf().all(dim=-1, keepdim=True), z, banned)
@@ -106,6 +112,8 @@ class LogitsProcessor:
 
     def advance(self, chosen: torch.Tensor) -> None:
         """Count the tokens just chosen (the matchers advance in Row.push)."""
+        if self.ban is not None:
+            self.held = [max(0, h - 1) for h in self.held]
         if self.counts is not None:
             rows = torch.arange(len(chosen), device=chosen.device)
             self.counts[rows, chosen] += 1
@@ -114,9 +122,15 @@ class LogitsProcessor:
     def select(self, keep: list[int], index: torch.Tensor) -> None:
         """Keep only the rows `keep` (as `index` on the device), in that order."""
         self.matchers = [self.matchers[i] for i in keep]
-        self.min_tokens = [self.min_tokens[i] for i in keep]
-        for name in ("min_p", "bias", "ban", "min_tokens_t", "counts", "seen", "rep", "freq",
-                     "pres"):
+        self.held = [self.held[i] for i in keep]
+        for name in ("min_p", "bias", "ban", "counts", "seen", "rep", "freq", "pres"):
             value = getattr(self, name, None)
             if value is not None:
                 setattr(self, name, value[index])
+
+
+def _flat(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) of every token of `lists`, as two long tensors."""
+    rows = [i for i, ids in enumerate(lists) for _ in ids]
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor([t for ids in lists for t in ids], dtype=torch.long, device=device))

@@ -3,25 +3,23 @@ OpenAI-compatible server in a child process (`mode="server"`)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
 import uuid
+from contextlib import aclosing
 
 import rollout
-from rollout import Capabilities, InvalidRequestError, Result, RolloutError, TokenLogprob
-from rollout.kit.aio import LoopThread
+from rollout import Capabilities, EngineDeadError, InvalidRequestError, RolloutError
+from rollout.kit.aio import engine_loop
 from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
 from rollout.kit.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
 from rollout.contract.schemas import SamplingParams, StructuredOutputs
 from rollout.kit.structured import constraint_error
 
-from rollout_vllm.engines import InProcessEngine, Sample, ServerEngine, samples_of
+from rollout_vllm.engines import InProcessEngine, ServerEngine
 from rollout_vllm.weights import layer_groups
 
 MODES = ("engine", "server")
-ABORT_HOLD_S = 5.0
 
 
 def sleep_unsupported_reason() -> str | None:
@@ -77,7 +75,7 @@ class VLLMBackend:
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  engine_args: dict | None = None, startup_timeout: float = 600.0,
                  request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES,
-                 stream_interval: int = 32):
+                 stream_interval: int = 1):
         if mode not in MODES:
             raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
         if not isinstance(stream_interval, int) or stream_interval < 1:
@@ -103,14 +101,13 @@ class VLLMBackend:
         self.request_timeout = request_timeout
         self.engine = InProcessEngine(args) if mode == "engine" else ServerEngine(
             args, startup_timeout, request_timeout, stream_interval)
-        self.loop = LoopThread("rollout-vllm")
-        self._running: dict[str, asyncio.Future] = {}  # request id -> its abort signal
-        self._aborted: dict[str, float] = {}  # request id -> until when the abort holds
+        # The engine's asyncio side lives on the loop the core runs requests on: no hop
+        # between loops per token.
+        self.loop = engine_loop()
         try:
             self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
         except BaseException:
             self.loop.run(self.engine.close(), 60, "stopping vLLM")
-            self.loop.stop()
             raise
 
     @classmethod
@@ -119,62 +116,33 @@ class VLLMBackend:
         reason = sleep_reason or sleep_unsupported_reason()
         if reason:
             unsupported["release"] = reason
-        return Capabilities(unsupported=unsupported, concurrent_generate=True)
+        return Capabilities(unsupported=unsupported)
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
         return self.describe_capabilities(self.sleep_reason)
 
+    @rollout.hookimpl
+    def prompt_encoder(self) -> PromptEncoder:
+        return self.prompts
+
     # --- generation ---------------------------------------------------------------------
 
     @rollout.hookimpl
-    def generate(self, requests):
-        # Registered here, on the caller's thread, before the loop runs anything: an abort
-        # from now on finds them, however long the loop takes to get to them.
-        signals = [asyncio.Future(loop=self.loop.loop) for _ in requests]  # set by abort()
-        self._running.update((r.id, s) for r, s in zip(requests, signals))
-
-        async def run_all():
-            return await asyncio.gather(*(self._one(r, s) for r, s in zip(requests, signals)))
-
-        # Requests end on their own timeouts; this bound only guards against a lost wakeup.
-        return self.loop.run(run_all(), self.request_timeout + 60, "vLLM generate")
-
-    async def _one(self, request, aborted: asyncio.Future):
+    async def generate(self, request, prompt_token_ids):
+        s = request.sampling
+        rid = f"{request.id}-{uuid.uuid4().hex[:12]}"  # vLLM takes duplicate ids; we may not
         try:
-            params = vllm_sampling(request.sampling)
-            prompt = self.prompts.encode(request)
-            if self._is_aborted(request.id):  # aborted before generate() was called
-                samples = samples_of(None, params)
-            else:
-                rid = f"{request.id}-{uuid.uuid4().hex[:12]}"  # vLLM accepts duplicate ids
-                samples = await self.engine.generate(rid, prompt, params, aborted)
+            params = vllm_sampling(s)
+            async with aclosing(self.engine.generate(rid, prompt_token_ids, params)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except EngineDeadError:
+            raise
         except RolloutError as exc:
-            if isinstance(exc, rollout.EngineDeadError):
-                raise
-            return constraint_error(exc, request.sampling.structured_outputs)
-        finally:
-            if self._running.get(request.id) is aborted:
-                del self._running[request.id]
-            self._aborted.pop(request.id, None)
-        return [_result(request, s, len(prompt), i) for i, s in enumerate(samples)]
+            raise constraint_error(exc, s.structured_outputs) from None
 
-    def _is_aborted(self, request_id: str) -> bool:
-        return self._aborted.get(request_id, 0.0) > time.monotonic()
-
-    @rollout.hookimpl
-    def abort(self, request_ids):
-        ids = list(self._running) if request_ids is None else list(request_ids)
-        # An abort can come just before generate() is called (a timeout's timer): it holds
-        # for a few seconds, so a request that starts just after it is still aborted.
-        now = time.monotonic()
-        for stale in [i for i, until in list(self._aborted.items()) if until <= now]:
-            self._aborted.pop(stale, None)
-        self._aborted.update((i, now + ABORT_HOLD_S) for i in ids)
-        for aborted in [f for f in map(self._running.get, ids) if f is not None]:
-            self.loop.loop.call_soon_threadsafe(_set, aborted)
-
-    # --- weights and memory -------------------------------------------------------------
+    # --- weights and memory (from the trainer's thread, never the engine loop) ----------
 
     @rollout.hookimpl
     def update_weights(self, buckets):
@@ -195,26 +163,7 @@ class VLLMBackend:
 
     @rollout.hookimpl
     def close(self):
-        try:
-            self.loop.run(self.engine.close(), 120, "stopping vLLM")
-        finally:
-            self.loop.stop()
-
-
-def _result(request, sample: Sample, prompt_tokens: int, index: int) -> Result:
-    return Result(
-        request_id=request.id, index=index, token_ids=tuple(sample.token_ids), text=sample.text,
-        finish_reason=sample.finish_reason, prompt_tokens=prompt_tokens,
-        logprobs=tuple(sample.logprobs) if sample.logprobs is not None else None,
-        top_logprobs=tuple(tuple(TokenLogprob(t, lp) for t, lp in step)
-                           for step in sample.top_logprobs)
-        if sample.top_logprobs is not None else None,
-    )
-
-
-def _set(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
+        self.loop.run(self.engine.close(), 120, "stopping vLLM")
 
 
 def _extension() -> str:

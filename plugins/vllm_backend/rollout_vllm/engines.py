@@ -1,14 +1,14 @@
 """The two ways the backend reaches vLLM, behind one small async interface:
 
 - `InProcessEngine`: vLLM's LLMEngine with its engine core in this process, stepped by a
-  thread of ours, as `vllm.LLM` does, so that concurrent calls share continuous batching;
+  thread of ours, as `vllm.LLM` does, so that concurrent requests share continuous batching;
 - `ServerEngine`: vLLM's OpenAI-compatible server started as a child process on loopback,
   spoken to over HTTP.
 
-Both take a request's abort signal (a future) with the request and then return what it
-has made so far, as `Sample`s; both load weights through
-`rollout_vllm.worker.WeightUpdateExtension`: in process as tensors, over HTTP as
-safetensors bytes (never pickle).
+Both run on the engine loop (`rollout.kit.aio.engine_loop()`). `generate` is an async
+iterator of `rollout.Chunk`s as vLLM makes tokens; cancelling it stops the request in vLLM.
+Both load weights through `rollout_vllm.worker.WeightUpdateExtension`: in process as
+tensors, over HTTP as safetensors bytes (never pickle).
 """
 
 from __future__ import annotations
@@ -19,22 +19,22 @@ import json
 import queue
 import sys
 import threading
-from typing import NamedTuple
+from collections.abc import AsyncIterator
 
-from rollout import EngineDeadError, GenerationError, InvalidRequestError, RolloutError
+from rollout import (
+    Chunk,
+    EngineDeadError,
+    GenerationError,
+    InvalidRequestError,
+    RolloutError,
+    TokenLogprob,
+)
 from rollout.kit.aio import client_session
 from rollout.kit.process import HOST, ServerProcess, cli_flags, free_port
 
 EXTENSION = "rollout_vllm.worker.WeightUpdateExtension"
 SERVED_NAME = "rollout"
-
-
-class Sample(NamedTuple):
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 def request_error(message: str, parameter: str | None = None) -> RolloutError:
@@ -46,17 +46,38 @@ def request_error(message: str, parameter: str | None = None) -> RolloutError:
     return GenerationError(message)
 
 
+def _refusal(exc: Exception) -> Exception:
+    """What vLLM raised on taking a request, as that request's error where it is one."""
+    from vllm.exceptions import VLLMClientError
+
+    if isinstance(exc, RolloutError):
+        return exc
+    if isinstance(exc, VLLMClientError):
+        return request_error(str(exc), getattr(exc, "parameter", None))
+    if isinstance(exc, ValueError):
+        return request_error(str(exc))
+    return exc
+
+
+def _finish(reason: str | None, index: int) -> str | None:
+    if reason is not None and reason not in FINISH_REASONS:
+        raise GenerationError(f"vLLM ended sample {index} with {reason!r}")
+    return reason
+
+
 class InProcessEngine:
     """LLMEngine is not thread-safe, so one thread owns it: between engine steps it runs the
-    commands queued by the event loop (add, abort, RPCs), and it hands each finished
-    request's output back to the loop."""
+    commands queued from the engine loop (add, abort, RPCs), and hands each step's outputs
+    to the loop in one call, which sorts them into each request's `_Outputs`."""
 
     def __init__(self, engine_args: dict):
         self.engine_args = engine_args
         self.engine = None
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # (fn(engine), future or None)
-        self.waiting: dict[str, asyncio.Future] = {}  # vLLM request id -> its caller
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # fn(engine); None stops
+        self.streams: dict[str, _Outputs] = {}  # vLLM request id -> its outputs (loop only)
         self.adds: list[tuple] = []  # requests not yet handed to the engine's thread
+        self.calls: set[asyncio.Future] = set()  # RPCs waiting for the engine's thread
         self.dead: str | None = None
         self.thread: threading.Thread | None = None
 
@@ -86,180 +107,219 @@ class InProcessEngine:
         try:
             self.engine = self._create()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller of start()
-            self._settle(ready, exception=exc)
+            self.loop.call_soon_threadsafe(_settle, ready, None, exc)
             return
-        self._settle(ready)
+        self.loop.call_soon_threadsafe(_settle, ready, None, None)
+        engine = self.engine
         try:
-            while self._run_commands(block=not self.engine.has_unfinished_requests()):
-                if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        if output.finished:
-                            self._finish(output.request_id, output)
+            while self._run_commands(block=not engine.has_unfinished_requests()):
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    if outputs:  # one hop to the loop per step, however many requests
+                        self.loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as exc:  # noqa: BLE001 - every waiting call learns of it
             self.dead = f"vLLM engine failed: {exc!r}"
-            for rid in list(self.waiting):
-                self._finish(rid, exception=EngineDeadError(self.dead))
-            while not self.commands.empty():
-                _, future = self.commands.get_nowait()
-                self._settle(future, exception=EngineDeadError(self.dead))
+            self.loop.call_soon_threadsafe(self._fail_all)
 
     def _run_commands(self, block: bool) -> bool:
         """Run every queued command (waiting for one if `block`); False once told to stop."""
         try:
-            fn, future = self.commands.get(block=block)
+            fn = self.commands.get(block=block)
         except queue.Empty:
             return True
-        while True:
-            if fn is None:
-                self._settle(future)
-                return False
+        while fn is not None:
+            fn(self.engine)
             try:
-                self._settle(future, fn(self.engine))
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
-                self._settle(future, exception=exc)
-            try:
-                fn, future = self.commands.get_nowait()
+                fn = self.commands.get_nowait()
             except queue.Empty:
                 return True
+        return False
 
-    def _add_all(self, adds: list[tuple]) -> None:
+    def _add_all(self, engine, adds: list[tuple]) -> None:
+        refused = []
         for rid, prompt, sampling in adds:
-            if rid in self.waiting:  # else aborted before it got here
-                try:
-                    self.engine.add_request(rid, {"prompt_token_ids": prompt}, sampling)
-                except Exception as exc:  # noqa: BLE001 - handed to that request's caller
-                    self._finish(rid, exception=exc)
-
-    def _settle(self, future: asyncio.Future | None, result=None, exception=None) -> None:
-        def settle():
-            if not future.done():
-                if exception is not None:
-                    future.set_exception(exception)
-                else:
-                    future.set_result(result)
-
-        if future is not None:
-            self.loop.call_soon_threadsafe(settle)
-
-    def _finish(self, rid: str, output=None, exception=None) -> None:
-        self._settle(self.waiting.pop(rid, None), output, exception)
+            try:
+                engine.add_request(rid, {"prompt_token_ids": prompt}, sampling)
+            except Exception as exc:  # noqa: BLE001 - handed to that request's generator
+                refused.append((rid, _refusal(exc)))
+        if refused:
+            self.loop.call_soon_threadsafe(self._deliver_errors, refused)
 
     # --- on the event loop ----------------------------------------------------------------
 
-    def _submit(self, fn) -> asyncio.Future:
-        """Queue `fn(engine)` for the engine's thread; the future gets its result."""
+    def _deliver(self, outputs: list) -> None:
+        for output in outputs:
+            stream = self.streams.get(output.request_id)
+            if stream is not None:  # else cancelled meanwhile
+                stream.put(output)
+
+    def _deliver_errors(self, refused: list[tuple]) -> None:
+        for rid, exc in refused:
+            stream = self.streams.get(rid)
+            if stream is not None:
+                stream.put(exc)
+
+    def _fail_all(self) -> None:
+        for stream in self.streams.values():
+            stream.put(EngineDeadError(self.dead))
+        for future in self.calls:
+            _settle(future, None, EngineDeadError(self.dead))
+
+    def _send_adds(self) -> None:
+        adds = [a for a in self.adds if a[0] in self.streams]  # not cancelled meanwhile
+        self.adds = []
+        for rid, _, _ in adds:
+            self.streams[rid].sent = True
+        if adds:
+            self.commands.put(lambda engine: self._add_all(engine, adds))
+
+    def sampling(self, params: dict):
+        """vLLM's SamplingParams for our request; its refusal as the request's error."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        structured = params.get("structured_outputs")
+        try:
+            return SamplingParams(**{
+                **params, "output_kind": RequestOutputKind.DELTA,
+                # vLLM's text is not used (the core decodes tokens): made only to find stops.
+                "detokenize": bool(params.get("stop")),
+                "structured_outputs": StructuredOutputsParams(**structured)
+                if structured else None})
+        except Exception as exc:  # noqa: BLE001 - as the request's error where it is one
+            raise _refusal(exc) from None
+
+    async def generate(self, rid: str, prompt: list[int], params: dict) -> AsyncIterator[Chunk]:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        sampling = self.sampling(params)
+        stream = self.streams[rid] = _Outputs()
+        self.adds.append((rid, prompt, sampling))
+        if len(self.adds) == 1:
+            # Sent once this loop iteration is over, with every request that came in it: the
+            # engine then schedules them together instead of stepping on a trickle.
+            self.loop.call_soon(self._send_adds)
+        k = params.get("logprobs")
+        finished = False
+        try:
+            while not finished:
+                outputs = await stream.take(self.loop)
+                finished = outputs[-1].finished
+                for chunk in _chunks(outputs, k):
+                    yield chunk
+        finally:
+            del self.streams[rid]
+            if not finished and stream.sent and not self.dead:
+                # The command queue is FIFO: this comes after the add, registered or not.
+                self.commands.put(lambda engine: engine.abort_request([rid]))
+
+    async def _call(self, fn):
+        """Run `fn(engine)` on the engine's thread between steps; its result."""
         if self.dead:
             raise EngineDeadError(self.dead)
         future = self.loop.create_future()
-        self.commands.put((fn, future))
-        return future
+        self.calls.add(future)
 
-    def _send_adds(self) -> None:
-        adds, self.adds = self.adds, []
-        self.commands.put((lambda engine: self._add_all(adds), None))
+        def run(engine):
+            try:
+                result = fn(engine)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                self.loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                self.loop.call_soon_threadsafe(_settle, future, result, None)
 
-    async def generate(self, rid: str, prompt: list[int], params: dict,
-                       aborted: asyncio.Future) -> list[Sample]:
-        from vllm import SamplingParams
-        from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
-        if self.dead:
-            raise EngineDeadError(self.dead)
-        structured = params.get("structured_outputs")
+        self.commands.put(run)
         try:
-            sampling = SamplingParams(**{
-                **params, "output_kind": RequestOutputKind.FINAL_ONLY,
-                "structured_outputs": StructuredOutputsParams(**structured)
-                if structured else None})
-        except VLLMClientError as exc:
-            raise request_error(str(exc), getattr(exc, "parameter", None)) from None
-        except ValueError as exc:
-            raise request_error(str(exc)) from None
-        future = self.waiting[rid] = self.loop.create_future()
-        self.adds.append((rid, prompt, sampling))
-        if len(self.adds) == 1:
-            # Sent once this loop iteration is over, with every request of the batch: the
-            # engine then schedules them together instead of stepping on a trickle.
-            self.loop.call_soon(self._send_adds)
-
-        def abort(_):  # the engine's thread then ends the request with what it has made
-            if not future.done():
-                self.commands.put((lambda engine: self._abort(engine, rid), None))
-
-        aborted.add_done_callback(abort)
-        try:
-            final = await future
-        except VLLMClientError as exc:
-            raise request_error(str(exc), getattr(exc, "parameter", None)) from None
-        except ValueError as exc:
-            raise request_error(str(exc)) from None
+            return await future
         finally:
-            aborted.remove_done_callback(abort)
-            self.waiting.pop(rid, None)
-        return samples_of(final, params)
-
-    def _abort(self, engine, rid: str) -> None:
-        partial = _partial_output(engine, rid)
-        try:
-            engine.abort_request([rid])
-        finally:  # its caller hears back whatever happens
-            self._finish(rid, partial)
+            self.calls.discard(future)
 
     async def update_weights(self, tensors: dict) -> None:
         def load(engine):  # in process: the tensors themselves, no copy through bytes
             engine.collective_rpc("rollout_load_tensors", args=(list(tensors.items()),))
             engine.reset_prefix_cache()
 
-        await self._submit(load)
+        await self._call(load)
 
     async def release(self, level: int) -> None:
-        await self._submit(lambda engine: engine.sleep(level=level))
+        await self._call(lambda engine: engine.sleep(level=level))
 
     async def resume(self, tags: list[str]) -> None:
-        await self._submit(lambda engine: engine.wake_up(tags=tags))
+        await self._call(lambda engine: engine.wake_up(tags=tags))
 
     async def close(self) -> None:
         if self.thread is not None and self.thread.is_alive() and not self.dead:
-            self.commands.put((None, None))
+            self.commands.put(None)
             await asyncio.to_thread(self.thread.join, 60)
         if self.engine is not None:
             self.engine.engine_core.shutdown()
             self.engine = None
 
 
-def _partial_output(engine, rid: str):
-    """What an aborted request has made so far, as its final output: LLMEngine drops an
-    aborted request without a word (only AsyncLLM's queues get one)."""
-    from vllm.v1.engine import FinishReason
+class _Outputs:
+    """One request's outputs (or its error) as the engine's thread hands them over; its
+    generator waits here. Outputs that pile up while it is busy are taken together."""
 
-    processor = engine.output_processor
-    output = None
-    for internal in list(processor.external_req_ids.get(rid, ())):
-        state = processor.request_states.get(internal)
-        if state is not None:  # with n > 1 the last child's output carries every sample
-            output = state.make_request_output([], None, FinishReason.ABORT, None) or output
-    return output
+    __slots__ = ("items", "waiter", "sent")
+
+    def __init__(self):
+        self.items: list = []
+        self.waiter: asyncio.Future | None = None
+        self.sent = False  # handed to the engine's thread
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self, loop: asyncio.AbstractEventLoop) -> list:
+        while not self.items:
+            self.waiter = loop.create_future()
+            await self.waiter
+        items, self.items = self.items, []
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+        return items
 
 
-def samples_of(final, params: dict) -> list[Sample]:
-    k = params.get("logprobs")
-    if final is None:  # aborted before vLLM made anything
-        return [Sample([], "", "abort", [] if k is not None else None, [] if k else None)
-                for _ in range(params["n"])]
-    return [Sample(list(o.token_ids), o.text, o.finish_reason or "abort",
-                   _chosen(o.token_ids, o.logprobs) if k is not None else None,
-                   _top(o.logprobs, k) if k else None)
-            for o in sorted(final.outputs, key=lambda o: o.index)]
+def _chunks(outputs: list, k: int | None) -> list[Chunk]:
+    """A chunk per sample from delta RequestOutputs (several merged when they piled up)."""
+    if len(outputs) == 1:  # the usual case: one step's output
+        return [Chunk(o.index, o.token_ids, _chosen(o.token_ids, o.logprobs) if k is not None
+                      else None, _top(o.logprobs, k) if k else None,
+                      _finish(o.finish_reason, o.index)) for o in outputs[0].outputs]
+    merged: dict[int, list] = {}
+    for output in outputs:
+        for o in output.outputs:
+            m = merged.setdefault(o.index, [[], [], [], None])
+            m[0] += o.token_ids
+            if k is not None:
+                m[1] += _chosen(o.token_ids, o.logprobs)
+            if k:
+                m[2] += _top(o.logprobs, k)
+            m[3] = _finish(o.finish_reason, o.index) or m[3]
+    return [Chunk(i, tokens, logprobs if k is not None else None, top if k else None, finish)
+            for i, (tokens, logprobs, top, finish) in merged.items()]
 
 
 def _chosen(token_ids, logprobs) -> list[float]:
     return [float(step[t].logprob) for t, step in zip(token_ids, logprobs)]
 
 
-def _top(logprobs, k: int) -> list[list[tuple[int, float]]]:
-    return [sorted(((int(t), float(lp.logprob)) for t, lp in step.items() if lp.rank <= k),
-                   key=lambda pair: -pair[1])[:k] for step in logprobs]
+def _top(logprobs, k: int) -> list[tuple[TokenLogprob, ...]]:
+    # vLLM adds the chosen token to each position's top k, wherever it ranks.
+    return [tuple(TokenLogprob(t, lp) for t, lp in sorted(
+        ((int(t), float(x.logprob)) for t, x in step.items() if x.rank <= k),
+        key=lambda pair: -pair[1])[:k]) for step in logprobs]
+
+
+def _settle(future: asyncio.Future, result, exception) -> None:
+    if not future.done():
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
 
 
 class ServerEngine:
@@ -271,11 +331,12 @@ class ServerEngine:
         self.engine_args = engine_args
         self.startup_timeout = startup_timeout
         self.request_timeout = request_timeout
-        self.stream_interval = stream_interval  # an abort loses at most this many less one
+        self.stream_interval = stream_interval  # tokens per streamed event
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.process: ServerProcess | None = None
         self.session = None
+        self.watch: asyncio.Task | None = None
 
     def argv(self) -> list[str]:
         # Structured settings (e.g. structured_outputs_config) go as JSON, as vLLM's CLI reads them.
@@ -287,79 +348,80 @@ class ServerEngine:
         return argv + cli_flags(args)
 
     async def start(self) -> None:
-        # Dev mode adds the routes for weight RPCs, sleep and prefix-cache resets.
+        # Dev mode adds the routes for weight RPCs, sleep and prefix-cache resets. Started
+        # from the engine loop's thread, which lives as long as the process: the server
+        # gets SIGTERM when it ends.
         self.process = ServerProcess("vllm", self.argv(), env={"VLLM_SERVER_DEV_MODE": "1"},
                                      die_with_parent=True)
         await asyncio.to_thread(self.process.wait_healthy, f"{self.url}/health",
                                 self.startup_timeout)
         self.session = client_session(reuse_connections=False)
+        self.watch = asyncio.ensure_future(self._watch())
 
-    async def _guarded(self, work, path: str, stop: asyncio.Future | None = None):
-        """Await `work`, racing it against the server's death and, if given, `stop` (then
-        `work` is cancelled, which closes its connection, and None is returned)."""
+    async def _watch(self) -> None:
+        """The guard: once the server has exited, close every connection, so that each call
+        still waiting (for headers or for tokens) fails now and finds out why."""
+        while self.process.alive():
+            await asyncio.sleep(0.5)
+        await self.session.close()
 
-        async def death():
-            while self.process.alive():
-                await asyncio.sleep(0.5)
-
-        task, watch = asyncio.ensure_future(work), asyncio.ensure_future(death())
+    async def _failure(self, exc: BaseException, path: str) -> RolloutError:
+        """The error for a call whose connection failed: EngineDeadError with the server's
+        log if it died (a dying process takes a moment to exit), else GenerationError."""
+        for _ in range(10):
+            if not self.process.alive():
+                break
+            await asyncio.sleep(0.1)
         try:
-            await asyncio.wait({task, watch} | ({stop} if stop else set()),
-                               return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                if task.exception() is None or isinstance(task.exception(), RolloutError):
-                    return task.result()
-            elif not watch.done():
-                return None  # stopped
-            await asyncio.sleep(0.2)  # let a dying process finish exiting
             self.process.check()
-            if task.done():
-                raise GenerationError(f"vLLM server call {path} failed: {task.exception()!r}")
-            raise EngineDeadError(f"vLLM server stopped while answering {path}")
-        finally:
-            for t in (task, watch):
-                t.cancel()
+        except EngineDeadError as dead:
+            return dead
+        return GenerationError(f"vLLM server call {path} failed: {exc!r}")
 
     async def _call(self, path: str, body: dict | None = None, timeout: float | None = None):
         """POST and return the JSON answer."""
         import aiohttp
 
-        async def post():
+        self.process.check()
+        try:
             async with self.session.post(
                 self.url + path, json=body or {},
                 timeout=aiohttp.ClientTimeout(total=timeout or self.request_timeout),
             ) as response:
                 return await _json(response, path)
+        except RolloutError:
+            raise
+        except (aiohttp.ClientError, OSError, RuntimeError) as exc:  # RuntimeError: closed
+            raise await self._failure(exc, path) from None
 
-        return await self._guarded(post(), path)
-
-    async def generate(self, rid: str, prompt: list[int], params: dict,
-                       aborted: asyncio.Future) -> list[Sample]:
-        """Streamed, so that an abort is ours to make: closing the stream makes the server
-        abort the request, and what it has made so far is already here. (An abort sent
-        by id can reach a busy server after the request has finished, or before it has
-        started.)"""
+    async def generate(self, rid: str, prompt: list[int], params: dict) -> AsyncIterator[Chunk]:
+        """Streamed as the server makes tokens. Cancelling closes the connection, which
+        makes the server abort the request (an abort sent by id could reach a busy server
+        after the request has finished, or before it has started)."""
         import aiohttp
 
+        path = "/v1/completions"
+        self.process.check()
         body = {"model": SERVED_NAME, "prompt": prompt, "request_id": rid,
                 "return_token_ids": True, "return_tokens_as_token_ids": True,
                 "stream": True, "stream_interval": self.stream_interval,
                 **{k: v for k, v in params.items() if v is not None}}
-        made = _Streamed(params["n"], params.get("logprobs"))
-
-        async def stream():
+        k = params.get("logprobs")
+        try:
             async with self.session.post(
-                self.url + "/v1/completions", json=body,
+                self.url + path, json=body,
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout),
             ) as response:
                 if response.status != 200:
-                    await _json(response, "/v1/completions")
+                    await _json(response, path)
                 async for line in response.content:
                     if line.startswith(b"data: {"):
-                        made.add(json.loads(line[6:]))
-
-        await self._guarded(stream(), "/v1/completions", aborted)
-        return made.samples()
+                        for chunk in _sse_chunks(json.loads(line[6:]), k):
+                            yield chunk
+        except RolloutError:
+            raise
+        except (aiohttp.ClientError, OSError, RuntimeError) as exc:  # RuntimeError: closed
+            raise await self._failure(exc, path) from None
 
     async def update_weights(self, tensors: dict) -> None:
         from rollout_vllm.weights import to_bytes
@@ -375,6 +437,8 @@ class ServerEngine:
         await self._call("/wake_up?" + "&".join(f"tags={t}" for t in tags), timeout=300)
 
     async def close(self) -> None:
+        if self.watch is not None:
+            self.watch.cancel()
         if self.session is not None:
             await self.session.close()
         if self.process is not None:
@@ -392,43 +456,29 @@ async def _json(response, path: str):
     return data
 
 
-class _Streamed:
-    """The samples of one streamed completion, as they arrive."""
-
-    def __init__(self, n: int, logprobs: int | None):
-        self.k = logprobs
-        self.tokens: list[list[int]] = [[] for _ in range(n)]
-        self.text = [""] * n
-        self.finish: list[str | None] = [None] * n
-        self.logprobs: list[list[float]] = [[] for _ in range(n)]
-        self.top: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
-
-    def add(self, chunk: dict) -> None:
-        if "error" in chunk:
-            error = chunk["error"] if isinstance(chunk["error"], dict) else {}
-            if error.get("code") == 400:  # refused once streaming began (e.g. a grammar)
-                raise request_error(str(error.get("message")), error.get("param"))
-            raise GenerationError(f"vLLM server failed mid-stream: {chunk['error']}")
-        for choice in chunk.get("choices", ()):
-            i = choice["index"]
-            self.tokens[i] += choice.get("token_ids") or ()
-            self.text[i] += choice.get("text") or ""
-            self.finish[i] = choice.get("finish_reason") or self.finish[i]
-            logprobs = choice.get("logprobs")
-            if self.k is not None and logprobs:
-                self.logprobs[i] += [_logprob(x) for x in logprobs["token_logprobs"]]
-                if self.k:
-                    self.top[i] += [sorted(((_token_id(t), _logprob(lp)) for t, lp in
-                                            (step or {}).items()),
-                                           key=lambda pair: -pair[1])[:self.k]
-                                    for step in logprobs["top_logprobs"]]
-
-    def samples(self) -> list[Sample]:
-        """Every sample; one the stream did not finish (it was aborted) ends in "abort"."""
-        return [Sample(tokens, text, finish or "abort",
-                       logprobs if self.k is not None else None, top if self.k else None)
-                for tokens, text, finish, logprobs, top in
-                zip(self.tokens, self.text, self.finish, self.logprobs, self.top)]
+def _sse_chunks(event: dict, k: int | None) -> list[Chunk]:
+    """The chunks of one streamed /v1/completions event."""
+    if "error" in event:
+        error = event["error"] if isinstance(event["error"], dict) else {}
+        if error.get("code") == 400:  # refused once streaming began (e.g. a grammar)
+            raise request_error(str(error.get("message")), error.get("param"))
+        raise GenerationError(f"vLLM server failed mid-stream: {event['error']}")
+    chunks = []
+    for choice in event.get("choices", ()):
+        i, tokens = choice["index"], choice.get("token_ids") or ()
+        finish = _finish(choice.get("finish_reason"), i)
+        if not tokens and finish is None:
+            continue
+        lp = choice.get("logprobs") or {}
+        logprobs = top = None
+        if k is not None:
+            logprobs = [_logprob(x) for x in lp.get("token_logprobs") or ()]
+        if k:
+            top = [tuple(TokenLogprob(t, v) for t, v in sorted(
+                ((_token_id(t), _logprob(v)) for t, v in (step or {}).items()),
+                key=lambda pair: -pair[1])[:k]) for step in lp.get("top_logprobs") or ()]
+        chunks.append(Chunk(i, tokens, logprobs, top, finish))
+    return chunks
 
 
 # The OpenAI server clamps logprobs at this (JSON has no -inf): a token a grammar masks.

@@ -1,0 +1,87 @@
+"""One request inside the engine (`Job`), and the hand-off of its tokens to the event loop.
+
+The engine thread makes tokens; the request's `generate` iterator waits for them on the
+loop. Once per step the engine hands everything it made to each loop in one
+`call_soon_threadsafe` (`deliver`), which appends to each job's inbox and wakes its
+waiter. The only thing the loop tells the engine is `cancelled`, a flag the engine reads
+at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import NamedTuple
+
+from rollout import Chunk, TokenLogprob
+
+
+class Token(NamedTuple):
+    """One new token of one sample, as the engine hands it over."""
+
+    index: int
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]] | None  # (token id, logprob), most likely first
+    finish: str | None
+
+
+class Job:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.rows: list = []  # its samples' Rows
+        # Set on the loop when the consumer is gone (an abort, a timeout, a dropped
+        # client); the engine drops the rows at its next step, admitted or not.
+        self.cancelled = False
+        self._inbox: list = []  # Tokens, or the exception that failed the job (loop only)
+        self._waiter: asyncio.Future | None = None
+
+    # --- on the loop ------------------------------------------------------------------
+
+    def feed(self, items: list) -> None:
+        self._inbox.extend(items)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self, timeout: float) -> list:
+        """What arrived since the last call, waiting up to `timeout` s for something (an
+        empty list after that). Raises the error that failed the request."""
+        if not self._inbox:
+            self._waiter = self.loop.create_future()
+            timer = self.loop.call_later(timeout, _wake, self._waiter)
+            try:
+                await self._waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        items, self._inbox = self._inbox, []
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+        return items
+
+
+def deliver(batch: list[tuple[Job, list]]) -> None:
+    """Run on the loop: one step's output for every job of that loop."""
+    for job, items in batch:
+        job.feed(items)
+
+
+def chunks(tokens: list[Token], logprobs: int | None) -> list[Chunk]:
+    """One Chunk per sample of these tokens (several steps' when the loop fell behind)."""
+    by_index: dict[int, list[Token]] = {}
+    for token in tokens:
+        by_index.setdefault(token.index, []).append(token)
+    out = []
+    for index, group in by_index.items():
+        out.append(Chunk(
+            index, tuple(t.token_id for t in group),
+            logprobs=None if logprobs is None else tuple(t.logprob for t in group),
+            top_logprobs=tuple(tuple(TokenLogprob(i, v) for i, v in t.top) for t in group)
+            if logprobs else None,
+            finish_reason=group[-1].finish))
+    return out
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
