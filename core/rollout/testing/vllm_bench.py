@@ -19,13 +19,15 @@ RESULT = "RESULT "
 
 
 def run_bench(python: str, url: str, model: str, tokenizer: str, backend: str,
-              endpoint: str, prompts: int = 32, timeout: float = 600) -> dict:
-    """The benchmark's result (completed, failed, ...) against one endpoint."""
+              endpoint: str, prompts: int = 32, timeout: float = 600,
+              extra: tuple[str, ...] = ("--random-input-len", "32", "--random-output-len", "16")
+              ) -> dict:
+    """The benchmark's result (completed, failed, throughput, TTFT) against one endpoint;
+    `extra` are more of the benchmark's arguments."""
     argv = [python, "-m", "rollout.testing.vllm_bench", "--backend", backend,
             "--base-url", url, "--endpoint", endpoint, "--model", model,
-            "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", "32",
-            "--random-output-len", "16", "--num-prompts", str(prompts),
-            "--ready-check-timeout-sec", "60", "--disable-tqdm"]
+            "--tokenizer", tokenizer, "--dataset-name", "random", "--num-prompts", str(prompts),
+            "--ready-check-timeout-sec", "60", "--disable-tqdm", *extra]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     for line in done.stdout.splitlines():
         if line.startswith(RESULT):
@@ -72,5 +74,5 @@ def main(argv: list[str]) -> dict:
 if __name__ == "__main__":
     result = main(sys.argv[1:])
     keep = ("completed", "failed", "total_input_tokens", "total_output_tokens",
-            "request_throughput", "output_throughput")
+            "request_throughput", "output_throughput", "median_ttft_ms", "median_tpot_ms")
     print(RESULT + json.dumps({k: result.get(k) for k in keep}), flush=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from rollout import GenerationError, InvalidRequestError, RolloutError
+from rollout import GenerationError, InvalidRequestError, RolloutError, TokenLogprob
 from rollout.contract.schemas import SamplingParams, StructuredOutputs
 from rollout.kit.structured import choice_grammar
 
@@ -36,11 +36,13 @@ def struct(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-class Sample(NamedTuple):
+class Delta(NamedTuple):
+    """What one stream output of one sample adds."""
+
     token_ids: list[int]
-    finish_reason: str  # stop, length or abort
+    finish_reason: str | None  # stop, length or abort on the sample's last output
     logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None
+    top_logprobs: list[tuple[TokenLogprob, ...]] | None
 
 
 def sampling_body(s: SamplingParams) -> dict:

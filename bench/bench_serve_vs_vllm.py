@@ -1,0 +1,89 @@
+"""`rollout serve --backend vllm` against vLLM's own OpenAI server, under vLLM's own serving
+benchmark (`vllm.benchmarks.serve`): random dataset, 200 prompts, 32 tokens in and 32 out,
+64 requests at once, streamed, on /v1/completions. The benchmark sends
+`repetition_penalty`, which rollout honours.
+
+The two servers run one at a time (two engines on a small machine would slow each other),
+alternating for `--rounds` rounds after a warm-up round each; medians are compared.
+Targets: output throughput ratio (rollout / vLLM) >= 1.0, TTFT p50 ratio <= 1.2.
+
+Run in the vLLM environment (scripts/env.sh vllm):
+    python bench/bench_serve_vs_vllm.py [--prompts 200] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+
+from bench_vllm import SETTINGS, use_cpu_defaults
+
+LOAD = ("--random-input-len", "32", "--random-output-len", "32", "--max-concurrency", "64",
+        "--ignore-eos")
+
+
+def servers(model: str, port: int) -> dict[str, list[str]]:
+    engine = ["--dtype", SETTINGS["dtype"], "--enforce-eager"]
+    return {
+        "vllm": [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                 "--served-model-name", "tiny", "--port", str(port), *engine],
+        "rollout": [sys.executable, "-m", "rollout", "serve", "--backend", "vllm",
+                    "--model", model, "--served-model-name", "tiny", "--port", str(port),
+                    "-o", "dtype=float32", "-o", "enforce_eager=true"],
+    }
+
+
+def measure(argv: list[str], port: int, model: str, prompts: int) -> dict:
+    from rollout.kit.process import ServerProcess
+    from rollout.testing.vllm_bench import run_bench
+
+    server = ServerProcess(argv[2], argv, die_with_parent=True)
+    try:
+        server.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=600)
+        result = run_bench(sys.executable, f"http://127.0.0.1:{port}", "tiny", model, "openai",
+                           "/v1/completions", prompts, extra=LOAD)
+        assert (result["completed"], result["failed"]) == (prompts, 0), result
+        return result
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    use_cpu_defaults()
+
+    from rollout.kit.process import free_port
+    from rollout.kit.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_tiny_model(tmp))
+        port = free_port()
+        contenders = servers(model, port)
+        results: dict[str, list[dict]] = {name: [] for name in contenders}
+        for round_ in range(args.rounds + 1):
+            for name, argv in contenders.items():
+                result = measure(argv, port, model, args.prompts)
+                if round_:  # the first round warms caches up
+                    results[name].append(result)
+                print(f"round {round_} {name}: {result['output_throughput']:.1f} tokens/s, "
+                      f"TTFT p50 {result['median_ttft_ms']:.1f} ms", flush=True)
+    median = {name: {key: statistics.median(r[key] for r in rs)
+                     for key in ("output_throughput", "median_ttft_ms")}
+              for name, rs in results.items()}
+    print(f"{args.prompts} prompts, 32 in / 32 out, concurrency 64, median of {args.rounds}:")
+    for name, m in median.items():
+        print(f"  {name:8s} {m['output_throughput']:8.1f} tokens/s  "
+              f"TTFT p50 {m['median_ttft_ms']:8.1f} ms")
+    print(f"  output throughput ratio (rollout / vllm): "
+          f"{median['rollout']['output_throughput'] / median['vllm']['output_throughput']:.3f}")
+    print(f"  TTFT p50 ratio (rollout / vllm): "
+          f"{median['rollout']['median_ttft_ms'] / median['vllm']['median_ttft_ms']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

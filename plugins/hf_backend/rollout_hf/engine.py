@@ -1,0 +1,262 @@
+"""The engine thread: the one thread that runs the model, with continuous batching.
+
+Requests arrive from the event loop as Jobs whose rows (one per sample) wait in a queue.
+Each step the engine:
+
+1. drops the rows of cancelled requests (an abort, a timeout, a dropped client);
+2. admits waiting rows while fewer than `batch_size` decode;
+3. runs one decode step for the running rows and a prefill for the admitted ones, and
+   merges the newcomers into the running batch (batch.py);
+4. chooses every row's token (processors.py, sampling.py, each row with its own
+   parameters and seed), with logprobs where asked;
+5. hands the step's tokens to each event loop in one `call_soon_threadsafe` (job.py);
+6. drops the rows that finished: a request ends when its own samples do.
+
+A step that raises fails the requests it was running (a GenerationError each) and the
+engine goes on with an empty batch; if the thread itself ends, every request still
+waiting fails with EngineDeadError, and so does every later one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+
+import torch
+
+from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
+
+from rollout_hf.batch import Batch, prefill
+from rollout_hf.decode import Row
+from rollout_hf.job import Job, Token, deliver
+from rollout_hf.processors import LogitsProcessor, uses_processing
+from rollout_hf.sampling import choose
+
+IDLE_WAIT_S = 1.0  # an idle engine wakes this often to look at its state
+STEP_TIMEOUT_S = 600.0  # a step this long means the engine is stuck
+LIFECYCLE_TIMEOUT_S = 600.0  # how long a lifecycle call waits for the running step
+
+
+class Engine:
+    def __init__(self, model, tokenizer, *, batch_size: int, pad_id: int,
+                 device: torch.device, grammar_vocab: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.pad_id = pad_id
+        self.device = device
+        self.grammar_vocab = grammar_vocab  # the vocabulary the grammars are compiled for
+        self.dead: EngineDeadError | None = None
+        self._work = threading.Condition()  # guards _waiting, _stopping and dead
+        self._waiting: deque[Row] = deque()
+        self._stopping = False
+        self._step_lock = threading.Lock()  # held through each step; lifecycle calls take it
+        self._step_started: float | None = None
+        # The engine thread's own (and a lifecycle call's, holding the step lock):
+        self._batch = Batch()
+        self._joining: list[Row] = []  # rows being admitted in this step
+        self._processor: LogitsProcessor | None = None
+        self._processor_stale = False  # rows joined: rebuild the processor for the batch
+        self._thread = threading.Thread(target=self._run, name="rollout-hf-engine",
+                                        daemon=True)
+        self._thread.start()
+
+    # --- on the event loop --------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._work:
+            if self.dead is not None:
+                raise self.dead
+            self._waiting.extend(job.rows)
+            self._work.notify()
+
+    def check(self) -> None:
+        """Raise if the engine cannot answer: a request that waited a while asks."""
+        if self.dead is not None:
+            raise self.dead
+        if not self._thread.is_alive():
+            raise EngineDeadError("the HF engine thread is gone")
+        started = self._step_started
+        if started is not None and time.monotonic() - started > STEP_TIMEOUT_S:
+            raise GenerationError(
+                f"the HF engine has been in one step for more than {STEP_TIMEOUT_S:.0f} s")
+
+    # --- from the trainer's thread ------------------------------------------------------
+
+    @contextmanager
+    def exclusive(self):
+        """No step runs inside, and the rows of cancelled requests (which may still be
+        in the batch when the core starts a lifecycle call) are gone with their cache."""
+        if not self._step_lock.acquire(timeout=LIFECYCLE_TIMEOUT_S):
+            raise RolloutTimeoutError(
+                f"the HF engine did not finish its step within {LIFECYCLE_TIMEOUT_S:.0f} s")
+        try:
+            with torch.inference_mode():  # the cache tensors were made in it
+                self._drop_cancelled()
+            yield
+        finally:
+            self._step_lock.release()
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._work:
+            self._stopping = True
+            self._work.notify_all()
+        self._thread.join(timeout)
+
+    # --- the engine thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        death = None
+        try:
+            while True:
+                with self._work:
+                    while not (self._stopping or self._waiting or self._batch.rows):
+                        self._work.wait(IDLE_WAIT_S)
+                    if self._stopping:
+                        return
+                with self._step_lock, torch.inference_mode():
+                    self._step_started = time.monotonic()
+                    try:
+                        self._step()
+                    except Exception as exc:  # noqa: BLE001 - fails this step's requests
+                        self._fail_running(exc)
+                    finally:
+                        self._step_started = None
+        except BaseException as exc:  # noqa: BLE001 - the thread ends; requests must not hang
+            death = exc
+        finally:
+            self._die(death)
+
+    def _step(self) -> None:
+        batch = self._batch
+        self._drop_cancelled()
+        self._joining = self._admit(self.batch_size - len(batch))
+        parts = []
+        if batch.rows:
+            parts.append(batch.decode(self.model))
+        if self._joining:
+            newcomers, logits = prefill(self.model, self._joining, self.pad_id, self.device)
+            parts.append(logits)
+            batch.join(newcomers)
+            self._processor_stale = True
+        self._joining = []
+        if not batch.rows:
+            return
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        chosen, logprobs, tops = self._choose(batch.rows, logits)
+        ids = chosen.tolist()
+        output: dict[Job, list] = {}
+        keep = []
+        for i, row in enumerate(batch.rows):
+            finish = row.push(ids[i], self.tokenizer)
+            output.setdefault(row.job, []).append(
+                Token(row.index, ids[i], logprobs[i], tops[i], finish))
+            if finish is None:
+                keep.append(i)
+        self._send(output)
+        batch.next_ids = chosen
+        self._select(keep)
+
+    def _admit(self, free: int) -> list[Row]:
+        rows: list[Row] = []
+        with self._work:
+            while self._waiting and len(rows) < free:
+                row = self._waiting.popleft()
+                if not row.job.cancelled:
+                    rows.append(row)
+        return rows
+
+    def _choose(self, rows: list[Row], logits: torch.Tensor):
+        """Every row's next token (a tensor), and per row its logprob and top logprobs
+        (None where not asked)."""
+        if self._processor_stale:
+            self._processor = LogitsProcessor(rows, logits.shape[-1], self.grammar_vocab,
+                                              self.device) \
+                if any(uses_processing(r) for r in rows) else None
+            self._processor_stale = False
+        scores, min_p = logits, None
+        if self._processor is not None:
+            self._processor.constrain(logits)  # before the logprobs: they see the grammar
+            scores, min_p = self._processor.process(logits), self._processor.min_p
+        chosen = choose(scores, *_params(rows, self.device), [r.generator for r in rows],
+                        min_p)
+        if self._processor is not None:
+            self._processor.advance(chosen)
+        logprobs: list = [None] * len(rows)
+        tops: list = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.logprobs is not None]
+        if want:
+            index = torch.tensor(want, device=logits.device)
+            raw = logits[index].log_softmax(dim=-1)
+            picked = raw.gather(1, chosen[index][:, None])[:, 0].tolist()
+            k = max(rows[i].logprobs for i in want)
+            values, top_ids = raw.topk(k) if k else (None, None)
+            values = values.tolist() if k else None
+            top_ids = top_ids.tolist() if k else None
+            for j, i in enumerate(want):
+                logprobs[i] = picked[j]
+                if rows[i].logprobs:
+                    tops[i] = list(zip(top_ids[j][: rows[i].logprobs],
+                                       values[j][: rows[i].logprobs]))
+        return chosen, logprobs, tops
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only the batch rows at `keep`."""
+        if len(keep) == len(self._batch):
+            return
+        if not keep:
+            self._processor = None
+        elif self._processor is not None:
+            self._processor.select(keep, torch.tensor(keep, device=self.device))
+        self._batch.keep(keep)
+
+    def _drop_cancelled(self) -> None:
+        rows = self._batch.rows
+        keep = [i for i, row in enumerate(rows) if not row.job.cancelled]
+        self._select(keep)
+
+    def _send(self, output: dict[Job, list], even_cancelled: bool = False) -> None:
+        """One call_soon_threadsafe per event loop for everything in `output`."""
+        by_loop: dict = {}
+        for job, items in output.items():
+            if even_cancelled or not job.cancelled:
+                by_loop.setdefault(job.loop, []).append((job, items))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(deliver, batch)
+            except RuntimeError:  # the loop is closed: nobody waits for these any more
+                for job, _ in batch:
+                    job.cancelled = True
+
+    def _fail_running(self, exc: Exception) -> None:
+        """A step raised: fail the requests it ran, start again with an empty batch."""
+        jobs = {row.job for row in self._batch.rows + self._joining}
+        self._batch, self._joining, self._processor = Batch(), [], None
+        with self._work:  # their other samples do not run either
+            self._waiting = deque(r for r in self._waiting if r.job not in jobs)
+        failures = {}
+        for job in jobs:
+            error = GenerationError(f"the HF engine failed in a step: {exc!r}")
+            error.__cause__ = exc
+            failures[job] = [error]
+        self._send(failures)
+
+    def _die(self, death: BaseException | None) -> None:
+        with self._work:
+            self._stopping = True
+            self.dead = EngineDeadError("the HF engine was closed" if death is None
+                                        else f"the HF engine thread died: {death!r}")
+            rows = list(self._waiting)
+            self._waiting.clear()
+        jobs = {row.job for row in rows + self._batch.rows + self._joining}
+        self._batch, self._joining, self._processor = Batch(), [], None
+        self._send({job: [EngineDeadError(str(self.dead))] for job in jobs},
+                   even_cancelled=True)
+
+
+def _params(rows: list[Row], device: torch.device) -> tuple[torch.Tensor, ...]:
+    return (torch.tensor([r.temperature for r in rows], device=device),
+            torch.tensor([r.top_k for r in rows], device=device),
+            torch.tensor([r.top_p for r in rows], device=device))
