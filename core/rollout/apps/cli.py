@@ -205,9 +205,46 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
                          api_key=api_key, tool_parser=tool_call_parser)
 
     try:
-        asyncio.run(run())
+        _run_on_engine_loop(run())
     except RolloutError as exc:
         _fail(exc)
+
+
+def _run_on_engine_loop(coro) -> None:
+    """Run `coro` on the engine loop, where the core runs requests (a server there hands
+    them over without a hop between threads); SIGTERM and Ctrl-C cancel it, and it gets to
+    clean up before this returns."""
+    import signal
+    import threading
+    from concurrent.futures import CancelledError, TimeoutError
+
+    from rollout.kit.aio import engine_loop
+
+    loop = engine_loop().loop
+    started = threading.Event()
+    task: list[asyncio.Task] = []
+
+    async def main():
+        task.append(asyncio.current_task())
+        started.set()
+        await coro
+
+    future = asyncio.run_coroutine_threadsafe(main(), loop)
+    started.wait(30)
+
+    def stop(*_):
+        loop.call_soon_threadsafe(task[0].cancel)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while True:
+        try:
+            future.result(0.5)
+            return
+        except TimeoutError:
+            continue
+        except CancelledError:
+            return
 
 
 def _exit_with_parent(pid: int) -> None:

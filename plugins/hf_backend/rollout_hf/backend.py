@@ -1,16 +1,22 @@
-"""HFBackend: batched generation with transformers, behind the rollout contract.
+"""HFBackend: transformers behind the rollout contract, with continuous batching.
 
 Its own decode loop (not `model.generate`) lets every row of a batch carry its own
-sampling parameters, seed, stop strings and length limit, and lets `abort` end single rows.
-Penalties, logit bias, min_p and min_tokens are in processors.py (in vLLM's order), and
-structured outputs in grammars.py (xgrammar, one matcher per row).
+sampling parameters, seed, stop strings and length limit, and lets rows join and leave a
+running batch at every step (engine.py, on a thread of its own: the event loop never runs
+the model). Penalties, logit bias, min_p and min_tokens are in processors.py (in vLLM's
+order), and structured outputs in grammars.py (xgrammar, one matcher per row).
+
+transformers' own continuous batching (`ContinuousBatchingManager`) is not used: it has no
+per-request seeds, no per-request greedy/sampled mix or `n`, no stop strings, only the
+chosen token's (processed) logprob, per-request temperature/top-k/top-p only, and no hook
+for a per-row grammar mask.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -21,8 +27,12 @@ from rollout import Capabilities, InvalidRequestError, Request
 from rollout.kit.buckets import unpack
 from rollout.kit.prompts import PromptEncoder
 
-from rollout_hf.decode import Row, decode_batch
+from rollout_hf.decode import Row
+from rollout_hf.engine import Engine
 from rollout_hf.grammars import Grammars
+from rollout_hf.job import Job, chunks
+
+POLL_S = 5.0  # a request that waits this long for tokens asks whether the engine lives
 
 
 class HFBackend:
@@ -49,10 +59,10 @@ class HFBackend:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = min(self.eos_ids) if self.eos_ids else 0
-        self._run_lock = threading.Lock()
-        self._in_flight: set[str] = set()
-        self._aborted: set[str] = set()
         self._offloaded: Path | None = None
+        self.engine = Engine(self.model, self.tokenizer, batch_size=batch_size,
+                             pad_id=self.pad_id, device=self.device,
+                             grammar_vocab=self.vocab_size)
 
     @classmethod
     def describe_capabilities(cls) -> Capabilities:
@@ -62,69 +72,64 @@ class HFBackend:
     def capabilities(self) -> Capabilities:
         return self.describe_capabilities()
 
+    @rollout.hookimpl
+    def prompt_encoder(self) -> PromptEncoder:
+        return self.prompts
+
     # --- generation ---------------------------------------------------------------------
 
     @rollout.hookimpl
-    def generate(self, requests):
-        outputs: list = [None] * len(requests)
-        rows: list[Row] = []
-        for i, request in enumerate(requests):
-            structured = request.sampling.structured_outputs
-            try:
-                prompt = self.prompts.encode(request)
-                grammar = None if structured is None else self.grammars.compile(structured)
-            except InvalidRequestError as exc:
-                outputs[i] = exc
-                continue
-            rows += [self._row(i, request, prompt, k, grammar)
-                     for k in range(request.sampling.n)]
-        ids = {requests[row.slot].id for row in rows}
-        self._in_flight |= ids  # before the lock, so a queued call can be aborted too
-        try:
-            with self._run_lock, torch.inference_mode():
-                rows.sort(key=lambda r: len(r.prompt))  # less padding per batch
-                for start in range(0, len(rows), self.batch_size):
-                    decode_batch(self.model, self.tokenizer, rows[start : start + self.batch_size],
-                                 self.pad_id, self.device, self._aborted, self.vocab_size)
-        finally:
-            self._in_flight -= ids
-            self._aborted -= ids
-        for row in rows:
-            if outputs[row.slot] is None:
-                outputs[row.slot] = [None] * requests[row.slot].sampling.n
-            outputs[row.slot][row.index] = row.result(self.tokenizer)
-        return outputs
-
-    def _row(self, slot: int, request: Request, prompt: list[int], index: int,
-             grammar=None) -> Row:
+    async def generate(self, request: Request, prompt_token_ids: list[int]):
         s = request.sampling
-        generator = None
-        if not s.greedy:
-            seed = random.getrandbits(63) if s.seed is None else hash((s.seed, index)) % 2**63
-            generator = torch.Generator(self.device).manual_seed(seed)
-        return Row(
-            slot=slot, index=index, request_id=request.id, prompt=prompt,
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0,
-            max_new=min(s.max_tokens, self.max_model_len - len(prompt)),
-            stop_ids=frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else self.eos_ids),
-            stop=s.stop, logprobs=s.logprobs, generator=generator,
-            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty, min_p=s.min_p, min_tokens=s.min_tokens,
-            logit_bias=dict(s.logit_bias), include_stop=s.include_stop_str_in_output,
-            matcher=None if grammar is None else self.grammars.matcher(grammar),  # one per row
-        )
+        job = Job(asyncio.get_running_loop())
+        if s.structured_outputs is None:
+            job.rows = self._rows(job, request, prompt_token_ids)
+        else:  # compiling a grammar takes a while: not on the loop
+            job.rows = await asyncio.to_thread(self._rows, job, request, prompt_token_ids)
+        self.engine.submit(job)
+        try:
+            unfinished = s.n
+            while unfinished:
+                tokens = await job.take(POLL_S)
+                if not tokens:
+                    self.engine.check()
+                    continue
+                for chunk in chunks(tokens, s.logprobs):
+                    unfinished -= chunk.finish_reason is not None
+                    yield chunk
+        finally:
+            job.cancelled = True  # the engine drops whatever is left at its next step
 
-    @rollout.hookimpl
-    def abort(self, request_ids):
-        running = set(self._in_flight)
-        self._aborted |= running if request_ids is None else running & set(request_ids)
+    def _rows(self, job: Job, request: Request, prompt: list[int]) -> list[Row]:
+        s = request.sampling
+        grammar = None if s.structured_outputs is None else \
+            self.grammars.compile(s.structured_outputs)
+        rows = []
+        for index in range(s.n):
+            generator = None
+            if not s.greedy:
+                seed = random.getrandbits(63) if s.seed is None else \
+                    hash((s.seed, index)) % 2**63
+                generator = torch.Generator(self.device).manual_seed(seed)
+            rows.append(Row(
+                job=job, index=index, prompt=list(prompt),
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0,
+                max_new=min(s.max_tokens, self.max_model_len - len(prompt)),
+                stop_ids=frozenset(s.stop_token_ids)
+                | (frozenset() if s.ignore_eos else self.eos_ids),
+                stop=s.stop, logprobs=s.logprobs, generator=generator,
+                repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty, min_p=s.min_p, min_tokens=s.min_tokens,
+                logit_bias=dict(s.logit_bias),
+                matcher=None if grammar is None else self.grammars.matcher(grammar)))
+        return rows
 
     # --- weights and memory -------------------------------------------------------------
 
     @rollout.hookimpl
     def update_weights(self, buckets):
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
+        with self.engine.exclusive(), torch.no_grad():
             for bucket in buckets:
                 named = unpack(bucket)
                 for name, tensor in named:  # check the whole bucket before changing anything
@@ -140,21 +145,23 @@ class HFBackend:
 
     @rollout.hookimpl
     def release(self, tags):
-        if "weights" in tags:
-            if self.device.type == "cpu":
-                self._offload_to_disk()
-            else:
-                self.model.to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the KV cache lives only during generate
+        with self.engine.exclusive():  # which also frees what aborted requests left
+            if "weights" in tags:
+                if self.device.type == "cpu":
+                    self._offload_to_disk()
+                else:
+                    self.model.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the KV cache lives only while requests run
 
     @rollout.hookimpl
     def resume(self, tags):
         if "weights" in tags:
-            if self._offloaded is not None:
-                self._load_from_disk()
-            else:
-                self.model.to(self.device)
+            with self.engine.exclusive():
+                if self._offloaded is not None:
+                    self._load_from_disk()
+                else:
+                    self.model.to(self.device)
 
     def _offload_to_disk(self) -> None:
         # On CPU the weights already sit in host memory; writing them to disk and dropping
@@ -180,6 +187,7 @@ class HFBackend:
 
     @rollout.hookimpl
     def close(self):
+        self.engine.close()
         if self._offloaded is not None:
             self._offloaded.unlink(missing_ok=True)
         self.model = None

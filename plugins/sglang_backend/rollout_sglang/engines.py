@@ -1,18 +1,23 @@
 """The two ways the backend reaches SGLang, behind one small interface:
 
-- `InProcessEngine`: `sglang.Engine` created in this process, on a thread of its own whose
-  event loop runs forever (SGLang's coroutines must run on the engine's loop);
+- `InProcessEngine`: `sglang.Engine` created in this process; its tokenizer manager runs
+  on the engine loop (`rollout.kit.aio.engine_loop()`), where the core runs requests, so a
+  token goes from SGLang to the caller without a hop between threads;
 - `ServerEngine`: `sglang.launch_server` as a child process on loopback, spoken to with
-  SGLang's native HTTP API through aiohttp.
+  SGLang's native HTTP API through aiohttp, also on the engine loop.
 
-Both take the bodies built in `rollout_sglang.protocol`. `run()` waits for a coroutine on
-the engine's loop with a timeout, and fails within about a second once the engine is dead.
+Both take the bodies built in `rollout_sglang.protocol`. `stream()` yields one sample's
+outputs as SGLang makes them; closing it (or cancelling its reader) aborts the sample in
+SGLang. `run()` waits, from another thread, for a coroutine on the engine loop with a
+timeout, and fails within about a second once the engine is dead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import json
 import os
 import signal
 import sys
@@ -21,7 +26,7 @@ import time
 import weakref
 
 from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
-from rollout.kit.aio import LoopThread, client_session
+from rollout.kit.aio import client_session, engine_loop
 from rollout.kit.process import HOST, ServerProcess, cli_flags, free_port
 
 from rollout_sglang import protocol
@@ -29,6 +34,9 @@ from rollout_sglang import protocol
 POLL_S = 0.25
 # Without it SGLang returns logprobs divided by the temperature; the contract wants raw ones.
 ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+# Stream outputs carry the new tokens only (protocol.parse_delta reads them so): otherwise
+# every output repeats the whole sample so far, logprobs included, which costs O(n^2).
+STREAM_ARGS = {"incremental_streaming_output": True, "stream_interval": 1}
 
 
 def wait(loop, coro, timeout: float, what: str, check) -> object:

@@ -99,10 +99,10 @@ def json_grammar(schema: dict) -> str:
 
 
 def generate_body(rid: str, prompt: list[int], s: SamplingParams) -> dict:
-    """One sample of one request. `n` samples are `n` bodies with their own rids, because
-    SGLang's own `n` replaces the rids and its samples could then not be aborted."""
+    """One sample of one request, streamed. `n` samples are `n` bodies with their own rids,
+    because SGLang's own `n` replaces the rids and its samples could then not be aborted."""
     body = {"rid": rid, "input_ids": prompt, "sampling_params": sampling_body(s),
-            "stream": False}
+            "stream": True}
     if penalized(s):
         from rollout_sglang.processors import penalty_fields
 
@@ -135,17 +135,21 @@ def score_body(rid: str, prompt: list[int], tokens: list[int], logprobs: int) ->
             "top_logprobs_num": logprobs, "stream": False}
 
 
-def parse_scores(out: dict, sample: Sample, logprobs: int) -> Sample:
+def parse_scores(out: dict, tokens: int, logprobs: int):
+    """(logprobs, top_logprobs) of the `tokens` scored tokens."""
     meta = out["meta_info"]
     chosen = [float(step[0]) for step in (meta.get("input_token_logprobs") or [])[1:]]
-    if len(chosen) != len(sample.token_ids):
-        raise GenerationError(f"SGLang scored {len(chosen)} of {len(sample.token_ids)} tokens")
-    top = None
-    if logprobs:
-        top = [sorted(((int(t), float(lp)) for lp, t, *_ in step or []),
-                      key=lambda pair: -pair[1])[:logprobs]
-               for step in (meta.get("input_top_logprobs") or [])[1:]]
-    return Sample(sample.token_ids, sample.finish_reason, chosen, top)
+    if len(chosen) != tokens:
+        raise GenerationError(f"SGLang scored {len(chosen)} of {tokens} tokens")
+    top = [_top(step, logprobs) for step in (meta.get("input_top_logprobs") or [])[1:]] \
+        if logprobs else None
+    return chosen, top
+
+
+def _top(step, k: int) -> tuple[TokenLogprob, ...]:
+    """SGLang's (logprob, token id, text) entries of one position, most likely first."""
+    pairs = sorted(((float(lp), int(t)) for lp, t, *_ in step or []), key=lambda p: -p[0])
+    return tuple(TokenLogprob(t, lp) for lp, t in pairs[:k])
 
 
 def abort_body(rid: str | None) -> dict:
@@ -157,24 +161,29 @@ def update_tensor_body(payload) -> dict:
     return {"serialized_named_tensors": [payload], "flush_cache": True}
 
 
-def parse_output(out: dict, logprobs: int | None) -> Sample:
+def parse_delta(out: dict, logprobs: int | None) -> Delta:
+    """One output of a sample's stream. The engines run SGLang with
+    incremental_streaming_output, so its output ids and output logprobs are the new ones
+    only (without it they are everything so far)."""
     meta = out["meta_info"]
-    finish = meta.get("finish_reason") or {"type": "abort"}
-    kind = finish.get("type")
-    if kind == "abort" and finish.get("status_code") not in (None, 200):
-        # SGLang ends a request it rejected as "abort" with an HTTP-like status code.
-        raise engine_error(str(finish.get("message", finish)))
-    if kind not in ("stop", "length", "abort"):
-        raise GenerationError(f"SGLang finished a request with {finish!r}")
-    ids = [int(t) for t in out["output_ids"]]
+    finish = meta.get("finish_reason")
+    kind = None
+    if finish is not None:
+        kind = finish.get("type")
+        if kind == "abort" and finish.get("status_code") not in (None, 200):
+            # SGLang ends a request it rejected as "abort" with an HTTP-like status code.
+            raise engine_error(str(finish.get("message", finish)))
+        if kind not in ("stop", "length", "abort"):
+            raise GenerationError(f"SGLang finished a request with {finish!r}")
+    ids = out["output_ids"]
     chosen = top = None
     if logprobs is not None:
-        chosen = [float(step[0]) for step in meta.get("output_token_logprobs") or []]
+        chosen = [float(step[0]) for step in meta.get("output_token_logprobs") or ()]
+        if len(chosen) != len(ids):
+            raise GenerationError(f"SGLang sent {len(chosen)} logprobs for {len(ids)} tokens")
     if logprobs:
-        top = [sorted(((int(t), float(lp)) for lp, t, *_ in step or []),
-                      key=lambda pair: -pair[1])[:logprobs]
-               for step in meta.get("output_top_logprobs") or []]
-    return Sample(ids, kind, chosen, top)
+        top = [_top(step, logprobs) for step in meta.get("output_top_logprobs") or ()]
+    return Delta(ids, kind, chosen, top)
 
 
 def engine_error(message: str) -> RolloutError:
