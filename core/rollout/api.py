@@ -379,7 +379,10 @@ class Stream:
             sink = queue.put_nowait
         else:
             def sink(chunk):
-                here.call_soon_threadsafe(queue.put_nowait, chunk)
+                try:
+                    here.call_soon_threadsafe(queue.put_nowait, chunk)
+                except RuntimeError:  # the caller's loop is closed: nobody is listening
+                    pass
 
         async def produce():
             try:

@@ -25,7 +25,7 @@ def parse_options(options: dict[str, Any], cls: type[T]) -> T:
     try:
         return convert.structure(options, cls)
     except InvalidRequestError as exc:
-        raise InvalidRequestError(f"judge_options.{exc.field}", convert._message(exc),
+        raise InvalidRequestError(f"judge_options.{exc.field}", exc.detail,
                                   exc.allowed) from None
 
 

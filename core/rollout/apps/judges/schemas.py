@@ -72,7 +72,7 @@ def parse_tests(cell: Any) -> Tests:
     try:
         return convert.structure(cell, cls)
     except InvalidRequestError as exc:
-        raise InvalidRequestError(f"tests.{exc.field}", convert._message(exc), exc.allowed) from None
+        raise InvalidRequestError(f"tests.{exc.field}", exc.detail, exc.allowed) from None
 
 
 @attrs.frozen
