@@ -34,6 +34,8 @@ from rollout_hf.job import Job, Token, deliver
 from rollout_hf.processors import LogitsProcessor, uses_processing
 from rollout_hf.sampling import choose
 
+# An elementwise op this large runs in parallel (ATen's grain size is 32768 elements).
+OPENMP_TEAM_ELEMENTS = 1 << 20
 IDLE_WAIT_S = 1.0  # an idle engine wakes this often to look at its state
 STEP_TIMEOUT_S = 600.0  # a step this long means the engine is stuck
 LIFECYCLE_TIMEOUT_S = 600.0  # how long a lifecycle call waits for the running step
@@ -59,6 +61,8 @@ class Engine:
         self._joining: list[Row] = []  # rows being admitted in this step
         self._processor: LogitsProcessor | None = None
         self._processor_stale = False  # rows joined: rebuild the processor for the batch
+        if device.type == "cpu":
+            _start_openmp_team()
         self._thread = threading.Thread(target=self._run, name="rollout-hf-engine",
                                         daemon=True)
         self._thread.start()
@@ -254,6 +258,15 @@ class Engine:
         self._batch, self._joining, self._processor = Batch(), [], None
         self._send({job: [EngineDeadError(str(self.dead))] for job in jobs},
                    even_cancelled=True)
+
+
+def _start_openmp_team() -> None:
+    """Give the constructing thread (normally the trainer's main thread, which lives on) an
+    OpenMP team of its own. libgomp spin-waits its idle workers for long unless the process
+    has more OpenMP threads than CPUs; with the engine thread's team alone, those spinning
+    workers starve the event loop's thread, which then holds the GIL while the engine waits
+    for it (decoding was measured 8x slower on 2 cores). A second team ends the spinning."""
+    torch.zeros(OPENMP_TEAM_ELEMENTS).add_(1)
 
 
 def _params(rows: list[Row], device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -37,7 +37,7 @@ class Grammars:
         self.cache_size = cache_size
         self._compiler = None
         self._cache: OrderedDict = OrderedDict()  # (kind, value) -> CompiledGrammar, LRU
-        self._lock = threading.Lock()  # concurrent generate calls compile outside the run lock
+        self._lock = threading.Lock()  # requests compile on worker threads, several at once
 
     def compile(self, structured: StructuredOutputs):
         """The compiled grammar, or the request's InvalidRequestError naming the field."""
