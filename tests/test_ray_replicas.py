@@ -26,7 +26,7 @@ def test_replicas_placed_by_ray_serve_and_stop(tiny_model, local_ray):
             requests = [convert.structure({"id": f"r{i}", "prompt": f"the ka {i}", "sampling":
                                            {"max_tokens": 4, "temperature": 0.0}}, Request)
                         for i in range(8)]
-            completions = await pool.generate(requests)
+            completions = await asyncio.gather(*(pool.generate(r) for r in requests))
             return pool, completions, await pool.health()
         finally:
             await pool.close()
