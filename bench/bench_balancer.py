@@ -28,7 +28,8 @@ from common import prompts
 
 async def makespan(pools: list[ReplicaPool], shares: list[list[Request]]) -> float:
     started = time.perf_counter()
-    results = await asyncio.gather(*(pool.generate(share) for pool, share in zip(pools, shares)))
+    results = await asyncio.gather(*(asyncio.gather(*(pool.generate(r) for r in share))
+                                     for pool, share in zip(pools, shares)))
     elapsed = time.perf_counter() - started
     assert all(c.ok for share in results for c in share)
     return elapsed
