@@ -1,14 +1,15 @@
 """The vLLM backend against vLLM called directly, side by side in one process.
 
 1. Throughput: 256 prompts x 64 sampled tokens (EOS ignored), through `rollout` (engine
-   mode) and through `vllm.LLM.generate` with the same engine settings; rounds alternate
-   and medians are compared. Target: ratio >= 0.97.
+   mode, its outputs streamed `--stream-interval` tokens a chunk) and through
+   `vllm.LLM.generate` (final outputs only) with the same engine settings; rounds
+   alternate and medians are compared. Target: ratio >= 0.97.
 2. Weight update of the tiny model's full state: through `rollout` (buckets, safetensors
    bytes to the worker, prefix-cache reset) against vLLM's own in-process
    `collective_rpc("reload_weights")` of the same tensors plus its prefix-cache reset.
 
 Run in the vLLM environment (scripts/env.sh vllm):
-    python bench/bench_vllm.py [--prompts 256] [--tokens 64] [--rounds 3]
+    python bench/bench_vllm.py [--prompts 256] [--tokens 64] [--rounds 3] [--stream-interval 1]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def use_cpu_defaults() -> None:
 
 def main() -> None:
     parser = workload_parser()
+    parser.add_argument("--stream-interval", type=int, default=1)  # the backend's default
     args = parser.parse_args()
     use_cpu_defaults()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the direct LLM runs in this process
@@ -41,7 +43,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_tiny_model(tmp))
-        backend = rollout.load_backend("vllm", model=model, mode="engine", **SETTINGS)
+        backend = rollout.load_backend("vllm", model=model, mode="engine",
+                                       stream_interval=args.stream_interval, **SETTINGS)
         llm = LLM(model=model, max_model_len=backend._backend.max_model_len, **SETTINGS)
         tokenizer = llm.get_tokenizer()
         texts = prompts(args.prompts)
@@ -66,7 +69,8 @@ def main() -> None:
             direct_s.append(timed(direct))
         a, b = statistics.median(rollout_s), statistics.median(direct_s)
         total = args.prompts * args.tokens
-        print(f"generate {args.prompts} prompts x {args.tokens} tokens, median of {args.rounds}:")
+        print(f"generate {args.prompts} prompts x {args.tokens} tokens, stream interval "
+              f"{args.stream_interval}, median of {args.rounds}:")
         print(f"  vllm LLM.generate direct: {b:7.3f} s  {total / b:9.1f} tokens/s")
         print(f"  rollout vllm backend:     {a:7.3f} s  {total / a:9.1f} tokens/s")
         print(f"  throughput ratio (rollout / direct): {b / a:.3f}  (target >= 0.97)")

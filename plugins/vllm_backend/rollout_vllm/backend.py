@@ -99,8 +99,8 @@ class VLLMBackend:
                 if structured is None or isinstance(structured, dict) else structured,
                 **engine_args}
         self.request_timeout = request_timeout
-        self.engine = InProcessEngine(args) if mode == "engine" else ServerEngine(
-            args, startup_timeout, request_timeout, stream_interval)
+        self.engine = (InProcessEngine(args, stream_interval) if mode == "engine" else
+                       ServerEngine(args, startup_timeout, request_timeout, stream_interval))
         # The engine's asyncio side lives on the loop the core runs requests on: no hop
         # between loops per token.
         self.loop = engine_loop()
@@ -131,7 +131,8 @@ class VLLMBackend:
     @rollout.hookimpl
     async def generate(self, request, prompt_token_ids):
         s = request.sampling
-        rid = f"{request.id}-{uuid.uuid4().hex[:12]}"  # vLLM takes duplicate ids; we may not
+        # Unique per call: two calls may share our id, and vLLM takes a duplicate silently.
+        rid = f"{request.id}-{uuid.uuid4().hex[:12]}"
         try:
             params = vllm_sampling(s)
             async with aclosing(self.engine.generate(rid, prompt_token_ids, params)) as chunks:

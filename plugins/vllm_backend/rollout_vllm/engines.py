@@ -70,8 +70,9 @@ class InProcessEngine:
     commands queued from the engine loop (add, abort, RPCs), and hands each step's outputs
     to the loop in one call, which sorts them into each request's `_Outputs`."""
 
-    def __init__(self, engine_args: dict):
+    def __init__(self, engine_args: dict, stream_interval: int = 1):
         self.engine_args = engine_args
+        self.stream_interval = stream_interval  # tokens per output, as in server mode
         self.engine = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # fn(engine); None stops
@@ -182,6 +183,7 @@ class InProcessEngine:
         try:
             return SamplingParams(**{
                 **params, "output_kind": RequestOutputKind.DELTA,
+                "stream_interval": self.stream_interval,
                 # vLLM's text is not used (the core decodes tokens): made only to find stops.
                 "detokenize": bool(params.get("stop")),
                 "structured_outputs": StructuredOutputsParams(**structured)

@@ -9,6 +9,7 @@ from rollout import InvalidRequestError
 @pytest.mark.parametrize("options, field", [
     ({"mode": "http"}, "mode"),
     ({"mode": "server", "stream_interval": 0}, "stream_interval"),
+    ({"stream_interval": 1.5}, "stream_interval"),
 ])
 def test_bad_option_names_the_field(tiny_model, options, field):
     with pytest.raises(InvalidRequestError, match=field) as caught:

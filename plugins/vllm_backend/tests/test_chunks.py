@@ -1,0 +1,69 @@
+"""What vLLM hands back, as chunks: delta outputs of one step or of several that piled up,
+and the events of a streamed /v1/completions."""
+
+import math
+from types import SimpleNamespace as NS
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from rollout import Chunk, GenerationError, InvalidRequestError, TokenLogprob  # noqa: E402
+from rollout_vllm.engines import _chunks, _sse_chunks  # noqa: E402
+
+
+def logprobs(*steps):
+    """vLLM's per-token logprobs: {token: Logprob(logprob, rank)} per position."""
+    return [{t: NS(logprob=lp, rank=rank) for t, lp, rank in step} for step in steps]
+
+
+def output(*completions, finished=False):
+    return NS(outputs=[NS(index=i, token_ids=list(tokens), logprobs=lps, finish_reason=finish)
+                       for i, tokens, lps, finish in completions], finished=finished)
+
+
+def test_one_step_gives_a_chunk_per_sample():
+    step = output((0, [5], None, None), (1, [7], None, "length"))
+    assert _chunks([step], None) == [Chunk(0, (5,)), Chunk(1, (7,), finish_reason="length")]
+
+
+def test_outputs_that_piled_up_merge_per_sample():
+    first = output((0, [5], logprobs([(5, -1.0, 2), (9, -0.5, 1)]), None))
+    second = output((0, [6], logprobs([(6, -0.1, 1), (3, -2.0, 2)]), "stop"),
+                    (1, [4], logprobs([(4, -3.0, 5), (8, -0.2, 1)]), None), finished=True)
+    one, two = _chunks([first, second], 1)
+    assert one == Chunk(0, (5, 6), (-1.0, -0.1), ((TokenLogprob(9, -0.5),),
+                                                  (TokenLogprob(6, -0.1),)), "stop")
+    # The chosen token ranks below k: it is in the logprobs, not in the top k.
+    assert two == Chunk(1, (4,), (-3.0,), ((TokenLogprob(8, -0.2),),), None)
+
+
+def test_logprobs_zero_gives_no_top_logprobs():
+    step = output((0, [5], logprobs([(5, -1.0, 2), (9, -0.5, 1)]), None))
+    assert _chunks([step], 0) == [Chunk(0, (5,), (-1.0,), None)]
+
+
+def test_an_unknown_finish_reason_is_an_error():
+    with pytest.raises(GenerationError, match="error"):
+        _chunks([output((0, [], None, "error"), finished=True)], None)
+
+
+def test_a_streamed_event_gives_its_tokens_logprobs_and_finish():
+    event = {"choices": [
+        {"index": 1, "token_ids": [7, 8], "finish_reason": "length",
+         "logprobs": {"token_logprobs": [-0.5, -99999.0],
+                      "top_logprobs": [{"token_id:7": -0.5, "token_id:2": -1.5},
+                                       {"token_id:3": -0.1, "token_id:8": -99999.0}]}},
+        {"index": 0, "token_ids": [], "finish_reason": None}]}
+    (chunk,) = _sse_chunks(event, 1)
+    assert chunk.index == 1 and chunk.token_ids == (7, 8) and chunk.finish_reason == "length"
+    assert chunk.logprobs[0] == -0.5 and math.isinf(chunk.logprobs[1])
+    assert chunk.top_logprobs == ((TokenLogprob(7, -0.5),), (TokenLogprob(3, -0.1),))
+
+
+def test_a_refusal_mid_stream_names_our_field():
+    with pytest.raises(InvalidRequestError) as caught:
+        _sse_chunks({"error": {"code": 400, "message": "bad", "param": "top_p"}}, None)
+    assert caught.value.field == "sampling.top_p"
+    with pytest.raises(GenerationError):
+        _sse_chunks({"error": {"code": 500, "message": "boom"}}, None)

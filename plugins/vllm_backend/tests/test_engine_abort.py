@@ -1,0 +1,57 @@
+"""Engine mode: a request stopped at any point (before its add reaches vLLM's thread, just
+after, or while it runs) leaves nothing running in vLLM, which drops nothing by itself."""
+
+import asyncio
+
+import pytest
+from conftest import ENGINE
+
+import rollout
+from rollout.kit.aio import engine_loop
+
+LONG = {"prompt": "the ka lo", "sampling": {"max_tokens": 2000, "ignore_eos": True, "n": 2}}
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model):
+    with rollout.load_backend("vllm", model=str(tiny_model), mode="engine", **ENGINE) as r:
+        yield r
+
+
+def unfinished(backend) -> int:
+    """Requests in vLLM, counted on its own thread after every command queued before."""
+    engine = backend._backend.engine
+    return engine_loop().run(engine._call(lambda e: e.get_num_unfinished_requests()), 30,
+                             "counting vLLM's requests")
+
+
+# One loop turn: the calls have started, and their adds are just going to vLLM's thread.
+@pytest.mark.parametrize("turns", [1, 2, 5, 200])
+def test_an_aborted_request_leaves_the_engine(backend, turns):
+    requests = [{**LONG, "id": f"turns-{turns}-{i}"} for i in range(4)]
+
+    async def run():  # on the engine loop, where the core runs requests
+        tasks = [asyncio.ensure_future(backend.agenerate(r)) for r in requests]
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        backend.abort([r["id"] for r in requests])
+        return await asyncio.gather(*tasks)
+
+    for completion in engine_loop().run(run(), 60, "aborted requests"):
+        assert [r.finish_reason for r in completion.unwrap()] == ["abort", "abort"]
+    assert unfinished(backend) == 0
+
+
+def test_a_stream_left_early_leaves_the_engine(backend):
+    async def run():
+        stream = backend.stream(LONG)
+        seen = 0
+        async for chunk in stream:
+            seen += len(chunk.token_ids)
+            if seen >= 5:
+                break
+        await stream.aclose()
+        return seen
+
+    assert asyncio.run(run()) >= 5
+    assert unfinished(backend) == 0
