@@ -9,7 +9,7 @@
    `collective_rpc("reload_weights")` of the same tensors plus its prefix-cache reset.
 
 Run in the vLLM environment (scripts/env.sh vllm):
-    python bench/bench_vllm.py [--prompts 256] [--tokens 64] [--rounds 3] [--stream-interval 1]
+    python bench/bench_vllm.py [--prompts 256] [--tokens 64] [--rounds 3] [--stream-interval 16]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def use_cpu_defaults() -> None:
 
 def main() -> None:
     parser = workload_parser()
-    parser.add_argument("--stream-interval", type=int, default=1)  # the backend's default
+    parser.add_argument("--stream-interval", type=int, default=16)  # the backend's default
     args = parser.parse_args()
     use_cpu_defaults()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the direct LLM runs in this process

@@ -10,7 +10,7 @@ pool of 100 connections (what server mode used before), to show what the cap cos
 
 Run in the vLLM environment (scripts/env.sh vllm):
     python bench/bench_vllm_server.py [--prompts 256] [--tokens 64] [--rounds 3]
-                                      [--stream-interval 1] [--capped]
+                                      [--stream-interval 16] [--capped]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from common import prompts, timed, workload_parser
 
 def main() -> None:
     parser = workload_parser()
-    parser.add_argument("--stream-interval", type=int, default=1)  # the backend's default
+    parser.add_argument("--stream-interval", type=int, default=16)  # the backend's default
     parser.add_argument("--capped", action="store_true")
     args = parser.parse_args()
     use_cpu_defaults()

@@ -220,7 +220,8 @@ class Rollout:
         except InvalidRequestError as exc:
             return Completion(request.id, error=exc)
         samples = [_Sample(self.encoder.decode, s, sink is not None) for _ in range(s.n)]
-        chunks = self._pm.hook.generate(request=request, prompt_token_ids=prompt)
+        chunks = self._pm.hook.generate(request=request, prompt_token_ids=prompt,
+                                        streaming=sink is not None)
         try:
             async for chunk in chunks:
                 if not 0 <= chunk.index < s.n or samples[chunk.index].finish:

@@ -58,7 +58,8 @@ def prompt_encoder() -> PromptEncoder:
 
 
 @hookspec(firstresult=True)
-def generate(request: Request, prompt_token_ids: list[int]) -> AsyncIterator[Chunk]:
+def generate(request: Request, prompt_token_ids: list[int],
+             streaming: bool) -> AsyncIterator[Chunk]:
     """Generate the `request.sampling.n` samples of one valid request.
 
     Called on the engine loop; returns an async iterator (an `async def` with `yield`) that
@@ -72,6 +73,9 @@ def generate(request: Request, prompt_token_ids: list[int]) -> AsyncIterator[Chu
 
     :param request: validated, and within the backend's capabilities.
     :param prompt_token_ids: the prompt as the core encoded it; exactly what the engine sees.
+    :param streaming: whether the caller reads chunks as they come (`Rollout.stream`, the
+        server). When False, a backend may hand tokens over a few at a time if that is
+        cheaper; an abort then returns what was handed over.
     """
 
 

@@ -183,7 +183,7 @@ class InProcessEngine:
         try:
             return SamplingParams(**{
                 **params, "output_kind": RequestOutputKind.DELTA,
-                "stream_interval": self.stream_interval,
+                "stream_interval": params.get("stream_interval", self.stream_interval),
                 # vLLM's text is not used (the core decodes tokens): made only to find stops.
                 "detokenize": bool(params.get("stop")),
                 "structured_outputs": StructuredOutputsParams(**structured)
