@@ -14,14 +14,14 @@ from rollout.apps.serving.service import LocalService
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model):
-    with rollout.load_backend("hf", model=str(tiny_model), max_model_len=64) as engine:
-        yield engine
+def ro(tiny_model):
+    with rollout.load_backend("hf", model=str(tiny_model), max_model_len=64) as ro:
+        yield ro
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(LocalService(engine, "tiny")) as server:
+def server(ro):
+    with ServerThread(LocalService(ro, "tiny")) as server:
         yield server
 
 
@@ -34,7 +34,7 @@ def post(server, body) -> tuple[int, dict]:
     return asyncio.run(call())
 
 
-def test_a_bad_request_fails_alone_and_token_ids_round_trip(server, engine):
+def test_a_bad_request_fails_alone_and_token_ids_round_trip(server, ro):
     requests = [
         {"id": "text", "prompt": "def add(a, b):", "sampling": {"max_tokens": 5, "temperature": 0}},
         {"id": "typo", "prompt": "hello", "sampling": {"temprature": 0}},
@@ -48,7 +48,7 @@ def test_a_bad_request_fails_alone_and_token_ids_round_trip(server, engine):
     assert [c.request_id for c in (text, typo, tokens, long)] == ["text", "typo", "tokens", "long"]
     assert (typo.error.kind, typo.error.field) == ("invalid_request", "sampling.temprature")
     assert (long.error.kind, long.error.field) == ("invalid_request", "prompt")
-    expected = engine.generate([requests[0], requests[2]])
+    expected = ro.generate([requests[0], requests[2]])
     assert text.results == expected[0].results and tokens.results == expected[1].results
     assert len(tokens.results[0].top_logprobs[0]) == 2
 

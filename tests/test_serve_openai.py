@@ -19,7 +19,7 @@ from rollout.testing.serving import CHAT, ServerContract, http
 class TestHFServer(ServerContract):
     @pytest.fixture(scope="class")
     @classmethod
-    def make_engine(cls):
+    def make_rollout(cls):
         return lambda model, max_model_len: rollout.load_backend(
             "hf", model=model, max_model_len=max_model_len)
 
@@ -79,8 +79,8 @@ class Service(LocalService):
         await super().close()
         print("closed", flush=True)
 
-engine = rollout.load_backend("hf", model=sys.argv[1])
-asyncio.run(serve(Service(engine, "tiny"), port=0, on_started=lambda url: print(url, flush=True)))
+ro = rollout.load_backend("hf", model=sys.argv[1])
+asyncio.run(serve(Service(ro, "tiny"), port=0, on_started=lambda url: print(url, flush=True)))
 print("returned", flush=True)
 """
 

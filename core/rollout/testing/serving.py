@@ -1,7 +1,7 @@
 """The HTTP server's contract, run against a real backend: the OpenAI routes called with the
 official `openai` client, the native route, the API key, and 500 concurrent calls.
 
-Subclass `ServerContract` in a test module and override `make_engine`: a class-scoped
+Subclass `ServerContract` in a test module and override `make_rollout`: a class-scoped
 fixture giving `lambda model, max_model_len: rollout.Rollout`. The server runs in a thread
 of the test process, in front of that backend (`LocalService`).
 """
@@ -36,14 +36,14 @@ CALL_REGEX = r'<tool_call>\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]
 ANSWER_REGEX = r"The sum is [0-9]{1,2}\."
 
 
-def seed(engine, value: int):
+def seed(ro, value: int):
     """`value` as the call's seed where the backend takes seeds; left out elsewhere."""
-    return value if engine.capabilities.supports("seed") else openai.NOT_GIVEN
+    return value if ro.capabilities.supports("seed") else openai.NOT_GIVEN
 
 
-def direct(engine, **request):
-    """What the engine itself answers, to compare the server with."""
-    return engine.generate([request])[0].unwrap()
+def direct(ro, **request):
+    """What the Rollout itself answers, to compare the server with."""
+    return ro.generate([request])[0].unwrap()
 
 
 def http(url, body=None, key=KEY, data=None):
@@ -64,20 +64,20 @@ def http(url, body=None, key=KEY, data=None):
 class ServerContract:
     @pytest.fixture(scope="class")
     @classmethod
-    def make_engine(cls):
-        raise NotImplementedError("override make_engine: lambda model, max_model_len: Rollout")
+    def make_rollout(cls):
+        raise NotImplementedError("override make_rollout: lambda model, max_model_len: Rollout")
 
     @pytest.fixture(scope="class")
     @classmethod
-    def engine(cls, make_engine, tiny_model):
-        engine = make_engine(str(tiny_model), MAX_MODEL_LEN)
-        yield engine
-        engine.close()
+    def ro(cls, make_rollout, tiny_model):
+        ro = make_rollout(str(tiny_model), MAX_MODEL_LEN)
+        yield ro
+        ro.close()
 
     @pytest.fixture(scope="class")
     @classmethod
-    def server(cls, engine):
-        with ServerThread(LocalService(engine, MODEL), api_key=KEY) as server:
+    def server(cls, ro):
+        with ServerThread(LocalService(ro, MODEL), api_key=KEY) as server:
             yield server
 
     @pytest.fixture(scope="class")
@@ -87,10 +87,10 @@ class ServerContract:
 
     # --- completions ----------------------------------------------------------------------------
 
-    def test_completion_of_text_matches_the_engine(self, client, engine):
+    def test_completion_of_text_matches_the_engine(self, client, ro):
         response = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=6,
                                              temperature=0)
-        expected = direct(engine, prompt="def add(a, b):",
+        expected = direct(ro, prompt="def add(a, b):",
                           sampling={"max_tokens": 6, "temperature": 0})[0]
         (choice,) = response.choices
         assert (choice.text, choice.finish_reason) == (expected.text, expected.finish_reason)
@@ -99,9 +99,9 @@ class ServerContract:
         assert response.usage.completion_tokens == expected.completion_tokens
         assert response.usage.total_tokens == expected.prompt_tokens + expected.completion_tokens
 
-    def test_completion_of_token_prompts_with_n_samples_returns_token_ids(self, client, engine):
-        if not engine.capabilities.supports("seed"):
-            pytest.skip(f"seed unsupported: {engine.capabilities.unsupported['seed']}")
+    def test_completion_of_token_prompts_with_n_samples_returns_token_ids(self, client, ro):
+        if not ro.capabilities.supports("seed"):
+            pytest.skip(f"seed unsupported: {ro.capabilities.unsupported['seed']}")
         prompts = [[5, 17, 42], [7, 8, 9, 10]]
         response = client.completions.create(
             model=MODEL, prompt=prompts, max_tokens=4, n=2, temperature=1.0, seed=3,
@@ -160,7 +160,7 @@ class ServerContract:
         assert texts == {c.index: c.text for c in whole.choices}
         assert reasons == {c.index: c.finish_reason for c in whole.choices}
 
-    def test_streamed_chunks_come_token_by_token(self, client, engine):
+    def test_streamed_chunks_come_token_by_token(self, client, ro):
         stream = client.completions.create(model=MODEL, prompt="def add", max_tokens=16,
                                            temperature=0, stream=True,
                                            extra_body={"ignore_eos": True,
@@ -169,10 +169,10 @@ class ServerContract:
                   for chunk in stream for choice in chunk.choices]
         assert sum(1 for t in tokens if t) >= 8, "tokens came in a few pieces, not as made"
         assert [t for ts in tokens for t in ts] == list(
-            direct(engine, prompt="def add", sampling={"max_tokens": 16, "temperature": 0,
+            direct(ro, prompt="def add", sampling={"max_tokens": 16, "temperature": 0,
                                                        "ignore_eos": True})[0].token_ids)
 
-    def test_a_dropped_client_stops_its_request(self, server, engine):
+    def test_a_dropped_client_stops_its_request(self, server, ro):
         body = {"model": MODEL, "prompt": "the ka lo", "max_tokens": MAX_MODEL_LEN - 16,
                 "ignore_eos": True, "stream": True, "temperature": 1.0}
 
@@ -186,18 +186,18 @@ class ServerContract:
                         if seen == 2:
                             break  # leaving the block closes the connection
             deadline = time.monotonic() + 10
-            while engine.health()["running"] and time.monotonic() < deadline:
+            while ro.health()["running"] and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            return engine.health()["running"]
+            return ro.health()["running"]
 
         assert asyncio.run(drop_after_two_chunks()) == 0, "the request ran on without a client"
 
     # --- chat -----------------------------------------------------------------------------------
 
-    def test_chat_matches_the_engine(self, client, engine):
+    def test_chat_matches_the_engine(self, client, ro):
         response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6,
                                                   temperature=0, logprobs=True, top_logprobs=2)
-        expected = direct(engine, messages=CHAT, sampling={"max_tokens": 6, "temperature": 0,
+        expected = direct(ro, messages=CHAT, sampling={"max_tokens": 6, "temperature": 0,
                                                            "logprobs": 2})[0]
         (choice,) = response.choices
         assert choice.message.role == "assistant" and choice.message.content == expected.text
@@ -242,8 +242,8 @@ class ServerContract:
 
     # --- sampling, structured outputs, tools -----------------------------------------------------
 
-    def test_sampling_extensions_reach_the_engine(self, client, engine):
-        plain = direct(engine, messages=CHAT, sampling={"max_tokens": 8, "temperature": 0})[0]
+    def test_sampling_extensions_reach_the_engine(self, client, ro):
+        plain = direct(ro, messages=CHAT, sampling={"max_tokens": 8, "temperature": 0})[0]
         first = plain.token_ids[0]  # banned, so the answer must change
         extra = {"repetition_penalty": 1.4, "presence_penalty": 0.3, "frequency_penalty": 0.2,
                  "min_p": 0.05, "min_tokens": 4, "logit_bias": {str(first): -100},
@@ -252,32 +252,32 @@ class ServerContract:
                                                   temperature=0, logprobs=True,
                                                   extra_body=extra)
         sampling = {**extra, "logit_bias": {first: -100.0}, "max_tokens": 8, "temperature": 0}
-        expected = direct(engine, messages=CHAT, sampling=sampling)[0]
+        expected = direct(ro, messages=CHAT, sampling=sampling)[0]
         assert response.choices[0].message.content == expected.text
         assert [e.token for e in response.choices[0].logprobs.content] == [
             f"token_id:{t}" for t in expected.token_ids]
         assert expected.token_ids[0] != first
 
-    def test_structured_outputs_through_both_names(self, client, engine):
+    def test_structured_outputs_through_both_names(self, client, ro):
         schema = {"type": "object", "properties": {"x": DIGIT}, "required": ["x"],
                   "additionalProperties": False}
         answer = client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=32, temperature=1.0, n=3, seed=seed(engine, 5),
+            model=MODEL, messages=CHAT, max_tokens=32, temperature=1.0, n=3, seed=seed(ro, 5),
             response_format={"type": "json_schema", "json_schema": {"name": "x",
                                                                     "schema": schema}})
         for choice in answer.choices:
             assert set(json.loads(choice.message.content)) == {"x"}
         picked = client.completions.create(
-            model=MODEL, prompt="the", max_tokens=8, temperature=1.0, n=4, seed=seed(engine, 5),
+            model=MODEL, prompt="the", max_tokens=8, temperature=1.0, n=4, seed=seed(ro, 5),
             extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
         assert {c.text for c in picked.choices} <= {"yes", "no"}
 
     @pytest.mark.parametrize("stream", [False, True])
-    def test_a_tool_round_trip_with_the_openai_client(self, client, engine, tiny_model,
+    def test_a_tool_round_trip_with_the_openai_client(self, client, ro, tiny_model,
                                                       stream):
         messages = [{"role": "user", "content": "what is 2 + 3?"}]
         first = _chat(client, stream, messages=messages, tools=TOOLS, max_tokens=128,
-                      temperature=1.0, seed=seed(engine, 1), extra_body={"structured_outputs": {
+                      temperature=1.0, seed=seed(ro, 1), extra_body={"structured_outputs": {
                           "regex": CALL_REGEX}})
         assert first["finish_reason"] == "tool_calls" and not first["content"]
         (call,) = first["tool_calls"]
@@ -288,7 +288,7 @@ class ServerContract:
                      {"role": "tool", "tool_call_id": call["id"],
                       "content": str(arguments["a"] + arguments["b"])}]
         final = _chat(client, stream, messages=messages, tools=TOOLS, max_tokens=64,
-                      temperature=1.0, seed=seed(engine, 2), extra_body={"structured_outputs": {
+                      temperature=1.0, seed=seed(ro, 2), extra_body={"structured_outputs": {
                           "regex": ANSWER_REGEX}})
         assert final["finish_reason"] == "stop" and not final["tool_calls"]
         assert re.fullmatch(ANSWER_REGEX, final["content"])
@@ -305,12 +305,12 @@ class ServerContract:
 
     @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                      "function": {"name": "add"}}])
-    def test_required_and_named_tool_choice_force_a_valid_call(self, client, engine, choice):
+    def test_required_and_named_tool_choice_force_a_valid_call(self, client, ro, choice):
         import jsonschema
 
         response = client.chat.completions.create(
             model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice, max_tokens=128,
-            temperature=1.0, n=2, seed=seed(engine, 3), parallel_tool_calls=False)
+            temperature=1.0, n=2, seed=seed(ro, 3), parallel_tool_calls=False)
         for answer in response.choices:
             assert answer.finish_reason == "tool_calls"
             (call,) = answer.message.tool_calls
@@ -426,9 +426,9 @@ class ServerContract:
         assert [m.id for m in client.models.list()] == [MODEL]
         assert client.models.retrieve(MODEL).id == MODEL
 
-    def test_health_reports_the_service(self, server, engine):
+    def test_health_reports_the_service(self, server, ro):
         status, body = http(f"{server.url}/health")
-        assert status == 200 and body["backend"] == engine.name
+        assert status == 200 and body["backend"] == ro.name
 
     def test_every_route_needs_the_key(self, server):
         wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong-key", max_retries=0)
@@ -446,14 +446,14 @@ class ServerContract:
 
     # --- load -----------------------------------------------------------------------------------
 
-    def test_500_concurrent_chat_calls_all_succeed(self, server, engine):
+    def test_500_concurrent_chat_calls_all_succeed(self, server, ro):
         async def main():
             client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
                                         timeout=300)
             async with client:
                 return await asyncio.gather(*(
                     client.chat.completions.create(
-                        model=MODEL, max_tokens=8, temperature=1.0, seed=seed(engine, i),
+                        model=MODEL, max_tokens=8, temperature=1.0, seed=seed(ro, i),
                         messages=[{"role": "user", "content": f"question {i}"}])
                     for i in range(500)))
 

@@ -12,7 +12,7 @@ from rollout.testing.serving import ServerContract
 class TestSGLangServer(ServerContract):
     @pytest.fixture(scope="class")
     @classmethod
-    def make_engine(cls):
+    def make_rollout(cls):
         return lambda model, max_model_len: rollout.load_backend(
             "sglang", model=model, mode="server", **ENGINE,
             engine_args={"context_length": max_model_len})

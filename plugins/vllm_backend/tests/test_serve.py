@@ -11,6 +11,6 @@ from rollout.testing.serving import ServerContract
 class TestVLLMServer(ServerContract):
     @pytest.fixture(scope="class")
     @classmethod
-    def make_engine(cls):
+    def make_rollout(cls):
         return lambda model, max_model_len: rollout.load_backend(
             "vllm", model=model, mode="engine", max_model_len=max_model_len, **ENGINE)
