@@ -42,6 +42,10 @@ def main() -> None:
                         type=backend_option, metavar="KEY=VALUE",
                         help="a backend option (repeat for several)")
     args = parser.parse_args()
+    if args.backend == "vllm":
+        from bench_vllm import use_cpu_defaults
+
+        use_cpu_defaults()  # a KV cache that fits a small machine
 
     import rollout
     from rollout.kit.tiny_model import build_tiny_model
