@@ -1,32 +1,35 @@
 """SGLangBackend: the rollout contract over SGLang, in process (`mode="engine"`) or over its
 native HTTP server in a child process on loopback (`mode="server"`).
 
-Prompts are tokenized and checked here (vocabulary, context length), and results are
-decoded here, so errors and texts are the same as with every other backend; SGLang crashes
-on an out-of-vocabulary token id instead of rejecting it.
+The core encodes prompts with this backend's PromptEncoder (vocabulary and context length
+are checked there: SGLang crashes on an out-of-vocabulary token id instead of rejecting
+it) and decodes texts. Each sample is one SGLang request, streamed; what SGLang cannot
+stop by itself as the contract says (stop tokens with ignore_eos, stop strings with
+min_tokens) is cut here as the tokens arrive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
 import attrs
 
 import rollout
-from rollout import Capabilities, InvalidRequestError, Result, RolloutError, TokenLogprob
+from rollout import Capabilities, Chunk, GenerationError, InvalidRequestError, RolloutError
 from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
 from rollout.kit.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.structured import constraint_error
+from rollout.kit.text import TextStream, first_stop
 
 from rollout_sglang import protocol
 from rollout_sglang.engines import InProcessEngine, ServerEngine
 from rollout_sglang.weights import checked_groups
 
 MODES = ("engine", "server")
-ABORT_RETRY_S = 5.0  # how long an abort keeps chasing a request SGLang has not registered yet
 
 
 # Structured outputs through xgrammar (the grammar dialect every backend reads), compact
@@ -36,37 +39,11 @@ ENGINE_DEFAULTS = {"grammar_backend": "xgrammar",
                    # The penalties (processors.py), which need each request's output up
                    # to date when they run: the overlap scheduler hands it one token late.
                    "enable_custom_logit_processor": True,
-                   "disable_overlap_schedule": True}
-
-
-def _stop_at_tokens(sample: protocol.Sample, s) -> protocol.Sample:
-    """SGLang's ignore_eos also ignores stop_token_ids (Req._check_token_based_finish
-    returns early), so the sample runs on past a stop token: it ends at the first one here.
-    Its tokens up to there are what SGLang would have made had it stopped."""
-    if not (s.ignore_eos and s.stop_token_ids):
-        return sample
-    stops = set(s.stop_token_ids)
-    end = next((i + 1 for i, t in enumerate(sample.token_ids) if t in stops), None)
-    return sample if end is None else _stopped_at(sample, end)
-
-
-def _stopped_at(sample: protocol.Sample, end: int) -> protocol.Sample:
-    """The sample's first `end` tokens (and their logprobs), ended by a stop."""
-    return protocol.Sample(sample.token_ids[:end], "stop",
-                           sample.logprobs[:end] if sample.logprobs is not None else None,
-                           sample.top_logprobs[:end] if sample.top_logprobs is not None
-                           else None)
-
-
-def first_stop(text: str, stops, after: int = 0) -> tuple[int, int] | None:
-    """(start, end) of the stop string match that ends first, among those ending past
-    `after` characters (the text of the first min_tokens tokens)."""
-    found = []
-    for stop in stops:
-        i = text.find(stop, max(0, after - len(stop) + 1))
-        if i >= 0:
-            found.append((i + len(stop), i))
-    return (min(found)[1], min(found)[0]) if found else None
+                   "disable_overlap_schedule": True,
+                   # Tokens per stream output: 1 gives each token to the caller as soon as
+                   # SGLang makes it. A larger value saves SGLang's per-output work (with
+                   # the tiny model on CPU, 256 x 64 tokens: about a fifth of all CPU time).
+                   "stream_interval": 1}
 
 
 def cpu_reasons(device: str) -> dict[str, str]:
@@ -110,8 +87,6 @@ class SGLangBackend:
             args["disable_overlap_schedule"]
         self.engine = InProcessEngine(args, startup_timeout) if mode == "engine" else \
             ServerEngine(args, startup_timeout, request_timeout)
-        self._running: dict[str, list[str]] = {}  # our request id -> SGLang rids
-        self._aborted: set[str] = set()
         try:
             self.engine.start()
             # SGLang's scheduler keeps a few tokens of the context for itself and refuses
@@ -126,55 +101,64 @@ class SGLangBackend:
     def describe_capabilities(cls, device: str = "cpu") -> Capabilities:
         unsupported = {"images": "this backend sends text and token prompts only (for now)",
                        **cpu_reasons(device)}
-        return Capabilities(unsupported=unsupported, concurrent_generate=True)
+        return Capabilities(unsupported=unsupported)
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
         return self.describe_capabilities(self.device)
 
+    @rollout.hookimpl
+    def prompt_encoder(self) -> PromptEncoder:
+        return self.prompts
+
     # --- generation ---------------------------------------------------------------------
 
     @rollout.hookimpl
-    def generate(self, requests):
-        async def run_all():
-            return await asyncio.gather(*(self._one(r) for r in requests))
-
-        # Requests end on their own timeouts; this bound only guards against a lost wakeup.
-        return self.engine.run(run_all(), self.request_timeout + 60, "SGLang generate")
-
-    async def _one(self, request):
-        try:
-            prompt = self.prompts.encode(request)
-            self._check_sampling(request.sampling)
-        except InvalidRequestError as exc:
-            return exc
+    async def generate(self, request, prompt_token_ids):
+        s = request.sampling
+        self._check_sampling(s)
         # Like the other backends, generation stops at the context length (reason "length");
         # SGLang would reject the request instead.
-        room = self.max_model_len - len(prompt)
-        max_tokens = min(request.sampling.max_tokens, room)
-        s = attrs.evolve(request.sampling, max_tokens=max_tokens,
-                         min_tokens=min(request.sampling.min_tokens, max_tokens))
+        max_tokens = min(s.max_tokens, self.max_model_len - len(prompt_token_ids))
+        s = attrs.evolve(s, max_tokens=max_tokens, min_tokens=min(s.min_tokens, max_tokens))
+        # Logprobs SGLang computes after penalties, bias or min_tokens are replaced by a
+        # scoring prefill of the whole sample, so such a sample is held back until it ends
+        # and is rescored, then given out in one chunk; SGLang is not asked for its own.
+        rescored = s.logprobs is not None and protocol.reshapes_logprobs(s)
+        sent = attrs.evolve(s, logprobs=None) if rescored else s
         # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
-        rids = [uuid.uuid4().hex for _ in range(s.n)]
-        self._running[request.id] = rids
+        samples = [self._sample(i, protocol.generate_body(uuid.uuid4().hex, prompt_token_ids,
+                                                          sent), s, prompt_token_ids, rescored)
+                   for i in range(s.n)]
+        # One sample is read on the request's own task; several, on a task each.
+        chunks = samples[0] if len(samples) == 1 else _merged(samples)
         try:
-            outs = await asyncio.gather(
-                *(self.engine.generate(protocol.generate_body(rid, prompt, s)) for rid in rids))
-            samples = [self._stop_at_strings(_stop_at_tokens(
-                protocol.parse_output(o, s.logprobs), s), s) for o in outs]
-            if s.logprobs is not None and protocol.reshapes_logprobs(s):
-                samples = await asyncio.gather(*(self._raw_logprobs(prompt, x, s.logprobs)
-                                                 for x in samples))
+            async with contextlib.aclosing(chunks):  # closed, SGLang aborts what still runs
+                async for chunk in chunks:
+                    yield chunk
         except RolloutError as exc:
             if isinstance(exc, InvalidRequestError) and exc.field == "prompt_token_ids":
                 exc = InvalidRequestError(prompt_field(request), exc.detail, exc.allowed)
             if isinstance(exc, rollout.EngineDeadError):
                 raise
-            return constraint_error(exc, s.structured_outputs)
-        finally:
-            self._running.pop(request.id, None)
-            self._aborted.discard(request.id)
-        return [self._result(request, sample, len(prompt), i) for i, sample in enumerate(samples)]
+            raise constraint_error(exc, s.structured_outputs) from None
+
+    async def _sample(self, index: int, body: dict, s, prompt: list[int], rescored: bool):
+        """The chunks of one sample, SGLang request `body`."""
+        sample = _Sample(s, self.prompts.decode, rescored)
+        async with contextlib.aclosing(self.engine.stream(body)) as outputs:
+            async for out in outputs:
+                ids, logprobs, top, finish = sample.add(
+                    protocol.parse_delta(out, None if rescored else s.logprobs))
+                if finish is not None:
+                    break  # leaving the stream aborts a sample cut here in SGLang
+                if ids:
+                    yield Chunk(index, ids, logprobs, top)
+            else:
+                raise GenerationError("SGLang ended a sample's stream unfinished")
+        if rescored:
+            logprobs, top = await self._raw_logprobs(prompt, ids, s.logprobs)
+        yield Chunk(index, ids, logprobs, top, finish)
 
     def _check_sampling(self, s) -> None:
         """What SGLang cannot do as the contract says is refused, never done otherwise."""
@@ -190,79 +174,15 @@ class SGLangBackend:
                 "processor and no overlap scheduler, which engine_args changed",
                 "no penalties, or the backend's default engine_args")
 
-    async def _raw_logprobs(self, prompt: list[int], sample: protocol.Sample,
-                            logprobs: int) -> protocol.Sample:
+    async def _raw_logprobs(self, prompt: list[int], tokens: list[int], logprobs: int):
         """The sample's logprobs from a scoring prefill: the raw model's, as the contract
         wants, where SGLang's own are after penalties, bias and the min_tokens ban. (A
         prefill knows no constraint: _check_sampling refuses that case.)"""
-        if not sample.token_ids:
-            return sample
+        if not tokens:
+            return [], [] if logprobs else None
         out = await self.engine.generate(
-            protocol.score_body(uuid.uuid4().hex, prompt, sample.token_ids, logprobs))
-        return protocol.parse_scores(out, sample, logprobs)
-
-    def _stop_at_strings(self, sample: protocol.Sample, s) -> protocol.Sample:
-        """SGLang checks stop strings from the first token on (Req.update_finish_state);
-        with min_tokens they go to it unsent, and the sample ends here at the first match
-        that ends in text made after the first min_tokens tokens."""
-        if not (s.min_tokens and s.stop):
-            return sample
-        tokens = sample.token_ids
-        text = self.prompts.decode(tokens)
-        match = first_stop(text, s.stop, len(self.prompts.decode(tokens[:s.min_tokens])))
-        if match is None:
-            return sample
-        end = next(k for k in range(s.min_tokens + 1, len(tokens) + 1)
-                   if len(self.prompts.decode(tokens[:k])) >= match[1])
-        return _stopped_at(sample, end)
-
-    def _result(self, request, sample: protocol.Sample, prompt_tokens: int, index: int) -> Result:
-        text = self.prompts.decode(sample.token_ids)
-        s = request.sampling
-        held = len(self.prompts.decode(sample.token_ids[:s.min_tokens])) if s.min_tokens else 0
-        match = first_stop(text, s.stop, held)
-        if match is not None:  # the text ends before the stop string, whatever SGLang's
-            # detokenizer did, or right after it if it is kept
-            text = text[: match[1] if s.include_stop_str_in_output else match[0]]
-        return Result(
-            request_id=request.id, index=index, token_ids=tuple(sample.token_ids), text=text,
-            finish_reason=sample.finish_reason, prompt_tokens=prompt_tokens,
-            logprobs=tuple(sample.logprobs) if sample.logprobs is not None else None,
-            top_logprobs=tuple(tuple(TokenLogprob(t, lp) for t, lp in step)
-                               for step in sample.top_logprobs)
-            if sample.top_logprobs is not None else None)
-
-    @rollout.hookimpl
-    def abort(self, request_ids):
-        async def abort_now():
-            if request_ids is None:
-                self._aborted.update(self._running)
-                await self.engine.abort(None)
-                return
-            for rid in self._targets(request_ids):
-                await self.engine.abort(rid)
-            # SGLang drops an abort for a rid it has not registered yet; try again shortly.
-            asyncio.ensure_future(self._chase(list(request_ids)))
-
-        self.engine.run(abort_now(), 60, "SGLang abort")
-
-    def _targets(self, request_ids) -> list[str]:
-        ids = [i for i in request_ids if i in self._running]
-        self._aborted.update(ids)
-        return [rid for i in ids for rid in self._running[i]]
-
-    async def _chase(self, request_ids: list[str]) -> None:
-        deadline = time.monotonic() + ABORT_RETRY_S
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-            live = [i for i in request_ids if i in self._running]
-            if not live:
-                return
-            try:
-                for rid in self._targets(live):
-                    await self.engine.abort(rid)
-            except RolloutError:
-                return
+            protocol.score_body(uuid.uuid4().hex, prompt, tokens, logprobs))
+        return protocol.parse_scores(out, len(tokens), logprobs)
 
     # --- weights and memory -------------------------------------------------------------
 
@@ -284,7 +204,8 @@ class SGLangBackend:
         self._flush()
 
     def _flush(self) -> None:
-        # An aborted request can still be leaving the scheduler; the flush then fails.
+        """Drop the KV cache. SGLang flushes only once its scheduler is idle, and requests
+        the core has aborted may still be leaving it: retried until they are gone."""
         deadline = time.monotonic() + 30
         while not self.engine.run(self.engine.flush_cache(), 60, "SGLang flush_cache"):
             if time.monotonic() > deadline:
@@ -293,6 +214,7 @@ class SGLangBackend:
 
     @rollout.hookimpl
     def release(self, tags):
+        self._flush()  # SGLang's release asserts an idle scheduler (see _flush)
         self.engine.run(self.engine.release(list(tags)), 600, "SGLang release")
 
     @rollout.hookimpl
@@ -302,3 +224,98 @@ class SGLangBackend:
     @rollout.hookimpl
     def close(self):
         self.engine.close()
+
+
+async def _merged(streams: list):
+    """The items of several async iterators as they come, read on a task each."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(stream):
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait(item)
+        except Exception as exc:  # noqa: BLE001 - raised by the reader
+            queue.put_nowait(exc)
+        queue.put_nowait(end)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:  # a task cancelled before it started never reached SGLang
+            task.cancel()
+
+
+class _Sample:
+    """One sample as SGLang streams it: ended where SGLang would not stop by itself, and
+    held back whole when its logprobs are to be rescored."""
+
+    def __init__(self, s, decode, held_back: bool):
+        self.s, self.decode, self.held_back = s, decode, held_back
+        self.tokens: list[int] = []
+        # SGLang's ignore_eos also ignores stop_token_ids (Req._check_token_based_finish
+        # returns early), so the sample runs on past a stop token: it ends at the first
+        # one here, with the tokens SGLang would have made had it stopped.
+        self.stop_tokens = frozenset(s.stop_token_ids) if s.ignore_eos else frozenset()
+        # SGLang checks stop strings from the first token on (Req.update_finish_state);
+        # with min_tokens they go to it unsent, and are looked for here in the text.
+        self.text = TextStream(decode, attrs.evolve(s, stop=(), min_tokens=0)) \
+            if s.min_tokens and s.stop else None
+        self.held: int | None = None  # length of the first min_tokens tokens' text
+        self.searched = 0  # text searched for stop strings so far
+
+    def add(self, delta: protocol.Delta):
+        """What to give out for SGLang's new output: (token_ids, logprobs, top_logprobs,
+        finish_reason)."""
+        ids, logprobs, top, finish = delta
+        end = self._stop_token(ids)
+        if self.text is not None:
+            at = self._stop_string(ids if end is None else ids[:end])
+            end = end if at is None else at
+        if end is not None:
+            ids, finish = ids[:end], "stop"
+            logprobs = logprobs[:end] if logprobs is not None else None
+            top = top[:end] if top is not None else None
+        self.tokens += ids
+        if self.held_back:
+            return (self.tokens if finish is not None else []), None, None, finish
+        return ids, logprobs, top, finish
+
+    def _stop_token(self, ids) -> int | None:
+        if not self.stop_tokens:
+            return None
+        return next((i + 1 for i, t in enumerate(ids) if t in self.stop_tokens), None)
+
+    def _stop_string(self, ids) -> int | None:
+        """Where in `ids` the first stop string that ends in text made after the first
+        min_tokens tokens ends the sample; None without one."""
+        s = self.s
+        self.text.add(ids)
+        tokens = self.text.tokens
+        if len(tokens) <= s.min_tokens:
+            return None
+        if self.held is None:
+            self.held = len(self.decode(tokens[:s.min_tokens]))
+        # Found in the text decoded as it comes, then placed in the whole text's decoding,
+        # which is what the core cuts the text at.
+        found = first_stop(self.text.text, s.stop, max(self.held, self.searched))
+        self.searched = len(self.text.text)
+        match = found and first_stop(self.decode(tokens), s.stop, self.held)
+        if not match:
+            return None
+        before = len(self.tokens)
+        end = len(tokens)
+        while end > max(s.min_tokens + 1, before) and \
+                len(self.decode(tokens[:end - 1])) >= match[1]:
+            end -= 1
+        return end - before

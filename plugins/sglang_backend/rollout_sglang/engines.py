@@ -36,7 +36,7 @@ POLL_S = 0.25
 ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 # Stream outputs carry the new tokens only (protocol.parse_delta reads them so): otherwise
 # every output repeats the whole sample so far, logprobs included, which costs O(n^2).
-STREAM_ARGS = {"incremental_streaming_output": True, "stream_interval": 1}
+STREAM_ARGS = {"incremental_streaming_output": True}
 
 
 def wait(loop, coro, timeout: float, what: str, check) -> object:
@@ -74,8 +74,8 @@ def _on_sigquit(signum, frame) -> None:
     # SGLang's scheduler signals its parent when it fails. Its default handler kills the
     # whole process tree, the trainer included; ours marks the engines dead instead.
     for engine in list(_LIVE):
-        engine.dead = ("SGLang's scheduler failed and sent SIGQUIT (its traceback is in "
-                       "this process's stderr); create a new backend")
+        engine.die("SGLang's scheduler failed and sent SIGQUIT (its traceback is in this "
+                   "process's stderr); create a new backend")
 
 
 def _install_sigquit_handler() -> None:
@@ -86,17 +86,24 @@ def _install_sigquit_handler() -> None:
 
 
 class InProcessEngine:
-    """sglang.Engine on its own thread. Created off the main thread, SGLang installs no
-    signal handler of its own, so a scheduler failure does not kill this process; the
-    backend must then be created from the main thread for our handler to be installed."""
+    """sglang.Engine in this process. It is created on a thread of its own that then waits
+    until close: SGLang's subprocesses die with the thread that started them (their
+    PR_SET_PDEATHSIG), and created off the main thread, SGLang installs no signal handler
+    of its own, so a scheduler failure does not kill this process (the backend must then
+    be created from the main thread for our handler to be installed).
+
+    SGLang's tokenizer manager runs its receive loop on the event loop of its first call:
+    every call is made on the engine loop, so that loop is SGLang's."""
 
     def __init__(self, engine_args: dict, startup_timeout: float):
-        self.engine_args = engine_args
+        self.engine_args = {**engine_args, **STREAM_ARGS}
         self.startup_timeout = startup_timeout
         self.llm = None
-        self.loop = None
+        self.loop = engine_loop().loop
         self.dead: str | None = None
         self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._waiting: set[asyncio.Task] = set()  # tasks waiting on SGLang
 
     def start(self) -> None:
         os.environ.update(ENGINE_ENV)  # read by the scheduler process SGLang spawns
@@ -107,15 +114,14 @@ class InProcessEngine:
             try:
                 import sglang
 
+                asyncio.set_event_loop(self.loop)  # Engine.loop: not a loop of its own
                 self.llm = sglang.Engine(**self.engine_args)
-                self.loop = self.llm.loop
             except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
                 failure.append(exc)
-                ready.set()
                 return
-            ready.set()
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_forever()
+            finally:
+                ready.set()
+            self._closing.wait()
 
         self._thread = threading.Thread(target=main, name="rollout-sglang", daemon=True)
         self._thread.start()
@@ -130,6 +136,33 @@ class InProcessEngine:
         if self.dead:
             raise EngineDeadError(self.dead)
 
+    def die(self, why: str) -> None:
+        """From any thread (a signal handler): fail what waits on the engine."""
+        self.dead = why
+
+        def wake():
+            for task in list(self._waiting):
+                task.cancel()
+
+        self.loop.call_soon_threadsafe(wake)
+
+    @contextlib.contextmanager
+    def _dies_with_engine(self):
+        """Nothing wakes a task waiting on a dead SGLang: `die()` cancels it, and it raises
+        EngineDeadError instead."""
+        self.check()
+        task = asyncio.current_task()
+        self._waiting.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if self.dead is None:
+                raise
+            task.uncancel()
+            raise EngineDeadError(self.dead) from None
+        finally:
+            self._waiting.discard(task)
+
     def run(self, coro, timeout: float, what: str):
         return wait(self.loop, coro, timeout, what, self.check)
 
@@ -140,15 +173,25 @@ class InProcessEngine:
     async def max_input_tokens(self) -> int:
         return int(self._tm.max_req_input_len)
 
-    async def generate(self, body: dict) -> dict:
-        try:
-            return await self.llm.async_generate(
-                **{k: v for k, v in body.items() if k != "stream"})
-        except ValueError as exc:  # SGLang's request validation
-            raise protocol.engine_error(str(exc)) from None
+    async def stream(self, body: dict):
+        """The sample's outputs. Cancelled or closed, SGLang's generator aborts the request
+        itself, whether the scheduler has it yet or not (it is handed over synchronously,
+        and marked as handed over, in one step)."""
+        with self._dies_with_engine():
+            try:
+                outputs = await self.llm.async_generate(**body)
+                async for out in outputs:
+                    yield out
+            except ValueError as exc:  # SGLang's request validation
+                raise protocol.engine_error(str(exc)) from None
 
-    async def abort(self, rid: str | None) -> None:
-        self._tm.abort_request(**protocol.abort_body(rid))
+    async def generate(self, body: dict) -> dict:
+        """One answer, for a body without streaming."""
+        with self._dies_with_engine():
+            try:
+                return await self.llm.async_generate(**body)
+            except ValueError as exc:
+                raise protocol.engine_error(str(exc)) from None
 
     async def _call(self, name: str, method, body: dict):
         result = await method(protocol.struct(name)(**body), None)
@@ -171,7 +214,7 @@ class InProcessEngine:
 
     async def update_from_disk(self, path: str) -> None:
         await self._call("update_weights_from_disk", self._tm.update_weights_from_disk,
-                         {"model_path": path})
+                         protocol.update_disk_body(path))
 
     async def flush_cache(self) -> bool:
         return bool((await self._tm.flush_cache()).success)
@@ -184,25 +227,30 @@ class InProcessEngine:
 
     def close(self) -> None:
         _LIVE.discard(self)
-        if self.llm is not None:
-            self.llm.shutdown()
-            self.llm = None
-        if self.loop is not None and self.loop.is_running():
-            # SGLang's receive loops would otherwise be reported as destroyed at exit.
-            async def cancel_tasks():
-                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-                for task in tasks:
-                    task.cancel()
-                await asyncio.wait(tasks, timeout=5) if tasks else None
+        llm, self.llm = self.llm, None
+        try:
+            if llm is not None:
+                llm.shutdown()
+                tasks = list(getattr(llm.tokenizer_manager, "asyncio_tasks", ()))
+                if tasks and self.loop.is_running():
+                    # Its receive loop would otherwise wait on the engine loop forever.
+                    async def cancel():
+                        for task in tasks:
+                            task.cancel()
+                        await asyncio.wait(tasks, timeout=5)
 
-            try:
-                asyncio.run_coroutine_threadsafe(cancel_tasks(), self.loop).result(10)
-            finally:
-                self.loop.call_soon_threadsafe(self.loop.stop)
+                    asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(10)
+        finally:
+            self._closing.set()
+            if self._thread is not None:
                 self._thread.join(30)
 
 
 # --- HTTP server ------------------------------------------------------------------------
+
+# A stream's line is one output, or several joined when the server falls behind (top
+# logprobs included): it may outgrow aiohttp's default limit (128 KiB).
+MAX_LINE_BYTES = 1 << 28
 
 
 class ServerEngine:
@@ -215,15 +263,14 @@ class ServerEngine:
     """
 
     def __init__(self, engine_args: dict, startup_timeout: float, request_timeout: float):
-        self.engine_args = engine_args
+        self.engine_args = {**engine_args, **STREAM_ARGS}
         self.startup_timeout = startup_timeout
         self.request_timeout = request_timeout
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.process: ServerProcess | None = None
         self.session = None
-        self.loop_thread = LoopThread("rollout-sglang-http")
-        self.loop = self.loop_thread.loop
+        self.loop = engine_loop().loop
 
     def argv(self) -> list[str]:
         args = dict(self.engine_args)
@@ -232,7 +279,7 @@ class ServerEngine:
         return argv + cli_flags(args)
 
     def start(self) -> None:
-        async def spawn():  # from the loop's thread, which lives as long as the server is used
+        async def spawn():  # from the engine loop's thread, which lives as long as the process
             return ServerProcess("sglang", self.argv(), env=ENGINE_ENV, die_with_parent=True)
 
         self.process = asyncio.run_coroutine_threadsafe(spawn(), self.loop).result(60)
@@ -249,19 +296,20 @@ class ServerEngine:
     def run(self, coro, timeout: float, what: str):
         return wait(self.loop, coro, timeout, what, self.check)
 
+    async def _dead_or(self, exc: Exception) -> GenerationError:
+        """EngineDeadError if the server has exited (it may take a moment to be seen as
+        exited after its connections close), else a GenerationError for `exc`."""
+        for _ in range(10):
+            self.check()
+            await asyncio.sleep(0.1)
+        return GenerationError(f"SGLang server call failed: {exc!r}")
+
     async def _once(self, path: str, body: dict | None, timeout: float):
         import aiohttp
 
         async with self.session.post(self.url + path, json=body if body is not None else {},
                                      timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            text = await response.text()
-            try:
-                import json
-
-                data = json.loads(text) if text else None
-            except ValueError:
-                data = text
-            return response.status, data
+            return response.status, _json(await response.text())
 
     async def _call(self, path: str, body: dict | None = None, timeout: float | None = None,
                     retries: int = 0):
@@ -275,18 +323,10 @@ class ServerEngine:
                 status, data = await self._once(path, body, timeout or self.request_timeout)
                 break
             except aiohttp.ClientConnectionError as exc:
-                await asyncio.sleep(0.2)  # let a dying server finish exiting
-                self.check()
                 if attempt == retries:
-                    raise GenerationError(f"SGLang server call {path} failed: {exc!r}") from None
+                    raise await self._dead_or(exc) from None
                 await asyncio.sleep(0.25 * 2**attempt)
-        if status == 400:
-            raise protocol.engine_error(_message(data))
-        if status != 200:
-            raise GenerationError(f"SGLang server answered {status} on {path}: {data}")
-        if isinstance(data, dict) and data.get("success") is False:
-            raise GenerationError(f"SGLang {path} failed: {data.get('message')}")
-        return data
+        return _answer(path, status, data)
 
     async def max_input_tokens(self) -> int:
         import aiohttp
@@ -295,11 +335,37 @@ class ServerEngine:
                                     timeout=aiohttp.ClientTimeout(total=60)) as response:
             return int((await response.json(content_type=None))["max_req_input_len"])
 
-    async def generate(self, body: dict) -> dict:
-        return await self._call("/generate", body)
+    async def stream(self, body: dict):
+        """The sample's outputs, from SGLang's server-sent events. Closing the connection
+        (this generator closed or its reader cancelled) makes SGLang abort the request, at
+        whatever stage it is: its streaming response is cancelled on the disconnect."""
+        import aiohttp
 
-    async def abort(self, rid: str | None) -> None:
-        await self._call("/abort_request", protocol.abort_body(rid), timeout=30, retries=2)
+        self.check()
+        try:
+            async with self.session.post(
+                    self.url + "/generate", json=body,
+                    timeout=aiohttp.ClientTimeout(total=None, sock_read=self.request_timeout)
+            ) as response:
+                if response.status != 200:
+                    _answer("/generate", response.status, _json(await response.text()))
+                while line := await response.content.readuntil(b"\n", max_size=MAX_LINE_BYTES):
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    out = json.loads(data)
+                    if "error" in out:  # SGLang's validation, sent as an event
+                        raise protocol.engine_error(_message(out))
+                    yield out
+        except aiohttp.ClientError as exc:
+            raise await self._dead_or(exc) from None
+        raise await self._dead_or(ConnectionError("the stream ended without [DONE]"))
+
+    async def generate(self, body: dict) -> dict:
+        """One answer, for a body without streaming."""
+        return await self._call("/generate", body)
 
     async def begin_update(self) -> None:
         await self._call("/begin_weight_update", {}, timeout=60)
@@ -318,7 +384,7 @@ class ServerEngine:
         await self._call("/end_weight_update", {}, timeout=60)
 
     async def update_from_disk(self, path: str) -> None:
-        await self._call("/update_weights_from_disk", {"model_path": path})
+        await self._call("/update_weights_from_disk", protocol.update_disk_body(path))
 
     async def flush_cache(self) -> bool:
         try:
@@ -342,9 +408,25 @@ class ServerEngine:
             if self.loop.is_running():
                 asyncio.run_coroutine_threadsafe(close_session(), self.loop).result(10)
         finally:
-            self.loop_thread.stop()
             if self.process is not None:
                 self.process.stop()
+
+
+def _json(text: str):
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text
+
+
+def _answer(path: str, status: int, data):
+    if status == 400:
+        raise protocol.engine_error(_message(data))
+    if status != 200:
+        raise GenerationError(f"SGLang server answered {status} on {path}: {data}")
+    if isinstance(data, dict) and data.get("success") is False:
+        raise GenerationError(f"SGLang {path} failed: {data.get('message')}")
+    return data
 
 
 def _message(data) -> str:

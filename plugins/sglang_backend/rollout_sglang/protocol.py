@@ -8,6 +8,7 @@ against the installed SGLang (a renamed field then fails a test, not a user).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from rollout import GenerationError, InvalidRequestError, RolloutError, TokenLogprob
@@ -18,7 +19,6 @@ from rollout.kit.structured import choice_grammar
 STRUCTS = {
     "generate": ("sglang.srt.managers.io_struct", "GenerateReqInput"),
     "sampling": ("sglang.srt.sampling.sampling_params", "SamplingParams"),
-    "abort": ("sglang.srt.managers.io_struct", "AbortReq"),
     "begin_weight_update": ("sglang.srt.managers.io_struct", "BeginWeightUpdateReqInput"),
     "update_weights_from_tensor": ("sglang.srt.managers.io_struct",
                                    "UpdateWeightsFromTensorReqInput"),
@@ -40,9 +40,9 @@ class Delta(NamedTuple):
     """What one stream output of one sample adds."""
 
     token_ids: list[int]
-    finish_reason: str | None  # stop, length or abort on the sample's last output
     logprobs: list[float] | None
     top_logprobs: list[tuple[TokenLogprob, ...]] | None
+    finish_reason: str | None  # stop, length or abort on the sample's last output
 
 
 def sampling_body(s: SamplingParams) -> dict:
@@ -56,7 +56,7 @@ def sampling_body(s: SamplingParams) -> dict:
             "min_new_tokens": s.min_tokens,
             # SGLang's keys are strings (SamplingParams.logit_bias: Dict[str, float]).
             "logit_bias": {str(t): float(b) for t, b in s.logit_bias.items()} or None,
-            # Token ids stop at the stop string either way; the backend decodes the text.
+            # Token ids stop at the stop string either way; the core decodes the text.
             "no_stop_trim": s.include_stop_str_in_output}
     if s.structured_outputs is not None:
         body.update(constraint_body(s.structured_outputs))
@@ -99,8 +99,8 @@ def json_grammar(schema: dict) -> str:
 
 
 def generate_body(rid: str, prompt: list[int], s: SamplingParams) -> dict:
-    """One sample of one request, streamed. `n` samples are `n` bodies with their own rids,
-    because SGLang's own `n` replaces the rids and its samples could then not be aborted."""
+    """One sample of one request, streamed. `n` samples are `n` bodies with their own rids
+    (SGLang's own `n` replaces the rids), so that one can be aborted alone."""
     body = {"rid": rid, "input_ids": prompt, "sampling_params": sampling_body(s),
             "stream": True}
     if penalized(s):
@@ -138,7 +138,7 @@ def score_body(rid: str, prompt: list[int], tokens: list[int], logprobs: int) ->
 def parse_scores(out: dict, tokens: int, logprobs: int):
     """(logprobs, top_logprobs) of the `tokens` scored tokens."""
     meta = out["meta_info"]
-    chosen = [float(step[0]) for step in (meta.get("input_token_logprobs") or [])[1:]]
+    chosen = [_logprob(step[0]) for step in (meta.get("input_token_logprobs") or [])[1:]]
     if len(chosen) != tokens:
         raise GenerationError(f"SGLang scored {len(chosen)} of {tokens} tokens")
     top = [_top(step, logprobs) for step in (meta.get("input_top_logprobs") or [])[1:]] \
@@ -148,17 +148,24 @@ def parse_scores(out: dict, tokens: int, logprobs: int):
 
 def _top(step, k: int) -> tuple[TokenLogprob, ...]:
     """SGLang's (logprob, token id, text) entries of one position, most likely first."""
-    pairs = sorted(((float(lp), int(t)) for lp, t, *_ in step or []), key=lambda p: -p[0])
+    pairs = sorted(((_logprob(lp), int(t)) for lp, t, *_ in step or []), key=lambda p: -p[0])
     return tuple(TokenLogprob(t, lp) for lp, t in pairs[:k])
 
 
-def abort_body(rid: str | None) -> dict:
-    return {"abort_all": True} if rid is None else {"rid": rid}
+def _logprob(value) -> float:
+    # The server's JSON (orjson) writes -inf, a token a constraint masks, as null.
+    return -math.inf if value is None else float(value)
 
 
+# No flush with an update: SGLang then fails the update while aborted requests are still
+# leaving its scheduler; the backend flushes once after it, retrying until they are gone.
 def update_tensor_body(payload) -> dict:
-    # One payload per tensor-parallel rank; flush_cache drops KV computed with old weights.
-    return {"serialized_named_tensors": [payload], "flush_cache": True}
+    # One payload per tensor-parallel rank.
+    return {"serialized_named_tensors": [payload], "flush_cache": False}
+
+
+def update_disk_body(path: str) -> dict:
+    return {"model_path": path, "flush_cache": False}
 
 
 def parse_delta(out: dict, logprobs: int | None) -> Delta:
@@ -178,12 +185,12 @@ def parse_delta(out: dict, logprobs: int | None) -> Delta:
     ids = out["output_ids"]
     chosen = top = None
     if logprobs is not None:
-        chosen = [float(step[0]) for step in meta.get("output_token_logprobs") or ()]
+        chosen = [_logprob(step[0]) for step in meta.get("output_token_logprobs") or ()]
         if len(chosen) != len(ids):
             raise GenerationError(f"SGLang sent {len(chosen)} logprobs for {len(ids)} tokens")
     if logprobs:
         top = [_top(step, logprobs) for step in meta.get("output_top_logprobs") or ()]
-    return Delta(ids, kind, chosen, top)
+    return Delta(ids, chosen, top, kind)
 
 
 def engine_error(message: str) -> RolloutError:

@@ -17,7 +17,7 @@ class TestSGLangEngine(BackendContract):
     def test_raw_logprobs_it_cannot_give_are_refused(self, harness):
         # SGLang's logprobs come after penalties; their raw values are recomputed by a
         # prefill, which knows no constraint: that one case is refused, not approximated.
-        refused, fine = harness.backend.generate([
+        refused, fine = harness.rollout.generate([
             {"prompt": "the ka lo", "sampling": {"logprobs": 1, "repetition_penalty": 1.2,
                                                  "structured_outputs": {"regex": "ka"}}},
             {"prompt": "the ka lo", "sampling": {"logprobs": 1, "repetition_penalty": 1.2,

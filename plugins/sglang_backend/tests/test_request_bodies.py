@@ -52,12 +52,10 @@ def test_sampling_body_fits_sampling_params(sampling, tiny_model):
 
 
 @pytest.mark.parametrize(("name", "body"), [
-    ("abort", protocol.abort_body("0" * 32)),
-    ("abort", protocol.abort_body(None)),
     ("begin_weight_update", {}),
     ("update_weights_from_tensor", protocol.update_tensor_body("gASV")),
     ("end_weight_update", {}),
-    ("update_weights_from_disk", {"model_path": "/tmp/model"}),
+    ("update_weights_from_disk", protocol.update_disk_body("/tmp/model")),
     ("release", {"tags": ["weights", "kv_cache"]}),
     ("resume", {"tags": ["kv_cache"]}),
 ])

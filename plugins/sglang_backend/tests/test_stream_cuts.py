@@ -1,0 +1,70 @@
+"""Where a streamed sample ends when SGLang cannot stop it itself (stop tokens with
+ignore_eos, stop strings with min_tokens), and how a sample to be rescored is held back:
+the backend's per-sample logic on a toy vocabulary, no engine."""
+
+from rollout import SamplingParams
+from rollout_sglang.backend import _Sample
+from rollout_sglang.protocol import Delta
+
+PIECES = ["a", "bb", "c", "dd", "e", "f"]
+
+
+def decode(ids) -> str:
+    return "".join(PIECES[t] for t in ids)
+
+
+def feed(s: SamplingParams, *deltas, held_back: bool = False, logprobs: bool = False):
+    sample = _Sample(s, decode, held_back)
+    out = []
+    for ids in deltas:
+        lps = [-float(t) for t in ids] if logprobs else None
+        out.append(sample.add(Delta(list(ids), lps, None, None)))
+        if out[-1][3] is not None:
+            break
+    return out
+
+
+def test_a_stop_token_under_ignore_eos_ends_the_sample_there():
+    s = SamplingParams(ignore_eos=True, stop_token_ids=(3,), max_tokens=20, logprobs=0)
+    first, second = feed(s, [0, 1], [2, 3, 4, 5], logprobs=True)
+    assert first == ([0, 1], [-0.0, -1.0], None, None)
+    assert second == ([2, 3], [-2.0, -3.0], None, "stop")
+
+
+def test_stop_tokens_are_left_to_sglang_without_ignore_eos():
+    s = SamplingParams(stop_token_ids=(3,), max_tokens=20)
+    assert feed(s, [2, 3, 4])[0][0] == [2, 3, 4]
+
+
+def test_a_stop_string_counts_only_after_min_tokens():
+    s = SamplingParams(stop=("bbc",), min_tokens=2, max_tokens=20)
+    # "bbc" is made by the first two tokens (held back by min_tokens), then again later.
+    first, second = feed(s, [1, 2], [0, 1, 2, 4])
+    assert first[0] == [1, 2] and first[3] is None
+    assert second == ([0, 1, 2], None, None, "stop")
+
+
+def test_a_stop_string_across_chunks_ends_at_the_token_that_completes_it():
+    s = SamplingParams(stop=("cd",), min_tokens=1, max_tokens=20)
+    first, second = feed(s, [0, 1, 2], [3, 4])
+    assert first[3] is None
+    assert second == ([3], None, None, "stop")
+
+
+def test_the_stop_string_that_ends_first_wins_over_a_later_stop_token():
+    s = SamplingParams(stop=("bb",), min_tokens=1, ignore_eos=True, stop_token_ids=(4,),
+                       max_tokens=20)
+    (only,) = feed(s, [0, 1, 2, 4])
+    assert only == ([0, 1], None, None, "stop")
+
+
+def test_a_sample_to_be_rescored_comes_out_whole_at_its_end():
+    s = SamplingParams(ignore_eos=True, stop_token_ids=(3,), max_tokens=20)
+    first, second = feed(s, [0, 1], [2, 3, 4], held_back=True)
+    assert first == ([], None, None, None)
+    assert second == ([0, 1, 2, 3], None, None, "stop")
+
+
+def test_an_uncut_sample_keeps_sglangs_finish():
+    sample = _Sample(SamplingParams(max_tokens=3), decode, False)
+    assert sample.add(Delta([0, 1, 2], None, None, "length")) == ([0, 1, 2], None, None, "length")
