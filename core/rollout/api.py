@@ -100,6 +100,8 @@ class Rollout:
             outputs = iter(future.result())
         except BaseException:
             future.cancel()  # (a KeyboardInterrupt) its requests stop in the engine too
+            for flight in flights:
+                self._forget(flight)
             raise
         completions = [item if isinstance(item, Completion) else next(outputs)
                        for item in checked]
@@ -119,8 +121,11 @@ class Rollout:
         flight = self._register(checked)
         if on_loop(self._loop):
             return await self._run(flight, timeout)
-        return await asyncio.wrap_future(
-            asyncio.run_coroutine_threadsafe(self._run(flight, timeout), self._loop))
+        try:
+            return await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(self._run(flight, timeout), self._loop))
+        finally:
+            self._forget(flight)  # (also when cancelled before it ran)
 
     def stream(self, request: Request | Mapping, timeout: float | None = None) -> Stream:
         """Iterate (`async for`) over the request's `Chunk`s as the engine makes them, each
@@ -201,17 +206,20 @@ class Rollout:
         except asyncio.CancelledError:
             if not flight.aborted:
                 raise
-            asyncio.current_task().uncancel()
+            _uncancel()
             return Completion(request.id, _aborted_results(request))
         finally:
             if timer is not None:
                 timer.cancel()
-            with self._gate:
-                same = self._flights.get(request.id)
-                if same is not None:
-                    same.discard(flight)
-                    if not same:
-                        del self._flights[request.id]
+            self._forget(flight)
+
+    def _forget(self, flight: _Flight) -> None:
+        with self._gate:
+            same = self._flights.get(flight.request.id)
+            if same is not None:
+                same.discard(flight)
+                if not same:
+                    del self._flights[flight.request.id]
 
     async def _collect(self, flight: _Flight, sink) -> Completion:
         request, s = flight.request, flight.request.sampling
@@ -234,7 +242,7 @@ class Rollout:
         except asyncio.CancelledError:
             if not flight.aborted:
                 raise
-            asyncio.current_task().uncancel()
+            _uncancel()
         except EngineDeadError as exc:
             self._dead = exc
             raise
@@ -484,6 +492,14 @@ class _Lifecycle:
         with o._gate:
             o._lifecycle = False
             o._gate.notify_all()
+
+
+def _uncancel() -> None:
+    """An abort's cancellation is handled: later waits of this task must not see it
+    (Python 3.11+; before, a caught cancellation leaves nothing behind)."""
+    task = asyncio.current_task()
+    if hasattr(task, "uncancel"):
+        task.uncancel()
 
 
 def _cancel_all(flights: list[_Flight], abort: bool = False) -> None:
