@@ -26,7 +26,7 @@ from rollout.kit.structured import constraint_error
 from rollout.kit.text import TextStream, first_stop
 
 from rollout_sglang import protocol
-from rollout_sglang.engines import InProcessEngine, ServerEngine
+from rollout_sglang.engines import STREAM_ARGS, InProcessEngine, ServerEngine
 from rollout_sglang.weights import checked_groups
 
 MODES = ("engine", "server")
@@ -64,6 +64,11 @@ class SGLangBackend:
                  request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES):
         if mode not in MODES:
             raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
+        for name, value in STREAM_ARGS.items():  # set by the engines, never silently undone
+            if (engine_args or {}).get(name, value) != value:
+                raise InvalidRequestError(
+                    f"engine_args.{name}", f"got {engine_args[name]!r}: the backend reads "
+                    "SGLang's stream outputs as new tokens only", f"{value!r}, or leave it out")
         from transformers import AutoConfig, AutoTokenizer
 
         if device is None:

@@ -1,0 +1,16 @@
+"""Backend options refused before any engine starts."""
+
+import pytest
+
+import rollout
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"mode": "cluster"}, "mode"),
+    ({"engine_args": {"incremental_streaming_output": False}},
+     "engine_args.incremental_streaming_output"),
+])
+def test_a_bad_option_is_refused_naming_it(tiny_model, options, field):
+    with pytest.raises(rollout.InvalidRequestError) as caught:
+        rollout.load_backend("sglang", model=str(tiny_model), **options)
+    assert caught.value.field == field
