@@ -5,11 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-# The core and the HF backend (transformers).
+# The core, the HF backend (transformers) and the example backend of
+# docs/writing-a-backend.md.
 (
   source scripts/env.sh hf requirements/test.txt requirements/ray.txt
-  pip install -q --no-deps -e . -e plugins/hf_backend
-  python -m pytest tests plugins/hf_backend/tests "$@"
+  pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/example_backend
+  python -m pytest tests plugins/hf_backend/tests plugins/example_backend/tests "$@"
 )
 
 # The vLLM backend on the real engine (CPU build), in its own environment; the HF backend

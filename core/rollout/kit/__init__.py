@@ -8,7 +8,9 @@
 - `buckets`, `checkpoint`: weights packed into buckets, checked against a model folder;
 - `structured`: a choice as a grammar, an engine's refusal of a constraint as the request's
   own error;
+- `sampler`: sampling in PyTorch with the contract's meaning of every field, for an engine
+  that hands the backend logits (the HF and example backends);
 - `tiny_model`: the tiny random model the tests and the demo build.
 
-Nothing here imports torch or an engine at import time.
+Only `sampler` imports torch at import time; nothing here imports an engine.
 """

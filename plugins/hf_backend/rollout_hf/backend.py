@@ -3,8 +3,8 @@
 Its own decode loop (not `model.generate`) lets every row of a batch carry its own
 sampling parameters, seed, stop strings and length limit, and lets rows join and leave a
 running batch at every step (engine.py, on a thread of its own: the event loop never runs
-the model). Penalties, logit bias, min_p and min_tokens are in processors.py (in vLLM's
-order), and structured outputs in grammars.py (xgrammar, one matcher per row).
+the model). Choosing tokens (penalties, logit bias, min_p and min_tokens in vLLM's order,
+structured outputs through xgrammar) is the kit's `rollout.kit.sampler`.
 
 transformers' own continuous batching (`ContinuousBatchingManager`) is not used: it has no
 per-request seeds, no per-request greedy/sampled mix or `n`, no stop strings, only the
@@ -15,7 +15,6 @@ for a per-row grammar mask.
 from __future__ import annotations
 
 import asyncio
-import random
 import tempfile
 from pathlib import Path
 
@@ -26,10 +25,9 @@ import rollout
 from rollout import Capabilities, InvalidRequestError, Request
 from rollout.kit.buckets import unpack
 from rollout.kit.prompts import PromptEncoder
+from rollout.kit.sampler import Grammars, Row, rows_for
 
-from rollout_hf.decode import Row
 from rollout_hf.engine import Engine
-from rollout_hf.grammars import Grammars
 from rollout_hf.job import Job, chunks
 
 POLL_S = 5.0  # a request that waits this long for tokens asks whether the engine lives
@@ -101,28 +99,9 @@ class HFBackend:
             job.cancelled = True  # the engine drops whatever is left at its next step
 
     def _rows(self, job: Job, request: Request, prompt: list[int]) -> list[Row]:
-        s = request.sampling
-        grammar = None if s.structured_outputs is None else \
-            self.grammars.compile(s.structured_outputs)
-        rows = []
-        for index in range(s.n):
-            generator = None
-            if not s.greedy:
-                seed = random.getrandbits(63) if s.seed is None else \
-                    hash((s.seed, index)) % 2**63
-                generator = torch.Generator(self.device).manual_seed(seed)
-            rows.append(Row(
-                job=job, index=index, prompt=list(prompt),
-                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0,
-                max_new=min(s.max_tokens, self.max_model_len - len(prompt)),
-                stop_ids=frozenset(s.stop_token_ids)
-                | (frozenset() if s.ignore_eos else self.eos_ids),
-                stop=s.stop, logprobs=s.logprobs, generator=generator,
-                repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty, min_p=s.min_p, min_tokens=s.min_tokens,
-                logit_bias=dict(s.logit_bias),
-                matcher=None if grammar is None else self.grammars.matcher(grammar)))
-        return rows
+        return rows_for(request, prompt, owner=job, eos_ids=self.eos_ids,
+                        max_model_len=self.max_model_len, device=self.device,
+                        grammars=self.grammars)
 
     # --- weights and memory -------------------------------------------------------------
 

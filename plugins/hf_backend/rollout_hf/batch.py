@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from rollout_hf.decode import Row
+from rollout.kit.sampler import Row
 
 
 class Batch:

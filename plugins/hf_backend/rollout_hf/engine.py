@@ -7,8 +7,8 @@ Each step the engine:
 2. admits waiting rows while fewer than `batch_size` decode;
 3. runs one decode step for the running rows and a prefill for the admitted ones, and
    merges the newcomers into the running batch (batch.py);
-4. chooses every row's token (processors.py, sampling.py, each row with its own
-   parameters and seed), with logprobs where asked;
+4. chooses every row's token (`rollout.kit.sampler`, each row with its own parameters
+   and seed), with logprobs where asked;
 5. hands the step's tokens to each event loop in one `call_soon_threadsafe` (job.py);
 6. drops the rows that finished: a request ends when its own samples do.
 
@@ -28,11 +28,10 @@ import torch
 
 from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
 
+from rollout.kit.sampler import LogitsProcessor, Row, next_tokens, uses_processing
+
 from rollout_hf.batch import Batch, prefill
-from rollout_hf.decode import Row
 from rollout_hf.job import Job, Token, deliver
-from rollout_hf.processors import LogitsProcessor, uses_processing
-from rollout_hf.sampling import choose
 
 # An elementwise op this large runs in parallel (ATen's grain size is 32768 elements).
 OPENMP_TEAM_ELEMENTS = 1 << 20
@@ -155,7 +154,7 @@ class Engine:
         keep = []
         for i, row in enumerate(batch.rows):
             finish = row.push(ids[i], self.tokenizer)
-            output.setdefault(row.job, []).append(
+            output.setdefault(row.owner, []).append(
                 Token(row.index, ids[i], logprobs[i], tops[i], finish))
             if finish is None:
                 keep.append(i)
@@ -168,43 +167,17 @@ class Engine:
         with self._work:
             while self._waiting and len(rows) < free:
                 row = self._waiting.popleft()
-                if not row.job.cancelled:
+                if not row.owner.cancelled:
                     rows.append(row)
         return rows
 
     def _choose(self, rows: list[Row], logits: torch.Tensor):
-        """Every row's next token (a tensor), and per row its logprob and top logprobs
-        (None where not asked)."""
-        if self._processor_stale:
+        if self._processor_stale:  # rows joined: per-row state for the new batch
             self._processor = LogitsProcessor(rows, logits.shape[-1], self.grammar_vocab,
                                               self.device) \
                 if any(uses_processing(r) for r in rows) else None
             self._processor_stale = False
-        scores, min_p = logits, None
-        if self._processor is not None:
-            self._processor.constrain(logits)  # before the logprobs: they see the grammar
-            scores, min_p = self._processor.process(logits), self._processor.min_p
-        chosen = choose(scores, *_params(rows, self.device), [r.generator for r in rows],
-                        min_p)
-        if self._processor is not None:
-            self._processor.advance(chosen)
-        logprobs: list = [None] * len(rows)
-        tops: list = [None] * len(rows)
-        want = [i for i, r in enumerate(rows) if r.logprobs is not None]
-        if want:
-            index = torch.tensor(want, device=logits.device)
-            raw = logits[index].log_softmax(dim=-1)
-            picked = raw.gather(1, chosen[index][:, None])[:, 0].tolist()
-            k = max(rows[i].logprobs for i in want)
-            values, top_ids = raw.topk(k) if k else (None, None)
-            values = values.tolist() if k else None
-            top_ids = top_ids.tolist() if k else None
-            for j, i in enumerate(want):
-                logprobs[i] = picked[j]
-                if rows[i].logprobs:
-                    tops[i] = list(zip(top_ids[j][: rows[i].logprobs],
-                                       values[j][: rows[i].logprobs]))
-        return chosen, logprobs, tops
+        return next_tokens(rows, logits, self._processor)
 
     def _select(self, keep: list[int]) -> None:
         """Keep only the batch rows at `keep`."""
@@ -218,7 +191,7 @@ class Engine:
 
     def _drop_cancelled(self) -> None:
         rows = self._batch.rows
-        keep = [i for i, row in enumerate(rows) if not row.job.cancelled]
+        keep = [i for i, row in enumerate(rows) if not row.owner.cancelled]
         self._select(keep)
 
     def _send(self, output: dict[Job, list], even_cancelled: bool = False) -> None:
@@ -236,10 +209,10 @@ class Engine:
 
     def _fail_running(self, exc: Exception) -> None:
         """A step raised: fail the requests it ran, start again with an empty batch."""
-        jobs = {row.job for row in self._batch.rows + self._joining}
+        jobs = {row.owner for row in self._batch.rows + self._joining}
         self._batch, self._joining, self._processor = Batch(), [], None
         with self._work:  # their other samples do not run either
-            self._waiting = deque(r for r in self._waiting if r.job not in jobs)
+            self._waiting = deque(r for r in self._waiting if r.owner not in jobs)
         failures = {}
         for job in jobs:
             error = GenerationError(f"the HF engine failed in a step: {exc!r}")
@@ -254,7 +227,7 @@ class Engine:
                                         else f"the HF engine thread died: {death!r}")
             rows = list(self._waiting)
             self._waiting.clear()
-        jobs = {row.job for row in rows + self._batch.rows + self._joining}
+        jobs = {row.owner for row in rows + self._batch.rows + self._joining}
         self._batch, self._joining, self._processor = Batch(), [], None
         self._send({job: [EngineDeadError(str(self.dead))] for job in jobs},
                    even_cancelled=True)
@@ -268,8 +241,3 @@ def _start_openmp_team() -> None:
     for it (decoding was measured 8x slower on 2 cores). A second team ends the spinning."""
     torch.zeros(OPENMP_TEAM_ELEMENTS).add_(1)
 
-
-def _params(rows: list[Row], device: torch.device) -> tuple[torch.Tensor, ...]:
-    return (torch.tensor([r.temperature for r in rows], device=device),
-            torch.tensor([r.top_k for r in rows], device=device),
-            torch.tensor([r.top_p for r in rows], device=device))

@@ -15,7 +15,7 @@ from rollout.kit.text import first_stop
 class Row:
     """One sample of one request, and what it has generated so far."""
 
-    job: object  # the engine's Job of its request (rollout_hf.job.Job)
+    owner: object  # what the backend knows the row's request by (the HF backend: its Job)
     index: int  # which of the request's n samples
     prompt: list[int]
     temperature: float

@@ -10,19 +10,19 @@ The order is vLLM's (its v1 sampler), so that a request means the same on every 
    and presence penalties over those of the output.
 
 Greedy rows take the argmax of the result; sampled rows then go through temperature,
-min_p, top-k and top-p (sampling.py).
+min_p, top-k and top-p (choose.py).
 
 Every per-row tensor here exists only when some row of the batch uses its feature, and a
 batch that uses none gets no processor at all: it costs nothing more than before. Rows of
 one batch may be at different steps (rows join a running batch): all state is per row, and
-built from what each row has generated so far, so the engine rebuilds it when rows join.
+built from what each row has generated so far, so a backend rebuilds it when rows join.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rollout_hf.grammars import allowed_tokens
+from rollout.kit.sampler.grammars import allowed_tokens
 
 
 def uses_processing(row) -> bool:
@@ -111,7 +111,7 @@ class LogitsProcessor:
         return z
 
     def advance(self, chosen: torch.Tensor) -> None:
-        """Count the tokens just chosen (the matchers advance in Row.push)."""
+        """Count the tokens just chosen (the matchers advance in `Row.push`)."""
         if self.ban is not None:
             self.held = [max(0, h - 1) for h in self.held]
         if self.counts is not None:

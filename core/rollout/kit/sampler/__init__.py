@@ -1,0 +1,87 @@
+"""Sampling in PyTorch with the contract's meaning of every `SamplingParams` field, for a
+backend whose engine hands it logits (the HF backend and the example backend use it):
+
+- `rows_for` makes one `Row` per sample of a request: its parameters, seeded generator,
+  grammar matcher, and the rule that ends it (`Row.push`: stop tokens, stop strings,
+  grammar end, length);
+- `LogitsProcessor` applies the grammar mask, logit bias, the min_tokens ban and the
+  penalties to a batch of rows, each with its own values (docs/sampling.md's order);
+- `next_tokens` chooses each row's token (greedy, or temperature, min_p, top-k and top-p
+  from the row's own generator) and reads its logprob and top logprobs;
+- `Grammars` compiles structured outputs with xgrammar (imported on first use).
+
+This package needs torch, which such a backend has; the rest of the kit does not.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from rollout.contract.schemas import Request
+from rollout.kit.sampler.choose import choose
+from rollout.kit.sampler.grammars import Grammars
+from rollout.kit.sampler.processors import LogitsProcessor, uses_processing
+from rollout.kit.sampler.row import Row
+
+__all__ = ["Grammars", "LogitsProcessor", "Row", "choose", "next_tokens", "rows_for",
+           "uses_processing"]
+
+
+def rows_for(request: Request, prompt: list[int], *, owner: object, eos_ids: frozenset[int],
+             max_model_len: int, device: torch.device, grammars: Grammars | None) -> list[Row]:
+    """One Row per sample of `request`. Compiling a grammar may take a while: call this off
+    the event loop when the request has `structured_outputs`."""
+    s = request.sampling
+    grammar = None if s.structured_outputs is None else grammars.compile(s.structured_outputs)
+    rows = []
+    for index in range(s.n):
+        generator = None
+        if not s.greedy:
+            seed = random.getrandbits(63) if s.seed is None else hash((s.seed, index)) % 2**63
+            generator = torch.Generator(device).manual_seed(seed)
+        rows.append(Row(
+            owner=owner, index=index, prompt=list(prompt),
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0,
+            max_new=min(s.max_tokens, max_model_len - len(prompt)),
+            stop_ids=frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else eos_ids),
+            stop=s.stop, logprobs=s.logprobs, generator=generator,
+            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, min_p=s.min_p, min_tokens=s.min_tokens,
+            logit_bias=dict(s.logit_bias),
+            matcher=None if grammar is None else grammars.matcher(grammar)))
+    return rows
+
+
+def next_tokens(rows: list[Row], logits: torch.Tensor, processor: LogitsProcessor | None):
+    """Every row's next token (a tensor), and per row its logprob and top logprobs as
+    (token id, logprob) pairs (None where the row did not ask). `logits` are the raw
+    next-token logits [rows, vocab]; `processor` is None when no row uses one."""
+    scores, min_p = logits, None
+    if processor is not None:
+        processor.constrain(logits)  # before the logprobs: they see the grammar
+        scores, min_p = processor.process(logits), processor.min_p
+    device = logits.device
+    chosen = choose(scores, torch.tensor([r.temperature for r in rows], device=device),
+                    torch.tensor([r.top_k for r in rows], device=device),
+                    torch.tensor([r.top_p for r in rows], device=device),
+                    [r.generator for r in rows], min_p)
+    if processor is not None:
+        processor.advance(chosen)
+    logprobs: list = [None] * len(rows)
+    tops: list = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.logprobs is not None]
+    if want:
+        index = torch.tensor(want, device=device)
+        raw = logits[index].log_softmax(dim=-1)
+        picked = raw.gather(1, chosen[index][:, None])[:, 0].tolist()
+        k = max(rows[i].logprobs for i in want)
+        if k:
+            values, top_ids = (t.tolist() for t in raw.topk(k))
+        for j, i in enumerate(want):
+            logprobs[i] = picked[j]
+            if rows[i].logprobs:
+                tops[i] = list(zip(top_ids[j][: rows[i].logprobs],
+                                   values[j][: rows[i].logprobs]))
+    return chosen, logprobs, tops

@@ -1,0 +1,3 @@
+"""The example backend's tests: the contract suite on transformers."""
+
+pytest_plugins = ["rollout.testing.fixtures"]
