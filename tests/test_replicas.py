@@ -174,3 +174,42 @@ def test_a_session_stays_on_one_replica_and_moves_when_it_dies(tiny_model):
     assert all(c.ok for c in after)
     assert served[-2:] == [("a", r) for _, r in served[-2:]] and victim not in {
         r for _, r in served[-2:]}
+
+
+def test_streams_through_the_pool_come_token_by_token_and_follow_their_session(tiny_model):
+    from rollout import Request, SamplingParams
+
+    def request(session, max_tokens=12):
+        return Request(prompt="the ka lo", session_id=session, sampling=SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+    async def stream(pool, r):
+        s = pool.stream(r)
+        return [chunk async for chunk in s], s.completion
+
+    async def main():
+        pool = await start_replicas("hf", str(tiny_model), {}, 2)
+        try:
+            chunks, completion = await stream(pool, request("a"))
+            pinned = pool._sessions["a"]
+            # Closing a stream early stops it and frees its replica's slot.
+            early = pool.stream(request("a", max_tokens=200))
+            async for _ in early:
+                break
+            await early.aclose()
+            in_flight = [r.in_flight for r in pool.replicas]
+            # Its replica dies: the session's next stream goes to the other one.
+            os.killpg(pinned.process.proc.pid, signal.SIGKILL)
+            moved_chunks, moved = await stream(pool, request("a"))
+            return chunks, completion, pinned, in_flight, moved_chunks, moved, \
+                pool._sessions["a"]
+        finally:
+            await pool.close()
+
+    chunks, completion, pinned, in_flight, moved_chunks, moved, new_home = \
+        asyncio.run(main())
+    sample = completion.unwrap()[0]
+    assert len(chunks) > 3 and tuple(t for c in chunks for t in c.token_ids) == sample.token_ids
+    assert in_flight == [0, 0]
+    assert new_home is not pinned and moved.unwrap()[0].token_ids == sample.token_ids
+    assert tuple(t for c in moved_chunks for t in c.token_ids) == sample.token_ids

@@ -1,5 +1,6 @@
-"""The native route `POST /rollout/generate`: rollout's own request and completion schema
-over HTTP, as the replica pool's client sends it, against the real HF backend."""
+"""The native routes `POST /rollout/generate` and `POST /rollout/stream`: rollout's own
+request, chunk and completion schema over HTTP, as the replica pool's client sends it,
+against the real HF backend."""
 
 import asyncio
 
@@ -8,8 +9,10 @@ import pytest
 
 import rollout
 from rollout.contract import convert
-from rollout.contract.schemas import Completion
+from rollout.contract.errors import InvalidRequestError
+from rollout.contract.schemas import Completion, Request
 from rollout.apps.serving.app import ServerThread
+from rollout.apps.serving.client import RemoteService
 from rollout.apps.serving.service import LocalService
 
 
@@ -82,3 +85,48 @@ def test_a_body_of_another_shape_is_a_400(server, body):
 
 def test_an_empty_batch_answers_nothing(server):
     assert post(server, {"requests": []}) == (200, {"completions": []})
+
+
+def remote_stream(server, request: dict):
+    """(chunks, completion) of one request streamed through the pool's client, or the
+    error its iteration raised."""
+    async def call():
+        service = RemoteService(server.url)
+        stream = service.stream(convert.structure(request, Request))
+        try:
+            return [chunk async for chunk in stream], stream.completion
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            return exc
+        finally:
+            await service.close()
+
+    return asyncio.run(call())
+
+
+def test_a_stream_comes_token_by_token_and_joins_into_its_completion(server, ro):
+    request = {"id": "s", "prompt": "the ka lo",
+               "sampling": {"max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                            "logprobs": 1}}
+    chunks, completion = remote_stream(server, request)
+    assert len(chunks) > 3  # not one piece at the end
+    sample = completion.unwrap()[0]
+    assert tuple(t for c in chunks for t in c.token_ids) == sample.token_ids
+    assert "".join(c.text for c in chunks) == sample.text
+    assert chunks[-1].finish_reason == sample.finish_reason == "length"
+    same(sample, ro.generate([request])[0].unwrap()[0])
+
+
+def test_a_streamed_request_error_is_raised_as_itself(server):
+    error = remote_stream(server, {"prompt": "hello there " * 64})
+    assert isinstance(error, InvalidRequestError) and error.field == "prompt"
+
+
+def test_a_stream_body_of_another_shape_is_a_400(server):
+    async def call():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{server.url}/rollout/stream",
+                                    json={"requests": [{"prompt": "x"}]}) as response:
+                return response.status, await response.json()
+
+    status, answer = asyncio.run(call())
+    assert status == 400 and answer["error"]["param"] == "request"

@@ -12,7 +12,6 @@ import pytest
 import rollout
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutTimeoutError
 from rollout.apps.serving.app import ServerThread
-from rollout.apps.serving.pool import WholeStream
 from rollout.testing.serving import CHAT, ServerContract, http
 
 
@@ -39,12 +38,28 @@ class FailingService:
         raise self.error
 
     def stream(self, request):
-        return WholeStream(self.generate(request))
+        return FailingStream(self.error)
 
     async def health(self):
         raise self.error
 
     async def close(self):
+        pass
+
+
+class FailingStream:
+    completion = None
+
+    def __init__(self, error):
+        self.error = error
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise self.error
+
+    async def aclose(self):
         pass
 
 
@@ -65,6 +80,7 @@ def test_a_service_that_cannot_serve_is_a_503_or_504(error, status):
         assert caught.value.status_code == status  # nothing sent yet: a plain error
         assert http(f"{server.url}/health")[0] == 503
         assert http(f"{server.url}/rollout/generate", {"requests": [{"prompt": "x"}]})[0] == status
+        assert http(f"{server.url}/rollout/stream", {"request": {"prompt": "x"}})[0] == status
 
 
 # --- running the server -------------------------------------------------------------------

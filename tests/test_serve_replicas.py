@@ -1,6 +1,6 @@
 """`rollout serve --replicas 2` as a real process tree (HF backend, tiny model): the openai
-client through the front server, a batch job through `--server`, a replica killed (the
-other serves on), then both (503)."""
+client through the front server (streams too), a batch job through `--server`, a replica
+killed (the other serves on), then both (503)."""
 
 import json
 import os
@@ -64,6 +64,11 @@ def test_replicas_behind_one_server_survive_one_death_and_503_after_all(front, t
     assert called.choices[0].message.tool_calls[0].function.name == "add"
     status, body = health(url)
     assert status == 200 and body["healthy"] == 2
+    # Streams pass through the front server token by token, not in one piece.
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="the ka", max_tokens=8, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].text]
+    assert len(pieces) > 3
 
     # A batch job through the front server.
     prompts = tmp_path / "in.parquet"

@@ -21,7 +21,8 @@ from aiohttp import web
 
 from rollout.contract import convert
 from rollout.api import _raw_id
-from rollout.contract.errors import InvalidRequestError, RolloutError
+from rollout.contract.errors import EngineDeadError, InvalidRequestError, NoReplicaError, \
+    RolloutError, RolloutTimeoutError
 from rollout.contract.schemas import Completion, Request
 from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
     model_not_found
@@ -48,6 +49,7 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
         web.get("/v1/models/{model}", routes.model),
         web.get("/health", routes.health),
         web.post("/rollout/generate", routes.native_generate),
+        web.post("/rollout/stream", routes.native_stream),
     ])
     return app
 
@@ -113,6 +115,40 @@ class _Routes:
         for (i, _), completion in zip(valid, done):
             completions[i] = completion
         return web.json_response({"completions": [convert.unstructure(c) for c in completions]})
+
+
+    async def native_stream(self, request: web.Request) -> web.StreamResponse:
+        """One request in rollout's own schema, its chunks as they come: newline-delimited
+        JSON, `{"chunk": ...}` lines and then `{"completion": ...}`, whose error is the
+        request's own. Until the first line is sent, a service that can serve nothing
+        answers as on the other routes (503, 504), so that a pool sends the request
+        elsewhere."""
+        body = await _json(request)
+        if not isinstance(body, dict) or set(body) != {"request"}:
+            raise ApiError(400, 'the body must be {"request": request}', param="request")
+        one = convert.structure(body["request"], Request)
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+
+        async def send(item: dict) -> None:
+            if not response.prepared:
+                await response.prepare(request)
+            await response.write(json.dumps(item).encode() + b"\n")
+
+        stream = self.service.stream(one)
+        try:
+            async for chunk in stream:
+                await send({"chunk": convert.unstructure(chunk)})
+            completion = stream.completion
+        except RolloutError as exc:
+            if not response.prepared and isinstance(
+                    exc, (EngineDeadError, NoReplicaError, RolloutTimeoutError)):
+                raise
+            completion = Completion(one.id, error=exc)
+        finally:
+            await stream.aclose()
+        await send({"completion": convert.unstructure(completion)})
+        await response.write_eof()
+        return response
 
 
 async def _json(request: web.Request):

@@ -1,15 +1,17 @@
-"""`RemoteService`: a `rollout serve` process reached over HTTP through its native route
-`/rollout/generate`, which carries rollout's own request and result schemas (token ids,
-n samples, logprobs) without translation."""
+"""`RemoteService`: a `rollout serve` process reached over HTTP through its native routes,
+`/rollout/generate` and `/rollout/stream`, which carry rollout's own request, chunk and
+result schemas (token ids, n samples, logprobs) without translation."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import AsyncIterator
 
 from rollout.contract import convert
 from rollout.kit.aio import client_session
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutError, RolloutTimeoutError
-from rollout.contract.schemas import Completion, Request
+from rollout.contract.schemas import Chunk, Completion, Request
 
 
 class ReplicaDown(Exception):
@@ -51,14 +53,13 @@ class RemoteService:
             raise ReplicaDown(f"{self.url}: {exc!r}") from None
         if status == 200:
             return convert.structure(data["completions"][0], Completion)
-        message = _error_message(data)
-        if status == 503:
-            raise ReplicaDown(f"{self.url} answered 503: {message}")
-        if status == 401:
-            raise RolloutError(f"{self.url} refused the API key: {message}")
-        if status == 504:
-            raise RolloutTimeoutError(f"{self.url} timed out: {message}")
-        raise RolloutError(f"{self.url} answered {status}: {message}")
+        raise _refusal(self.url, status, data)
+
+    def stream(self, request: Request) -> RemoteStream:
+        """The request's chunks as the replica makes them. Raises ReplicaDown when the
+        replica cannot answer (or stops answering); the request's own error is raised
+        from the iteration, as from a local stream."""
+        return RemoteStream(self, request)
 
     async def health(self) -> dict:
         import aiohttp
@@ -78,6 +79,85 @@ class RemoteService:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+class RemoteStream:
+    """One request streamed from a replica, as newline-delimited JSON: `{"chunk": ...}`
+    lines, then one `{"completion": ...}` line."""
+
+    def __init__(self, service: RemoteService, request: Request):
+        self.service = service
+        self.request = request
+        self.completion: Completion | None = None
+        self._response = None
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[Chunk]:
+        import aiohttp
+
+        url = self.service.url
+        try:
+            self._response = response = await self.service._client().post(
+                f"{url}/rollout/stream", json={"request": convert.unstructure(self.request)},
+                timeout=aiohttp.ClientTimeout(total=self.service.request_timeout,
+                                              sock_connect=10))
+            if response.status != 200:
+                raise _refusal(url, response.status, await response.json(content_type=None))
+            async for line in _lines(response.content):
+                item = json.loads(line)
+                if "chunk" in item:
+                    yield convert.structure(item["chunk"], Chunk)
+                else:
+                    self.completion = convert.structure(item["completion"], Completion)
+        except asyncio.TimeoutError:
+            raise RolloutTimeoutError(
+                f"{url} did not answer within {self.service.request_timeout:.0f} s") from None
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise ReplicaDown(f"{url}: {exc!r}") from None
+        finally:
+            await self.aclose()
+        if self.completion is None:
+            raise ReplicaDown(f"{url} ended the stream before the completion")
+        if self.completion.error is not None:
+            raise self.completion.error
+
+    def cancel(self) -> None:
+        """Drop the connection (the replica then stops the request): the iteration raises
+        ReplicaDown. The pool does this to the streams of a replica it takes out."""
+        if self._response is not None:
+            self._response.close()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
+async def _lines(content) -> AsyncIterator[bytes]:
+    """The lines of a response body as they arrive, however long (a completion with many
+    logprobs is longer than aiohttp's line limit)."""
+    buffer = bytearray()
+    async for data in content.iter_any():
+        buffer += data
+        *lines, rest = buffer.split(b"\n")
+        buffer = bytearray(rest)
+        for line in lines:
+            if line.strip():
+                yield bytes(line)
+    if buffer.strip():
+        yield bytes(buffer)
+
+
+def _refusal(url: str, status: int, data) -> Exception:
+    """What a replica's error answer means to the pool: 503 is a replica down."""
+    message = _error_message(data)
+    if status == 503:
+        return ReplicaDown(f"{url} answered 503: {message}")
+    if status == 401:
+        return RolloutError(f"{url} refused the API key: {message}")
+    if status == 504:
+        return RolloutTimeoutError(f"{url} timed out: {message}")
+    return RolloutError(f"{url} answered {status}: {message}")
 
 
 def _error_message(data) -> str:

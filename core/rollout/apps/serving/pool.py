@@ -3,17 +3,19 @@
 A request goes to the healthy replica with the fewest requests in flight, and the count
 drops as soon as that request finishes, so replicas stuck on long responses get fewer new
 ones. The requests of one session (`Request.session_id`) go to the replica its first
-request went to, while that replica is healthy, so later turns reuse its prefix cache. Each replica takes at most `max_in_flight` requests; the rest wait here for the first
-free slot. A health monitor takes a replica out of rotation when its process dies or it
-stops answering; its requests in flight are sent again to a healthy replica. With none
-left, calls fail with NoReplicaError.
+request went to, while that replica is healthy, so later turns reuse its prefix cache.
+Each replica takes at most `max_in_flight` requests; the rest wait here for the first free
+slot. A health monitor takes a replica out of rotation when its process dies or it stops
+answering; its requests in flight are sent again to a healthy replica (a stream only if it
+has yielded nothing yet: tokens already given out cannot be taken back). With none left,
+calls fail with NoReplicaError.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutError
@@ -39,7 +41,7 @@ class Replica:
         self.healthy = True
         self.down_reason = ""
         self.failed_checks = 0
-        self.calls: set[asyncio.Future] = set()
+        self.calls: set = set()  # its requests' futures and streams; cancelled if it dies
 
 
 class ReplicaPool:
@@ -82,9 +84,8 @@ class ReplicaPool:
         return Completion(request.id, error=EngineDeadError(
             f"the replicas serving this request stopped {MAX_SENDS} times"))
 
-    def stream(self, request: Request) -> WholeStream:
-        """Replicas answer whole completions: each sample comes in one chunk."""
-        return WholeStream(self.generate(request))
+    def stream(self, request: Request) -> PoolStream:
+        return PoolStream(self, request)
 
     async def _acquire(self, session: str | None = None) -> Replica:
         """The session's replica while it is healthy; else the healthy replica with the
@@ -173,24 +174,44 @@ class ReplicaPool:
                 await asyncio.to_thread(replica.process.stop)
 
 
-class WholeStream:
-    """A completion to come, as a stream of one chunk per sample."""
+class PoolStream:
+    """One request streamed from a replica of the pool, chunk by chunk as the replica makes
+    them. A replica that fails before the first chunk is taken out and the request goes to
+    another; one that fails later fails the request with EngineDeadError."""
 
-    def __init__(self, completion: Awaitable[Completion]):
+    def __init__(self, pool: ReplicaPool, request: Request):
+        self.pool = pool
+        self.request = request
         self.completion: Completion | None = None
-        self._pending = completion
+        self._chunks_iter: AsyncIterator[Chunk] | None = None
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
-        return self._chunks()
+        self._chunks_iter = self._chunks()
+        return self._chunks_iter
 
     async def _chunks(self) -> AsyncIterator[Chunk]:
-        self.completion = completion = await self._pending
-        if completion.error is not None:
-            raise completion.error
-        for r in completion.results:
-            yield Chunk(r.index, r.token_ids, r.logprobs, r.top_logprobs, r.finish_reason,
-                        r.text)
+        pool, yielded = self.pool, False
+        for _ in range(MAX_SENDS):
+            replica = await pool._acquire(self.request.session_id)
+            stream = replica.service.stream(self.request)
+            replica.calls.add(stream)
+            try:
+                async for chunk in stream:
+                    yielded = True
+                    yield chunk
+                self.completion = stream.completion
+                return
+            except ReplicaDown as exc:
+                await pool._take_out(replica, str(exc))
+                if yielded:
+                    raise EngineDeadError(f"the replica serving this stream stopped: {exc}") \
+                        from None
+            finally:
+                replica.calls.discard(stream)
+                await stream.aclose()
+                await pool._release(replica)
+        raise EngineDeadError(f"the replicas serving this request stopped {MAX_SENDS} times")
 
     async def aclose(self) -> None:
-        if self.completion is None and asyncio.iscoroutine(self._pending):
-            self._pending.close()
+        if self._chunks_iter is not None:
+            await self._chunks_iter.aclose()
