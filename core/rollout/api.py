@@ -454,9 +454,10 @@ class _Sample:
         return text
 
     def result(self, request: Request, index: int, prompt: list[int]) -> Result:
+        streamed = self.stream.final if self.streamed_end else None  # decoded once only
         return Result(
             request_id=request.id, index=index, token_ids=tuple(self.tokens),
-            text=final_text(self.decode, self.tokens, self.s),
+            text=final_text(self.decode, self.tokens, self.s) if streamed is None else streamed,
             finish_reason=self.finish or "abort", prompt_tokens=len(prompt),
             prompt_token_ids=tuple(prompt),
             logprobs=None if self.logprobs is None else tuple(self.logprobs),

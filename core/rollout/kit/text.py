@@ -57,6 +57,7 @@ class TextStream:
         self.sent = ""
         self.stopped = False
         self.hold = max((len(x) for x in s.stop), default=1) - 1
+        self.final: str | None = None  # the whole text, once finish() has made it
 
     def add(self, token_ids) -> str:
         """New text that is safe to show."""
@@ -76,8 +77,9 @@ class TextStream:
         return self._give(visible)
 
     def finish(self) -> str:
-        """The rest of the final text."""
-        return self._give(final_text(self.decode, self.tokens, self.s))
+        """The rest of the final text (kept whole in `final`)."""
+        self.final = final_text(self.decode, self.tokens, self.s)
+        return self._give(self.final)
 
     def _give(self, visible: str) -> str:
         if not visible.startswith(self.sent):  # a tokenizer whose pieces do not join up
