@@ -1,0 +1,348 @@
+"""`AgentRunner`: trajectories over any service (a `Rollout`, a replica pool, a remote
+`rollout serve`), thousands at once, each an asyncio task with no thread of its own.
+
+Each turn sends the whole history as token ids (`prompt_token_ids`): the first prompt
+rendered by the chat template, then at every turn the previous prompt, the tokens the model
+sampled, and the tokens appended after them (tokens.py). The engine's echo of the prompt is
+checked against that at every turn. Every request of a trajectory carries its id as the
+session, so a replica pool keeps it on one replica and its prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from rollout.contract.errors import InvalidRequestError, RolloutError
+from rollout.contract.schemas import Message, Request, SamplingParams, ToolCall
+from rollout.apps.agents.environment import Environment, Reply
+from rollout.apps.agents.tokens import ChatTokens
+from rollout.apps.agents.tools import ToolResult, call_tool
+from rollout.apps.agents.trajectory import ToolCallRecord, Trajectory, Turn
+from rollout.apps.tool_parsers import ParsedMessage, load_tool_parser, new_call_id
+
+ON_TOOL_ERROR = ("message", "end")
+
+
+def _positive(name: str, optional: bool = False):
+    def check(_, __, value):
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise InvalidRequestError(name, f"got {value!r}", "a number > 0"
+                                      + (", or null" if optional else ""))
+    return check
+
+
+@attrs.frozen
+class AgentConfig:
+    """Limits and choices of a run; every limit ends a trajectory with its own reason."""
+
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)  # each turn's (n is 1)
+    max_turns: int = attrs.field(default=8, validator=_positive("max_turns"))
+    # Budget for all of `response_ids`; each turn's max_tokens is clamped to what is left.
+    max_tokens: int | None = attrs.field(default=None, validator=_positive("max_tokens", True))
+    max_model_len: int | None = attrs.field(default=None,
+                                            validator=_positive("max_model_len", True))
+    tool_timeout: float = attrs.field(default=30.0, validator=_positive("tool_timeout"))
+    timeout: float | None = attrs.field(default=None, validator=_positive("timeout", True))
+    max_tool_chars: int | None = attrs.field(default=8192,
+                                             validator=_positive("max_tool_chars", True))
+    on_tool_error: str = "message"  # give the model the error, or end the trajectory
+    tool_parser: str = "hermes"
+    check_render: bool = True  # compare with the template's re-rendering at every turn
+    concurrency: int = attrs.field(default=1024, validator=_positive("concurrency"))
+
+    def __attrs_post_init__(self):
+        if self.on_tool_error not in ON_TOOL_ERROR:
+            raise InvalidRequestError("on_tool_error", f"got {self.on_tool_error!r}",
+                                      ", ".join(ON_TOOL_ERROR))
+        if self.sampling.n != 1:
+            raise InvalidRequestError("sampling.n", f"got {self.sampling.n}",
+                                      "1 (run a row several times for several samples)")
+
+
+class PrefixMismatchError(RolloutError):
+    """The engine saw another prompt than the tokens the trajectory holds."""
+
+    kind = "prefix_mismatch"
+
+    def __init__(self, turn: int, expected: Sequence[int], got: Sequence[int]):
+        at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b),
+                  min(len(expected), len(got)))
+        super().__init__(f"turn {turn}: the engine's prompt differs from the trajectory's "
+                         f"tokens at {at}: expected {list(expected[at:at + 8])}, got "
+                         f"{list(got[at:at + 8])} ({len(expected)} vs {len(got)} tokens)")
+        self.turn, self.position = turn, at
+
+
+class _Stop(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+@attrs.define
+class _Running:
+    deadline: float | None
+    aborted: bool = False
+    step: asyncio.Future | None = None
+
+
+class AgentRunner:
+    """Runs an environment's trajectories on `target`: a `rollout.Rollout`, or any service
+    with `stream(request)` (`ReplicaPool`, `RemoteService`), whose model's tokenizer is then
+    given as `tokenizer` (an object or a model path) with `config.max_model_len`."""
+
+    def __init__(self, target, environment: Environment, config: AgentConfig | None = None,
+                 tokenizer=None):
+        self.target = target
+        self.env = environment
+        self.config = config = config or AgentConfig()
+        encoder = getattr(target, "encoder", None)  # a Rollout knows its model
+        if tokenizer is None and encoder is None:
+            raise InvalidRequestError("tokenizer", "a remote service needs the model's tokenizer",
+                                      "a tokenizer or a model path")
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = tokenizer or encoder.tokenizer
+        self.max_model_len = config.max_model_len or getattr(encoder, "max_model_len", None)
+        if self.max_model_len is None:
+            raise InvalidRequestError("max_model_len", "unknown for a remote service",
+                                      "the model's context length")
+        self.tools = {t.name: t for t in getattr(environment, "tools", ())}
+        self.chat = ChatTokens(self.tokenizer,
+                               [t.spec.as_openai() for t in self.tools.values()] or None)
+        self.parser = load_tool_parser(config.tool_parser)
+        self._running: dict[str, _Running] = {}
+        self._slots: asyncio.Semaphore | None = None
+
+    # --- running ------------------------------------------------------------------------
+
+    async def run_many(self, rows: Iterable[dict], ids: Iterable[str] | None = None
+                       ) -> list[Trajectory]:
+        """One trajectory per row, at most `config.concurrency` at once, in row order."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.config.concurrency)
+        rows = list(rows)
+        ids = list(ids) if ids is not None else [None] * len(rows)
+
+        async def one(row, id):
+            async with self._slots:
+                return await self.run(row, id)
+
+        return list(await asyncio.gather(*(one(r, i) for r, i in zip(rows, ids))))
+
+    async def run(self, row: dict, id: str | None = None) -> Trajectory:
+        """One trajectory. It never raises for its own failures: they are its end reason."""
+        t = Trajectory(id=id or uuid.uuid4().hex)
+        if t.id in self._running:
+            raise InvalidRequestError("id", f"trajectory {t.id!r} is already running",
+                                      "a unique id")
+        loop = asyncio.get_running_loop()
+        timeout = self.config.timeout
+        running = self._running[t.id] = _Running(None if timeout is None else
+                                                 loop.time() + timeout)
+        try:
+            await self._run(row, t, running)
+        except _Stop as stop:
+            t.end(stop.reason, stop.detail)
+            if stop.reason == "done" and self.config.check_render:
+                t.final_render = self.chat.check_render(
+                    t.messages, t.prompt_ids + t.response_ids, generation_prompt=False)[0]
+        except RolloutError as exc:
+            t.end("error", f"{exc.kind}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - an environment's bug ends its trajectory only
+            t.end("error", f"{type(exc).__name__}: {exc}")
+        finally:
+            del self._running[t.id]
+        return t
+
+    def abort(self, trajectory_id: str) -> bool:
+        """Stop a running trajectory: its running turn stops in the engine, and it returns
+        what it has, with end reason "aborted". False if it is not running."""
+        running = self._running.get(trajectory_id)
+        if running is None:
+            return False
+        running.aborted = True
+        if running.step is not None:
+            running.step.cancel()
+        return True
+
+    async def _run(self, row: dict, t: Trajectory, running: _Running) -> None:
+        cfg = self.config
+        messages = [_message(m) for m in await self._step(running, _maybe(self.env.start(row)))]
+        t.messages = messages
+        context = self.chat.prompt(messages)
+        t.prompt_ids = list(context)
+        if len(context) >= self.max_model_len:
+            raise _Stop("context_length", f"the first prompt has {len(context)} tokens; "
+                        f"the context holds {self.max_model_len}")
+        for index in range(cfg.max_turns):
+            sampling = self._sampling(row, index, messages, len(context), len(t.response_ids))
+            turn = Turn(index=index, prompt_tokens=len(context), sampled_tokens=0,
+                        finish_reason="abort", text="")
+            t.turns.append(turn)
+            if cfg.check_render:
+                turn.render, turn.render_differs_at = self.chat.check_render(messages, context)
+            request = Request(id=f"{t.id}:{index}", prompt_token_ids=tuple(context),
+                              sampling=sampling, session_id=t.id)
+            partial: list = []  # the chunks so far, kept if the turn is cut short
+            started = time.monotonic()
+            try:
+                completion = await self._step(running, self._sample(request, partial))
+            except _Stop:
+                t.add((i for c in partial for i in c.token_ids), True,
+                      [x for c in partial for x in (c.logprobs or [0.0] * len(c.token_ids))])
+                turn.sampled_tokens = sum(len(c.token_ids) for c in partial)
+                raise
+            finally:
+                turn.engine_s = time.monotonic() - started
+            result = completion.unwrap()[0]
+            if list(result.prompt_token_ids) != context:
+                raise PrefixMismatchError(index, context, result.prompt_token_ids)
+            sampled = list(result.token_ids)
+            t.add(sampled, True, result.logprobs)
+            turn.sampled_tokens, turn.finish_reason, turn.text = \
+                len(sampled), result.finish_reason, result.text
+            self._check_limits(t, len(context) + len(sampled), cut=result.finish_reason)
+            # Without tools there is nothing to call: the text is the answer, whatever it holds.
+            parsed = self.parser.parse(result.text, None) if self.tools else \
+                ParsedMessage(result.text)
+            messages.append(Message("assistant", parsed.content, tool_calls=parsed.tool_calls))
+            if parsed.tool_calls or parsed.errors:
+                new = await self._call_tools(running, turn, parsed)
+            else:
+                reply = await self._step(running, _maybe(self.env.respond(row, messages)))
+                if not isinstance(reply, Reply):
+                    raise TypeError(f"the environment's respond() returned {reply!r}, "
+                                    "not a Reply")
+                t.reward = reply.reward if reply.reward is not None else t.reward
+                if reply.done:
+                    raise _Stop("done")
+                new = [_message(m) for m in reply.messages]
+            appended = self.chat.continuation(sampled, new)
+            self._check_limits(t, len(context) + len(sampled) + len(appended),
+                               appended=len(appended))
+            t.add(appended, False)
+            turn.appended_tokens = len(appended)
+            messages += new
+            context += sampled + appended
+        raise _Stop("max_turns", f"{cfg.max_turns} turns")
+
+    def _sampling(self, row, index, messages, context: int, used: int) -> SamplingParams:
+        """This turn's sampling: the runner's, the environment's overrides, and max_tokens
+        clamped to the trajectory's budget and the context left."""
+        base = self.config.sampling
+        changes = self.env.sampling(row, index, messages) if hasattr(self.env, "sampling") \
+            else None
+        if changes:
+            from rollout.contract import convert
+
+            base = convert.structure({**convert.unstructure(base), **changes}, SamplingParams)
+        limit = min(base.max_tokens, self.max_model_len - context)
+        if self.config.max_tokens is not None:
+            limit = min(limit, self.config.max_tokens - used)
+        if limit <= 0:
+            raise _Stop(*self._out_of_room(used))
+        return attrs.evolve(base, max_tokens=limit, n=1,
+                            logprobs=base.logprobs if base.logprobs is not None else 0)
+
+    def _out_of_room(self, used: int) -> tuple[str, str]:
+        if self.config.max_tokens is not None and used >= self.config.max_tokens:
+            return "max_tokens", f"{used} of {self.config.max_tokens} response tokens used"
+        return "context_length", f"the context of {self.max_model_len} tokens is full"
+
+    def _check_limits(self, t: Trajectory, total: int, cut: str | None = None,
+                      appended: int = 0) -> None:
+        """End the trajectory where it has no room left: after a turn cut by the budget
+        or the context, or before appending what would not fit."""
+        budget = self.config.max_tokens
+        used = len(t.response_ids) + appended
+        if budget is not None and used > budget or budget is not None and cut == "length" \
+                and used >= budget:
+            raise _Stop("max_tokens", f"{used} response tokens; the budget is {budget}")
+        if total > self.max_model_len or cut == "length" and total >= self.max_model_len:
+            raise _Stop("context_length", f"{total} tokens; the context holds "
+                        f"{self.max_model_len}")
+
+    async def _step(self, running: _Running, work):
+        """Run one step of a trajectory (a turn in the engine, its tools, the environment)
+        unless it is aborted or out of time, which stops the step where it is."""
+        if running.aborted:
+            _close(work)
+            raise _Stop("aborted")
+        loop = asyncio.get_running_loop()
+        left = None if running.deadline is None else running.deadline - loop.time()
+        if left is not None and left <= 0:
+            _close(work)
+            raise _Stop("timeout", f"over {self.config.timeout:g} s")
+        step = running.step = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait({step}, timeout=left)
+        finally:
+            running.step = None
+            if not step.done():  # out of time, or this task itself was cancelled
+                step.cancel()
+                await asyncio.wait({step})
+        if running.aborted:
+            raise _Stop("aborted")
+        if step.cancelled():
+            raise _Stop("timeout", f"over {self.config.timeout:g} s")
+        return step.result()
+
+    async def _sample(self, request: Request, partial: list):
+        stream = self.target.stream(request)
+        try:
+            async for chunk in stream:
+                partial.append(chunk)
+            return stream.completion
+        finally:
+            await stream.aclose()
+
+    async def _call_tools(self, running: _Running, turn: Turn, parsed) -> list[Message]:
+        cfg = self.config
+        started = time.monotonic()
+        calls = [call_tool(self.tools, c, cfg.tool_timeout, cfg.max_tool_chars)
+                 for c in parsed.tool_calls]
+        results: list[ToolResult] = list(await self._step(running, _gather(calls)))
+        for error in parsed.errors:  # a call the parser could not read
+            call = ToolCall(id=new_call_id(), name="", arguments=error.text)
+            message = f"error: the tool call could not be read: {error.reason}"
+            results.append(ToolResult(call, "bad_arguments", message, message))
+        turn.tools_s = time.monotonic() - started
+        turn.tool_calls = [ToolCallRecord(r.call.name, r.call.arguments, r.outcome, r.detail,
+                                          r.seconds, r.truncated) for r in results]
+        failed = [r for r in results if r.outcome != "ok"]
+        if failed and cfg.on_tool_error == "end":
+            raise _Stop("tool_error", f"{failed[0].outcome}: {failed[0].detail}")
+        return [Message("tool", r.content, tool_call_id=r.call.id, name=r.call.name or None)
+                for r in results]
+
+
+async def _gather(calls) -> list:
+    return list(await asyncio.gather(*calls))
+
+
+async def _maybe(value):
+    return await value if inspect.isawaitable(value) else value
+
+
+def _close(work) -> None:
+    if inspect.iscoroutine(work):
+        work.close()
+
+
+def _message(value) -> Message:
+    if isinstance(value, Message):
+        return value
+    from rollout.contract import convert
+
+    return convert.structure(value, Message)

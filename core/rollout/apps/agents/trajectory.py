@@ -1,0 +1,78 @@
+"""What one trajectory holds: every token after the first prompt with a mask of the sampled
+ones and their logprobs, the conversation, a record per turn, the reward and why it ended."""
+
+from __future__ import annotations
+
+import attrs
+
+from rollout.contract.schemas import Message
+
+END_REASONS = ("done", "max_turns", "max_tokens", "context_length", "tool_error", "timeout",
+               "aborted", "error")
+RENDER_RULES = ("same", "retokenized", "rewritten")  # see rollout.apps.agents.tokens
+
+
+@attrs.define
+class ToolCallRecord:
+    name: str
+    arguments: str
+    outcome: str  # rollout.apps.agents.tools.OUTCOMES
+    detail: str
+    seconds: float
+    truncated: bool = False
+
+
+@attrs.define
+class Turn:
+    index: int
+    prompt_tokens: int  # the whole prompt this turn sent (history included)
+    sampled_tokens: int
+    finish_reason: str
+    text: str  # what the model said, as decoded
+    appended_tokens: int = 0  # tokens after it: end of turn, tool results, next prompt
+    tool_calls: list[ToolCallRecord] = attrs.field(factory=list)
+    engine_s: float = 0.0
+    tools_s: float = 0.0
+    # How the template's re-rendering of the conversation up to this turn's prompt compares
+    # with the tokens sent (RENDER_RULES), and the first token where it differs.
+    render: str | None = None
+    render_differs_at: int | None = None
+
+
+@attrs.define
+class Trajectory:
+    id: str
+    prompt_ids: list[int] = attrs.field(factory=list)
+    # Every token after the prompt, in order: sampled ones (mask 1, with their sampling
+    # logprob) and the ones the runner appended (mask 0, logprob 0.0).
+    response_ids: list[int] = attrs.field(factory=list)
+    mask: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    messages: list[Message] = attrs.field(factory=list)
+    turns: list[Turn] = attrs.field(factory=list)
+    reward: float | None = None
+    end_reason: str = "error"
+    end_detail: str = ""
+    # How the template renders the finished conversation, against all the tokens (set for
+    # trajectories that end "done" when the runner checks renders).
+    final_render: str | None = None
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def render(self) -> str | None:
+        """The rule that applied over the whole trajectory: the furthest from "same"."""
+        seen = [t.render for t in self.turns if t.render is not None]
+        seen += [self.final_render] if self.final_render is not None else []
+        return max(seen, key=RENDER_RULES.index) if seen else None
+
+    def add(self, token_ids, sampled: bool, logprobs=None) -> None:
+        token_ids = list(token_ids)
+        self.response_ids += token_ids
+        self.mask += [int(sampled)] * len(token_ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(token_ids)
+
+    def end(self, reason: str, detail: str = "") -> None:
+        self.end_reason, self.end_detail = reason, detail

@@ -1,0 +1,246 @@
+"""Multi-turn tool trajectories on the real HF backend: the agent contract, every failure
+kind, limits, abort, a history-rewriting template, and 1,000 trajectories at once."""
+
+import asyncio
+import threading
+
+import pytest
+
+import rollout
+from rollout import SamplingParams
+from rollout.apps.agents import AgentConfig, AgentRunner, Environment, Reply, function_tool
+from rollout.testing.agents import GREEDY, AgentContract, add, check_lined_up, run
+
+
+class TestHFAgents(AgentContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def make_rollout(cls):
+        return lambda model_dir: rollout.load_backend("hf", model=str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def ro(tiny_model):
+    with rollout.load_backend("hf", model=str(tiny_model), max_model_len=1024) as ro:
+        yield ro
+
+
+def forced(call: str) -> str:
+    """A regex that makes the model write exactly this tool-call block."""
+    import re
+
+    return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", f"<tool_call>{call}</tool_call>")
+
+
+class Scripted(Environment):
+    """Turn 0 writes the given call; later turns answer."""
+
+    def __init__(self, call: str, tools=(add,)):
+        super().__init__(tools)
+        self.call = call
+
+    def sampling(self, row, turn, messages):
+        regex = forced(self.call) if turn == 0 else r"The sum is [0-9]\."
+        return {"structured_outputs": {"regex": regex}}
+
+
+def boom(a: int) -> int:
+    """Always fails."""
+    raise ValueError("no luck")
+
+
+async def slow(a: int) -> int:
+    """Takes too long."""
+    await asyncio.sleep(30)
+    return a
+
+
+CASES = {  # the call the model writes -> the outcome it must get
+    "ok": ('{"name": "add", "arguments": {"a": 1, "b": 2}}', "ok", "3"),
+    "error": ('{"name": "boom", "arguments": {"a": 1}}', "error", "raised ValueError: no luck"),
+    "timeout": ('{"name": "slow", "arguments": {"a": 1}}', "timeout", "did not finish"),
+    "unknown_tool": ('{"name": "nope", "arguments": {}}', "unknown_tool", "no tool named"),
+    "bad_arguments": ('{"name": "add", "arguments": {"a": }}', "bad_arguments",
+                      "could not be read"),
+    "invalid_arguments": ('{"name": "add", "arguments": {"a": 1}}', "invalid_arguments",
+                          "'b' is a required property"),
+}
+
+
+@pytest.mark.parametrize("on_tool_error", ["message", "end"])
+def test_each_tool_failure_has_its_outcome_and_spares_the_others(ro, on_tool_error):
+    runners = {kind: AgentRunner(ro, Scripted(call, (add, boom, slow)), AgentConfig(
+        sampling=GREEDY, tool_timeout=1.0, on_tool_error=on_tool_error))
+        for kind, (call, _, _) in CASES.items()}
+
+    async def main():
+        return await asyncio.gather(*(r.run({"prompt": "go"}) for r in runners.values()))
+
+    for kind, t in zip(CASES, asyncio.run(main())):
+        _, outcome, message = CASES[kind]
+        record = t.turns[0].tool_calls[0]
+        assert record.outcome == outcome and message in record.detail, (kind, record)
+        check_lined_up(t)
+        if outcome == "ok" or on_tool_error == "message":
+            assert t.end_reason == "done", (kind, t.end_detail)
+            tool_message = t.messages[-2]
+            assert tool_message.role == "tool" and message in tool_message.text
+        else:
+            assert t.end_reason == "tool_error" and outcome in t.end_detail
+            assert t.num_turns == 1
+
+
+def test_a_long_tool_result_is_truncated_and_marked(ro):
+    def long(a: int) -> str:
+        """A long answer."""
+        return "x" * 500
+
+    env = Scripted('{"name": "long", "arguments": {"a": 1}}', (function_tool(long),))
+    [t] = asyncio.run(AgentRunner(ro, env, AgentConfig(sampling=GREEDY, max_tool_chars=50))
+                      .run_many([{"prompt": "go"}]))
+    record = t.turns[0].tool_calls[0]
+    assert record.truncated and "[truncated: 450 more characters]" in t.messages[-2].text
+
+
+class Chatty(Environment):
+    """Answers every turn with a user message; `raise_at` makes it fail on that turn."""
+
+    def __init__(self, raise_at: int | None = None):
+        super().__init__()
+        self.raise_at = raise_at
+
+    def respond(self, row, messages):
+        turns = sum(m.role == "assistant" for m in messages)
+        if turns == self.raise_at:
+            raise RuntimeError("the environment broke")
+        return Reply([{"role": "user", "content": f"and then {turns}?"}],
+                     done=turns >= row.get("turns", 3))
+
+
+SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def test_limits_end_trajectories_with_their_reasons(ro):
+    [turns] = run(ro, Chatty(), [{"prompt": "hi", "turns": 99}], sampling=SHORT, max_turns=3)
+    assert (turns.end_reason, turns.num_turns) == ("max_turns", 3)
+    [budget] = run(ro, Chatty(), [{"prompt": "hi", "turns": 99}], sampling=SHORT,
+                   max_tokens=10)
+    assert budget.end_reason == "max_tokens" and len(budget.response_ids) <= 10
+    [context] = run(ro, Chatty(), [{"prompt": "hi", "turns": 99}], sampling=SHORT,
+                    max_model_len=40)
+    assert context.end_reason == "context_length"
+    assert len(context.prompt_ids) + len(context.response_ids) <= 40
+    [first] = run(ro, Chatty(), [{"prompt": "hi " * 60}], sampling=SHORT, max_model_len=40)
+    assert first.end_reason == "context_length" and first.response_ids == []
+    for t in (turns, budget, context):
+        check_lined_up(t)
+
+
+def test_a_failing_environment_ends_only_its_trajectory(ro):
+    class Mixed(Chatty):
+        def respond(self, row, messages):
+            if row.get("broken"):
+                raise RuntimeError("the environment broke")
+            return super().respond(row, messages)
+
+    done = run(ro, Mixed(), [{"prompt": "a"}, {"prompt": "b", "broken": True}, {"prompt": "c"}],
+               sampling=SHORT)
+    assert [t.end_reason for t in done] == ["done", "error", "done"]
+    assert "the environment broke" in done[1].end_detail
+
+
+def test_a_timeout_and_an_abort_stop_the_running_turn_and_keep_what_it_made(ro):
+    long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+
+    async def main():
+        runner = AgentRunner(ro, Chatty(), AgentConfig(sampling=long, timeout=0.5))
+        timed = await runner.run({"prompt": "a"})
+        aborter = AgentRunner(ro, Chatty(), AgentConfig(sampling=long))
+        task = asyncio.ensure_future(aborter.run({"prompt": "b"}, id="victim"))
+        bystander = AgentRunner(ro, Chatty(), AgentConfig(sampling=SHORT))
+        other = asyncio.ensure_future(bystander.run({"prompt": "c"}, id="other"))
+        await asyncio.sleep(0.5)
+        assert aborter.abort("victim") and not aborter.abort("nobody")
+        return timed, await task, await other
+
+    timed, aborted, other = asyncio.run(main())
+    assert timed.end_reason == "timeout"
+    assert aborted.end_reason == "aborted"
+    for t in (timed, aborted):
+        assert 0 < sum(t.mask) < 900 and t.turns[-1].finish_reason == "abort"
+        check_lined_up(t)
+    assert other.end_reason == "done"
+    health = ro.health()
+    assert health.get("running", 0) == 0, health  # the cut turns stopped in the engine
+
+
+def test_a_template_that_drops_earlier_reasoning_is_named_and_tokens_stay_exact(ro, tiny_model):
+    from transformers import AutoTokenizer
+
+    from rollout.kit.tiny_model import CHAT_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    # Like Qwen3's: earlier assistant turns lose their <think>...</think> part.
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        "{% else %}{{ m['content'] }}{% endif %}",
+        "{% elif m['role'] == 'assistant' and not loop.last %}"
+        "{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}")
+
+    class Thinking(Chatty):
+        def sampling(self, row, turn, messages):
+            return {"structured_outputs": {"regex": r"<think>[a-z]{1,6}</think>ok [0-9]\."}}
+
+    runner = AgentRunner(ro, Thinking(), AgentConfig(sampling=GREEDY), tokenizer=tokenizer)
+    [t] = asyncio.run(runner.run_many([{"prompt": "hi", "turns": 3}]))
+    assert t.end_reason == "done" and t.num_turns == 3  # the prefix check held every turn
+    # From turn 1 on, re-rendering would have dropped turn 0's reasoning.
+    assert [turn.render for turn in t.turns] == ["same", "rewritten", "rewritten"]
+    assert t.render == "rewritten" and t.turns[1].render_differs_at is not None
+    assert "<think>" in tokenizer.decode(t.response_ids)  # the sampled reasoning is kept
+
+
+def test_1000_concurrent_trajectories_of_3_turns_with_bounded_threads(ro):
+    threads = []
+    env = Chatty()
+
+    class Counting(Chatty):
+        def respond(self, row, messages):
+            threads.append(threading.active_count())
+            return env.respond(row, messages)
+
+    rows = [{"prompt": f"the ka {i}", "turns": 3} for i in range(1000)]
+    done = run(ro, Counting(), rows, sampling=SHORT)
+    assert [t.end_reason for t in done] == ["done"] * 1000
+    assert {(t.num_turns, sum(t.mask)) for t in done} == {(3, 12)}
+    assert max(threads) < 50
+
+
+def test_a_config_value_out_of_range_names_its_field():
+    from rollout import InvalidRequestError
+
+    for field, value in (("max_turns", 0), ("on_tool_error", "ignore"), ("timeout", -1)):
+        with pytest.raises(InvalidRequestError) as error:
+            AgentConfig(**{field: value})
+        assert error.value.field == field
+    with pytest.raises(InvalidRequestError) as error:
+        AgentConfig(sampling=SamplingParams(n=2))
+    assert error.value.field == "sampling.n"
+
+
+def test_function_schemas_come_from_signature_and_docstring():
+    tool = function_tool(add)
+    assert tool.name == "add" and tool.description == "Add two digits."
+    assert tool.parameters["required"] == ["a", "b"]
+    assert tool.parameters["properties"]["a"] == {"type": "integer",
+                                                  "description": "the first digit"}
+
+    def opt(name: str, times: int = 1, tags: list[str] | None = None) -> str:
+        """Say it."""
+        return name * times
+
+    schema = function_tool(opt).parameters
+    assert schema["required"] == ["name"]
+    assert schema["properties"]["tags"] == {"anyOf": [{"type": "array",
+                                                       "items": {"type": "string"}},
+                                                      {"type": "null"}]}
+
