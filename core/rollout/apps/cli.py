@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import attrs
 import click
 
 from rollout.contract.errors import RolloutError
@@ -113,10 +114,16 @@ def _parse_options(values: tuple[str, ...], hint: str = "--backend-option") -> d
 @click.option("--summary", type=click.Path(dir_okay=False),
               help="Where to write the JSON summary (default: OUTPUT with .summary.json).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--environment", help="Run multi-turn trajectories in this environment "
+              "(entry-point name or module:object): one per sample. See docs/agents.md.")
+@click.option("--env-option", multiple=True, metavar="KEY=VALUE",
+              help="Option for the environment (JSON values allowed). Repeatable.")
+@click.option("--max-turns", type=int, help="Turns per trajectory at most (default 8).")
 def generate(config, backend, model, input_, output, n, temperature, top_p, top_k,
              max_tokens, seed, chunk_size, backend_option, mode, replicas, placement, server,
-             api_key, in_flight, summary, quiet) -> None:
-    """Generate responses for every prompt of a parquet file (resumable)."""
+             api_key, in_flight, summary, quiet, environment, env_option, max_turns) -> None:
+    """Generate responses (or, with --environment, trajectories) for every row of a
+    parquet file (resumable)."""
     from rollout.apps.job import Job, load_config
 
     try:
@@ -125,17 +132,34 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
             "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "max_tokens": max_tokens, "seed": seed, "chunk_size": chunk_size,
             "mode": mode, "replicas": replicas, "placement": placement, "server": server,
-            "api_key": api_key, "in_flight": in_flight,
+            "api_key": api_key, "in_flight": in_flight, "environment": environment,
         })
+        if env_option:
+            settings = attrs.evolve(settings, environment_options={
+                **settings.environment_options, **_parse_options(env_option, "--env-option")})
+        if max_turns is not None:
+            settings = attrs.evolve(settings, agent={**settings.agent, "max_turns": max_turns})
         options = {**settings.backend_options, **_parse_options(backend_option)}
         if settings.server or settings.replicas or settings.placement == "ray":
             _require_serving("rollout generate with replicas or --server")
-        job = Job(settings)  # reads and checks the input before any model loads
+        if settings.environment:
+            from rollout.apps.agents.job import AgentJob
+
+            job = AgentJob(settings)
+        else:
+            job = Job(settings)  # reads and checks the input before any model loads
         stats = asyncio.run(_run_job(job, settings, options, progress=not quiet))
     except RolloutError as exc:
         _fail(exc)
     path = Path(summary) if summary else Path(settings.output).with_suffix(".summary.json")
     path.write_text(json.dumps(stats, indent=2) + "\n")
+    if settings.environment:
+        click.echo(f"{stats['trajectories']} trajectories, {stats.get('turns', 0)} turns, "
+                   f"end reasons {stats['end_reasons']}, tool calls {stats['tool_calls']}; "
+                   f"summary in {path}", err=True)
+        click.echo(json.dumps(stats), err=True)
+        click.echo(settings.output)
+        return
     latency = stats["latency_s"]
     click.echo(f"{stats['prompts']} prompts, {stats['samples']} samples, "
                f"{stats['completion_tokens']} tokens in {stats['seconds']} s "

@@ -46,6 +46,11 @@ class GenerateConfig:
     server: str | None = None
     api_key: str | None = None
     in_flight: int | None = None
+    # Trajectories instead of single responses (rollout.apps.agents.job): an environment by
+    # entry-point name or module:object, its options, and AgentConfig's limits.
+    environment: str | None = None
+    environment_options: dict = attrs.field(factory=dict)
+    agent: dict = attrs.field(factory=dict)
 
     def __attrs_post_init__(self):
         for name in ("chunk_size", "in_flight", "replicas"):

@@ -42,13 +42,15 @@ class Environment:
         self.reward_fn = reward_fn
 
     def start(self, row: dict) -> list[Message | dict]:
-        """The first messages, from a dataset row: its `messages`, or its `prompt` as a
-        user turn."""
-        if row.get("messages") is not None:
-            return list(row["messages"])
-        if isinstance(row.get("prompt"), str):
-            return [{"role": "user", "content": row["prompt"]}]
-        raise InvalidRequestError("row", "has neither messages nor a text prompt",
+        """The first messages, from a dataset row: its `messages`, or its `prompt` (a text
+        as a user turn, or a list of messages)."""
+        prompt = row.get("messages") if row.get("messages") is not None else row.get("prompt")
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        if isinstance(prompt, (list, tuple)):
+            return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict)
+                    else m for m in prompt]
+        raise InvalidRequestError("row", "has neither messages nor a prompt",
                                   "a row with `messages` or `prompt`")
 
     def respond(self, row: dict, messages: list[Message]) -> Reply:

@@ -128,20 +128,22 @@ class AgentRunner:
 
     async def run_many(self, rows: Iterable[dict], ids: Iterable[str] | None = None
                        ) -> list[Trajectory]:
-        """One trajectory per row, at most `config.concurrency` at once, in row order."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.config.concurrency)
+        """One trajectory per row, in row order."""
         rows = list(rows)
         ids = list(ids) if ids is not None else [None] * len(rows)
+        return list(await asyncio.gather(*(self.run(r, i) for r, i in zip(rows, ids))))
 
-        async def one(row, id):
-            async with self._slots:
-                return await self.run(row, id)
+    async def run(self, row: dict, id: str | None = None, seed: int | None = None
+                  ) -> Trajectory:
+        """One trajectory (at most `config.concurrency` run at once; the others wait). It
+        never raises for its own failures: they are its end reason. `seed`, if given,
+        replaces the sampling seed (turn k samples with seed + k)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.config.concurrency)
+        async with self._slots:
+            return await self._trajectory(row, id, seed)
 
-        return list(await asyncio.gather(*(one(r, i) for r, i in zip(rows, ids))))
-
-    async def run(self, row: dict, id: str | None = None) -> Trajectory:
-        """One trajectory. It never raises for its own failures: they are its end reason."""
+    async def _trajectory(self, row: dict, id: str | None, seed: int | None) -> Trajectory:
         t = Trajectory(id=id or uuid.uuid4().hex)
         if t.id in self._running:
             raise InvalidRequestError("id", f"trajectory {t.id!r} is already running",
@@ -151,7 +153,7 @@ class AgentRunner:
         running = self._running[t.id] = _Running(None if timeout is None else
                                                  loop.time() + timeout)
         try:
-            await self._run(row, t, running)
+            await self._run(row, t, running, seed)
         except _Stop as stop:
             t.end(stop.reason, stop.detail)
             if stop.reason == "done" and self.config.check_render:
@@ -176,7 +178,8 @@ class AgentRunner:
             running.step.cancel()
         return True
 
-    async def _run(self, row: dict, t: Trajectory, running: _Running) -> None:
+    async def _run(self, row: dict, t: Trajectory, running: _Running, seed: int | None
+                   ) -> None:
         cfg = self.config
         messages = [_message(m) for m in await self._step(running, _maybe(self.env.start(row)))]
         t.messages = messages
@@ -187,6 +190,8 @@ class AgentRunner:
                         f"the context holds {self.max_model_len}")
         for index in range(cfg.max_turns):
             sampling = self._sampling(row, index, messages, len(context), len(t.response_ids))
+            if seed is not None:
+                sampling = attrs.evolve(sampling, seed=seed + index)
             turn = Turn(index=index, prompt_tokens=len(context), sampled_tokens=0,
                         finish_reason="abort", text="")
             t.turns.append(turn)
