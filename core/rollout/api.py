@@ -435,6 +435,7 @@ class _Sample:
         self.logprobs: list[float] | None = [] if s.logprobs is not None else None
         self.top: list | None = [] if s.logprobs else None
         self.finish: str | None = None
+        self.cached: int | None = None
         self.stream = TextStream(decode, s) if streaming else None
         self.streamed_end = False
 
@@ -445,6 +446,8 @@ class _Sample:
         if self.top is not None:
             self.top += chunk.top_logprobs or ()
         self.finish = chunk.finish_reason
+        if chunk.cached_tokens is not None:
+            self.cached = chunk.cached_tokens
         if self.stream is None:
             return ""
         text = self.stream.add(chunk.token_ids)
@@ -459,7 +462,7 @@ class _Sample:
             request_id=request.id, index=index, token_ids=tuple(self.tokens),
             text=final_text(self.decode, self.tokens, self.s) if streamed is None else streamed,
             finish_reason=self.finish or "abort", prompt_tokens=len(prompt),
-            prompt_token_ids=tuple(prompt),
+            prompt_token_ids=tuple(prompt), cached_tokens=self.cached,
             logprobs=None if self.logprobs is None else tuple(self.logprobs),
             top_logprobs=None if self.top is None else tuple(self.top))
 

@@ -342,6 +342,8 @@ class Result:
     completion_tokens: int = attrs.field(
         default=attrs.Factory(lambda self: len(self.token_ids), takes_self=True))
     prompt_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    # Prompt tokens the engine took from its prefix cache; None where it does not say.
+    cached_tokens: int | None = None
 
     def __attrs_post_init__(self):
         _check("prompt_token_ids", not self.prompt_token_ids
@@ -370,6 +372,9 @@ class Chunk:
         default=None, converter=_tuple)
     finish_reason: FinishReason | None = None
     text: str = ""
+    # Prompt tokens the engine took from its prefix cache, on any chunk of the request
+    # where the engine says (the core keeps the last it saw); None elsewhere.
+    cached_tokens: int | None = None
 
 
 @attrs.frozen

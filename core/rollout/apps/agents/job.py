@@ -170,6 +170,9 @@ class AgentSummary:
             self.counts["sampled_tokens"] += sum(t.mask)
             self.counts["appended_tokens"] += len(t.mask) - sum(t.mask)
             for turn in t.turns:
+                if turn.index > 0 and turn.cached_tokens is not None:  # history turns
+                    self.counts["history_prompt_tokens"] += turn.prompt_tokens
+                    self.counts["history_cached_tokens"] += turn.cached_tokens
                 self.seconds["engine_s"] += turn.engine_s
                 self.seconds["tools_s"] += turn.tools_s
                 self.outcomes.update(c.outcome for c in turn.tool_calls)
@@ -182,6 +185,11 @@ class AgentSummary:
                 "tool_calls": dict(self.outcomes), "end_reasons": dict(self.ends),
                 "mean_reward": round(sum(self.rewards) / len(self.rewards), 4)
                 if self.rewards else None,
+                # Prefix-cache hits over the prompts of turns after the first, where the
+                # engine reports them (vLLM, SGLang).
+                "history_cache_hit_rate": round(self.counts["history_cached_tokens"]
+                                                / self.counts["history_prompt_tokens"], 4)
+                if self.counts["history_prompt_tokens"] else None,
                 "seconds": round(seconds, 3),
                 "engine_s": round(self.seconds["engine_s"], 3),
                 "tools_s": round(self.seconds["tools_s"], 3),

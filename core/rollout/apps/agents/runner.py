@@ -217,6 +217,7 @@ class AgentRunner:
             t.add(sampled, True, result.logprobs)
             turn.sampled_tokens, turn.finish_reason, turn.text = \
                 len(sampled), result.finish_reason, result.text
+            turn.cached_tokens = result.cached_tokens
             self._check_limits(t, len(context) + len(sampled), cut=result.finish_reason)
             # Without tools there is nothing to call: the text is the answer, whatever it holds.
             parsed = self.parser.parse(result.text, None) if self.tools else \

@@ -33,6 +33,7 @@ class Turn:
     tool_calls: list[ToolCallRecord] = attrs.field(factory=list)
     engine_s: float = 0.0
     tools_s: float = 0.0
+    cached_tokens: int | None = None  # of the prompt, from the prefix cache (engine's word)
     # How the template's re-rendering of the conversation up to this turn's prompt compares
     # with the tokens sent (RENDER_RULES), and the first token where it differs.
     render: str | None = None
