@@ -244,3 +244,35 @@ def test_function_schemas_come_from_signature_and_docstring():
                                                        "items": {"type": "string"}},
                                                       {"type": "null"}]}
 
+
+
+def test_trajectories_over_a_replica_pool_stay_on_one_replica_each(tiny_model):
+    from rollout.apps.serving.replicas import start_replicas
+    from rollout.testing.agents import ROWS, ToolTask
+
+    async def main():
+        pool = await start_replicas("hf", str(tiny_model), {}, 2)
+        served = []  # (session, replica) of every turn sent
+        for replica in pool.replicas:
+            def record(request, send=replica.service.stream, replica=replica):
+                served.append((request.session_id, replica))
+                return send(request)
+
+            replica.service.stream = record
+        try:
+            runner = AgentRunner(pool, ToolTask(), AgentConfig(sampling=GREEDY),
+                                 tokenizer=str(tiny_model))
+            return await runner.run_many(ROWS * 2), served
+        finally:
+            await pool.close()
+
+    done, served = asyncio.run(main())
+    assert [t.end_reason for t in done] == ["done"] * len(done)
+    homes = {}
+    for session, replica in served:
+        homes.setdefault(session, set()).add(replica)
+    assert len(homes) == len(done) and all(len(r) == 1 for r in homes.values())
+    assert len({r for rs in homes.values() for r in rs}) == 2  # both replicas were used
+    with rollout.load_backend("hf", model=str(tiny_model)) as ro:
+        local = run(ro, ToolTask(), ROWS * 2, sampling=GREEDY)
+    assert [t.response_ids for t in done] == [t.response_ids for t in local]

@@ -108,12 +108,15 @@ class AgentRunner:
         if tokenizer is None and encoder is None:
             raise InvalidRequestError("tokenizer", "a remote service needs the model's tokenizer",
                                       "a tokenizer or a model path")
-        if isinstance(tokenizer, str):
-            from transformers import AutoTokenizer
+        max_model_len = config.max_model_len or getattr(encoder, "max_model_len", None)
+        if isinstance(tokenizer, str):  # a model folder: its tokenizer and context length
+            from transformers import AutoConfig, AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            model, tokenizer = tokenizer, AutoTokenizer.from_pretrained(tokenizer)
+            max_model_len = max_model_len or getattr(
+                AutoConfig.from_pretrained(model), "max_position_embeddings", None)
         self.tokenizer = tokenizer or encoder.tokenizer
-        self.max_model_len = config.max_model_len or getattr(encoder, "max_model_len", None)
+        self.max_model_len = max_model_len
         if self.max_model_len is None:
             raise InvalidRequestError("max_model_len", "unknown for a remote service",
                                       "the model's context length")
