@@ -14,10 +14,11 @@ import asyncio
 import inspect
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
+from rollout.api import Rollout
 from rollout.contract.errors import InvalidRequestError, RolloutError
 from rollout.contract.schemas import Message, Request, SamplingParams, ToolCall
 from rollout.apps.agents.environment import Environment, Reply
@@ -91,7 +92,17 @@ class _Stop(Exception):
 class _Running:
     deadline: float | None
     aborted: bool = False
+    timed_out: bool = False
     step: asyncio.Future | None = None
+    # Stops the running turn and lets it return what it made (a Rollout's abort by id);
+    # without it the step is cancelled.
+    stop: Callable[[], None] | None = None
+
+    def interrupt(self) -> None:
+        if self.stop is not None:
+            self.stop()
+        elif self.step is not None:
+            self.step.cancel()
 
 
 class AgentRunner:
@@ -102,6 +113,9 @@ class AgentRunner:
     def __init__(self, target, environment: Environment, config: AgentConfig | None = None,
                  tokenizer=None):
         self.target = target
+        # A Rollout in this process stops a turn by its id and hands back the partial turn;
+        # any other service streams each turn, so that what a cut turn made is kept.
+        self.rollout = target if isinstance(target, Rollout) else None
         self.env = environment
         self.config = config = config or AgentConfig()
         encoder = getattr(target, "encoder", None)  # a Rollout knows its model
@@ -177,8 +191,7 @@ class AgentRunner:
         if running is None:
             return False
         running.aborted = True
-        if running.step is not None:
-            running.step.cancel()
+        running.interrupt()
         return True
 
     async def _run(self, row: dict, t: Trajectory, running: _Running, seed: int | None
@@ -202,14 +215,15 @@ class AgentRunner:
                 turn.render, turn.render_differs_at = self.chat.check_render(messages, context)
             request = Request(id=f"{t.id}:{index}", prompt_token_ids=tuple(context),
                               sampling=sampling, session_id=t.id)
-            partial: list = []  # the chunks so far, kept if the turn is cut short
+            partial: list = []  # (token ids, logprobs) so far, kept if the turn is cut short
             started = time.monotonic()
             try:
-                completion = await self._step(running, self._sample(request, partial))
+                completion = await self._step(running, self._sample(request, partial, running))
             except _Stop:
-                t.add((i for c in partial for i in c.token_ids), True,
-                      [x for c in partial for x in (c.logprobs or [0.0] * len(c.token_ids))])
-                turn.sampled_tokens = sum(len(c.token_ids) for c in partial)
+                tokens = [i for ids, _ in partial for i in ids]
+                t.add(tokens, True, [x for ids, lps in partial
+                                     for x in (lps or [0.0] * len(ids))])
+                turn.sampled_tokens = len(tokens)
                 raise
             finally:
                 turn.engine_s = time.monotonic() - started
@@ -295,23 +309,34 @@ class AgentRunner:
             raise _Stop("timeout", f"over {self.config.timeout:g} s")
         step = running.step = asyncio.ensure_future(work)
         try:
-            await asyncio.wait({step}, timeout=left)
+            if not (await asyncio.wait({step}, timeout=left))[0]:
+                running.timed_out = True
+                running.interrupt()
+            await asyncio.wait({step})
         finally:
-            running.step = None
-            if not step.done():  # out of time, or this task itself was cancelled
+            if not step.done():  # this task itself was cancelled
                 step.cancel()
-                await asyncio.wait({step})
+            running.step = running.stop = None
         if running.aborted:
             raise _Stop("aborted")
-        if step.cancelled():
+        if running.timed_out:
             raise _Stop("timeout", f"over {self.config.timeout:g} s")
         return step.result()
 
-    async def _sample(self, request: Request, partial: list):
+    async def _sample(self, request: Request, partial: list, running: _Running):
+        """One turn in the engine. `partial` gets its tokens and logprobs as they come (a
+        turn cut short keeps them)."""
+        if self.rollout is not None:
+            running.stop = lambda: self.rollout.abort([request.id])
+            completion = await self.rollout.agenerate(request)
+            if completion.ok:  # (an aborted turn's own tokens, with finish reason abort)
+                result = completion.results[0]
+                partial.append((result.token_ids, result.logprobs))
+            return completion
         stream = self.target.stream(request)
         try:
             async for chunk in stream:
-                partial.append(chunk)
+                partial.append((chunk.token_ids, chunk.logprobs))
             return stream.completion
         finally:
             await stream.aclose()
