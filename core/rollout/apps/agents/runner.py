@@ -57,6 +57,7 @@ class AgentConfig:
     on_tool_error: str = "message"  # give the model the error, or end the trajectory
     tool_parser: str = "hermes"
     check_render: bool = True  # compare with the template's re-rendering at every turn
+    sessions: bool = True  # a trajectory's turns carry its id as their session
     concurrency: int = attrs.field(default=1024, validator=_positive("concurrency"))
 
     def __attrs_post_init__(self):
@@ -214,7 +215,8 @@ class AgentRunner:
             if cfg.check_render:
                 turn.render, turn.render_differs_at = self.chat.check_render(messages, context)
             request = Request(id=f"{t.id}:{index}", prompt_token_ids=tuple(context),
-                              sampling=sampling, session_id=t.id)
+                              sampling=sampling,
+                              session_id=t.id if cfg.sessions else None)
             partial: list = []  # (token ids, logprobs) so far, kept if the turn is cut short
             started = time.monotonic()
             try:
