@@ -291,10 +291,10 @@ class AgentRunner:
         or the context, or before appending what would not fit."""
         budget = self.config.max_tokens
         used = len(t.response_ids) + appended
-        if budget is not None and used > budget or budget is not None and cut == "length" \
-                and used >= budget:
+        full = cut == "length"  # the turn stopped at its clamp: nothing was left of it
+        if budget is not None and (used > budget or full and used >= budget):
             raise _Stop("max_tokens", f"{used} response tokens; the budget is {budget}")
-        if total > self.max_model_len or cut == "length" and total >= self.max_model_len:
+        if total > self.max_model_len or full and total >= self.max_model_len:
             raise _Stop("context_length", f"{total} tokens; the context holds "
                         f"{self.max_model_len}")
 
