@@ -151,19 +151,22 @@ class SGLangBackend:
     async def _sample(self, index: int, body: dict, s, prompt: list[int], rescored: bool):
         """The chunks of one sample, SGLang request `body`."""
         sample = _Sample(s, self.prompts.decode, rescored)
+        cached = None  # SGLang's last word on prefix-cache hits, for the final chunk
         async with contextlib.aclosing(self.engine.stream(body)) as outputs:
             async for out in outputs:
-                ids, logprobs, top, finish = sample.add(
-                    protocol.parse_delta(out, None if rescored else s.logprobs))
+                delta = protocol.parse_delta(out, None if rescored else s.logprobs)
+                if delta.cached_tokens is not None:
+                    cached = delta.cached_tokens
+                ids, logprobs, top, finish = sample.add(delta)
                 if finish is not None:
                     break  # leaving the stream aborts a sample cut here in SGLang
                 if ids:
-                    yield Chunk(index, ids, logprobs, top)
+                    yield Chunk(index, ids, logprobs, top, cached_tokens=delta.cached_tokens)
             else:
                 raise GenerationError("SGLang ended a sample's stream unfinished")
         if rescored:
             logprobs, top = await self._raw_logprobs(prompt, ids, s.logprobs)
-        yield Chunk(index, ids, logprobs, top, finish)
+        yield Chunk(index, ids, logprobs, top, finish, cached_tokens=cached)
 
     def _check_sampling(self, s) -> None:
         """What SGLang cannot do as the contract says is refused, never done otherwise."""
@@ -282,7 +285,7 @@ class _Sample:
     def add(self, delta: protocol.Delta):
         """What to give out for SGLang's new output: (token_ids, logprobs, top_logprobs,
         finish_reason)."""
-        ids, logprobs, top, finish = delta
+        ids, logprobs, top, finish, _ = delta
         end = self._stop_token(ids)
         if self.text is not None:
             at = self._stop_string(ids if end is None else ids[:end])

@@ -43,6 +43,9 @@ class Delta(NamedTuple):
     logprobs: list[float] | None
     top_logprobs: list[tuple[TokenLogprob, ...]] | None
     finish_reason: str | None  # stop, length or abort on the sample's last output
+    # Prompt tokens SGLang took from its radix cache (meta_info["cached_tokens"], on each
+    # output once the prompt is prefilled); None where an output does not carry it.
+    cached_tokens: int | None = None
 
 
 def sampling_body(s: SamplingParams) -> dict:
@@ -190,7 +193,8 @@ def parse_delta(out: dict, logprobs: int | None) -> Delta:
             raise GenerationError(f"SGLang sent {len(chosen)} logprobs for {len(ids)} tokens")
     if logprobs:
         top = [_top(step, logprobs) for step in meta.get("output_top_logprobs") or ()]
-    return Delta(ids, chosen, top, kind)
+    cached = meta.get("cached_tokens")
+    return Delta(ids, chosen, top, kind, None if cached is None else int(cached))
 
 
 def engine_error(message: str) -> RolloutError:
