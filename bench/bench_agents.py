@@ -10,6 +10,7 @@ independent (target: >= 0.8: turns that wait on their history and tools cost lit
 
     python bench/bench_agents.py --backend hf -o batch_size=64
     python bench/bench_agents.py --backend vllm -o dtype=float32 -o enforce_eager=true
+    python bench/bench_agents.py --backend sglang -o mode=engine -o dtype=float32
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import tempfile
 import time
 
 from bench_concurrency import backend_option
+from common import prepare_engine
 
 TARGET = 0.8
 
@@ -33,10 +35,7 @@ def main() -> None:
     parser.add_argument("-o", "--option", dest="options", action="append", default=[],
                         type=backend_option, metavar="KEY=VALUE")
     args = parser.parse_args()
-    if args.backend == "vllm":
-        from bench_vllm import use_cpu_defaults
-
-        use_cpu_defaults()
+    prepare_engine(args.backend)
 
     import rollout
     from rollout.apps.agents import AgentConfig, AgentRunner

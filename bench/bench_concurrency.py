@@ -18,7 +18,7 @@ import json
 import statistics
 import tempfile
 
-from common import prompts, timed, workload_parser
+from common import prepare_engine, prompts, timed, workload_parser
 
 TARGET = 0.9
 
@@ -42,10 +42,7 @@ def main() -> None:
                         type=backend_option, metavar="KEY=VALUE",
                         help="a backend option (repeat for several)")
     args = parser.parse_args()
-    if args.backend == "vllm":
-        from bench_vllm import use_cpu_defaults
-
-        use_cpu_defaults()  # a KV cache that fits a small machine
+    prepare_engine(args.backend)
 
     import rollout
     from rollout.kit.tiny_model import build_tiny_model

@@ -28,3 +28,22 @@ def workload_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     return parser
+
+
+def prepare_engine(backend: str) -> None:
+    """What an engine needs on this machine before it loads: vLLM a KV cache that fits a
+    small machine, SGLang without a GPU the test-only CPU scaffolding (its conftest)."""
+    if backend == "vllm":
+        from bench_vllm import use_cpu_defaults
+
+        use_cpu_defaults()
+    elif backend == "sglang":
+        import sys
+        from pathlib import Path
+
+        import torch
+
+        if not torch.cuda.is_available():
+            tests = Path(__file__).resolve().parent.parent / "plugins" / "sglang_backend" / "tests"
+            sys.path.insert(0, str(tests))
+            import conftest  # noqa: F401 - sets up the CPU scaffolding on import
