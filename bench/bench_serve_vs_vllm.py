@@ -3,12 +3,16 @@ benchmark (`vllm.benchmarks.serve`): random dataset, 200 prompts, 32 tokens in a
 64 requests at once, streamed, on /v1/completions. The benchmark sends
 `repetition_penalty`, which rollout honours.
 
-The two servers run one at a time (two engines on a small machine would slow each other),
+rollout runs the vLLM backend in each of `--modes` (comma-separated, default `async`:
+vLLM's AsyncLLM with its engine core in a child process, as vLLM's own server runs it;
+`engine`: its LLMEngine stepped in the server's own process).
+
+The servers run one at a time (two engines on a small machine would slow each other),
 alternating for `--rounds` rounds after a warm-up round each; medians are compared.
 Targets: output throughput ratio (rollout / vLLM) >= 1.0, TTFT p50 ratio <= 1.2.
 
 Run in the vLLM environment (scripts/env.sh vllm):
-    python bench/bench_serve_vs_vllm.py [--prompts 200] [--rounds 3]
+    python bench/bench_serve_vs_vllm.py [--prompts 200] [--rounds 3] [--modes async,engine]
 """
 
 from __future__ import annotations
@@ -24,15 +28,17 @@ LOAD = ("--random-input-len", "32", "--random-output-len", "32", "--max-concurre
         "--ignore-eos")
 
 
-def servers(model: str, port: int) -> dict[str, list[str]]:
+def servers(model: str, port: int, modes: list[str]) -> dict[str, list[str]]:
     engine = ["--dtype", SETTINGS["dtype"], "--enforce-eager"]
-    return {
+    contenders = {
         "vllm": [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                 "--served-model-name", "tiny", "--port", str(port), *engine],
-        "rollout": [sys.executable, "-m", "rollout", "serve", "--backend", "vllm",
-                    "--model", model, "--served-model-name", "tiny", "--port", str(port),
-                    "-o", "dtype=float32", "-o", "enforce_eager=true"],
-    }
+                 "--served-model-name", "tiny", "--port", str(port), *engine]}
+    for mode in modes:
+        contenders[f"rollout-{mode}"] = [
+            sys.executable, "-m", "rollout", "serve", "--backend", "vllm", "--model", model,
+            "--served-model-name", "tiny", "--port", str(port), "-o", f"mode={mode}",
+            "-o", "dtype=float32", "-o", "enforce_eager=true"]
+    return contenders
 
 
 def measure(argv: list[str], port: int, model: str, prompts: int) -> dict:
@@ -54,6 +60,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", default="async",
+                        help="the vLLM backend's modes to run rollout in, comma-separated")
     args = parser.parse_args()
     use_cpu_defaults()
 
@@ -63,7 +71,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_tiny_model(tmp))
         port = free_port()
-        contenders = servers(model, port)
+        contenders = servers(model, port, args.modes.split(","))
         results: dict[str, list[dict]] = {name: [] for name in contenders}
         for round_ in range(args.rounds + 1):
             for name, argv in contenders.items():
@@ -77,12 +85,13 @@ def main() -> None:
               for name, rs in results.items()}
     print(f"{args.prompts} prompts, 32 in / 32 out, concurrency 64, median of {args.rounds}:")
     for name, m in median.items():
-        print(f"  {name:8s} {m['output_throughput']:8.1f} tokens/s  "
+        print(f"  {name:16s} {m['output_throughput']:8.1f} tokens/s  "
               f"TTFT p50 {m['median_ttft_ms']:8.1f} ms")
-    print(f"  output throughput ratio (rollout / vllm): "
-          f"{median['rollout']['output_throughput'] / median['vllm']['output_throughput']:.3f}")
-    print(f"  TTFT p50 ratio (rollout / vllm): "
-          f"{median['rollout']['median_ttft_ms'] / median['vllm']['median_ttft_ms']:.3f}")
+    base = median.pop("vllm")
+    for name, m in median.items():
+        print(f"  {name}: output throughput ratio (rollout / vllm) "
+              f"{m['output_throughput'] / base['output_throughput']:.3f}, "
+              f"TTFT p50 ratio {m['median_ttft_ms'] / base['median_ttft_ms']:.3f}")
 
 
 if __name__ == "__main__":

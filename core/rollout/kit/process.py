@@ -47,7 +47,7 @@ def cli_flags(options: Mapping[str, object]) -> list[str]:
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent():
+def die_with_parent_hook():
     """A preexec_fn for Linux: SIGTERM the child when the thread that started it ends (the
     owner crashed or was killed), so an engine server is never left running alone."""
     try:
@@ -70,7 +70,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             list(argv), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})}, start_new_session=True,  # its own process group
-            preexec_fn=_die_with_parent() if die_with_parent else None,
+            preexec_fn=die_with_parent_hook() if die_with_parent else None,
         )
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:

@@ -1,4 +1,5 @@
-"""VLLMBackend: the rollout contract over vLLM, in process (`mode="engine"`) or over its
+"""VLLMBackend: the rollout contract over vLLM, in process (`mode="engine"`), through
+AsyncLLM with its engine core in a child process (`mode="async"`), or over its
 OpenAI-compatible server in a child process (`mode="server"`)."""
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from rollout.kit.prompts import PromptEncoder
 from rollout.contract.schemas import SamplingParams, StructuredOutputs
 from rollout.kit.structured import constraint_error
 
-from rollout_vllm.engines import InProcessEngine, ServerEngine
+from rollout_vllm.engines import AsyncEngine, InProcessEngine, ServerEngine
 from rollout_vllm.weights import layer_groups
 
-MODES = ("engine", "server")
+MODES = ("engine", "async", "server")
 
 
 def sleep_unsupported_reason() -> str | None:
@@ -101,6 +102,7 @@ class VLLMBackend:
         self.request_timeout = request_timeout
         self.stream_interval = stream_interval
         self.engine = (InProcessEngine(args, stream_interval) if mode == "engine" else
+                       AsyncEngine(args, stream_interval) if mode == "async" else
                        ServerEngine(args, startup_timeout, request_timeout, stream_interval))
         # The engine's asyncio side lives on the loop the core runs requests on: no hop
         # between loops per token.

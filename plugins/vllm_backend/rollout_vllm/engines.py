@@ -1,14 +1,16 @@
-"""The two ways the backend reaches vLLM, behind one small async interface:
+"""The three ways the backend reaches vLLM, behind one small async interface:
 
 - `InProcessEngine`: vLLM's LLMEngine with its engine core in this process, stepped by a
   thread of ours, as `vllm.LLM` does, so that concurrent requests share continuous batching;
+- `AsyncEngine`: vLLM's AsyncLLM, its engine core in a child process (ZMQ) and its output
+  processing in this one, as vLLM's own server runs it;
 - `ServerEngine`: vLLM's OpenAI-compatible server started as a child process on loopback,
   spoken to over HTTP.
 
-Both run on the engine loop (`rollout.kit.aio.engine_loop()`). `generate` is an async
+All run on the engine loop (`rollout.kit.aio.engine_loop()`). `generate` is an async
 iterator of `rollout.Chunk`s as vLLM makes tokens; cancelling it stops the request in vLLM.
-Both load weights through `rollout_vllm.worker.WeightUpdateExtension`: in process as
-tensors, over HTTP as safetensors bytes (never pickle).
+All load weights through `rollout_vllm.worker.WeightUpdateExtension`: in process as
+tensors, to another process as safetensors bytes (never pickle).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import asyncio
 import base64
 import json
 import queue
+import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator
+from contextlib import aclosing, suppress
 
 from rollout import (
     Chunk,
@@ -30,7 +34,13 @@ from rollout import (
     TokenLogprob,
 )
 from rollout.kit.aio import client_session
-from rollout.kit.process import HOST, ServerProcess, cli_flags, free_port
+from rollout.kit.process import (
+    HOST,
+    ServerProcess,
+    die_with_parent_hook,
+    cli_flags,
+    free_port,
+)
 
 EXTENSION = "rollout_vllm.worker.WeightUpdateExtension"
 SERVED_NAME = "rollout"
@@ -63,6 +73,25 @@ def _finish(reason: str | None, index: int) -> str | None:
     if reason is not None and reason not in FINISH_REASONS:
         raise GenerationError(f"vLLM ended sample {index} with {reason!r}")
     return reason
+
+
+def sampling_params(params: dict, stream_interval: int):
+    """vLLM's SamplingParams for our request, deltas only; its refusal as the request's
+    error. `stream_interval` applies where `params` names none."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    structured = params.get("structured_outputs")
+    try:
+        return SamplingParams(**{
+            **params, "output_kind": RequestOutputKind.DELTA,
+            "stream_interval": params.get("stream_interval", stream_interval),
+            # vLLM's text is not used (the core decodes tokens): made only to find stops.
+            "detokenize": bool(params.get("stop")),
+            "structured_outputs": StructuredOutputsParams(**structured)
+            if structured else None})
+    except Exception as exc:  # noqa: BLE001 - as the request's error where it is one
+        raise _refusal(exc) from None
 
 
 class InProcessEngine:
@@ -174,27 +203,10 @@ class InProcessEngine:
         if adds:
             self.commands.put(lambda engine: self._add_all(engine, adds))
 
-    def sampling(self, params: dict):
-        """vLLM's SamplingParams for our request; its refusal as the request's error."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
-        structured = params.get("structured_outputs")
-        try:
-            return SamplingParams(**{
-                **params, "output_kind": RequestOutputKind.DELTA,
-                "stream_interval": params.get("stream_interval", self.stream_interval),
-                # vLLM's text is not used (the core decodes tokens): made only to find stops.
-                "detokenize": bool(params.get("stop")),
-                "structured_outputs": StructuredOutputsParams(**structured)
-                if structured else None})
-        except Exception as exc:  # noqa: BLE001 - as the request's error where it is one
-            raise _refusal(exc) from None
-
     async def generate(self, rid: str, prompt: list[int], params: dict) -> AsyncIterator[Chunk]:
         if self.dead:
             raise EngineDeadError(self.dead)
-        sampling = self.sampling(params)
+        sampling = sampling_params(params, self.stream_interval)
         stream = self.streams[rid] = _Outputs()
         self.adds.append((rid, prompt, sampling))
         if len(self.adds) == 1:
@@ -322,6 +334,149 @@ def _settle(future: asyncio.Future, result, exception) -> None:
             future.set_exception(exception)
         else:
             future.set_result(result)
+
+
+# vLLM's engine core outlives a process killed without close() (only its workers watch
+# their parent). This watchdog gets SIGTERM when this process ends (die_with_parent) and
+# passes it on to the core's processes (its arguments); it exits once one of them is gone.
+WATCHDOG = """trap 'kill -TERM "$@" 2>/dev/null; exit' TERM
+while kill -0 "$@" 2>/dev/null; do sleep 1 & wait $!; done"""
+
+
+class AsyncEngine:
+    """vLLM's AsyncLLM, as its own OpenAI server runs it: the engine core (scheduler and
+    model) in a child process, spoken to over ZMQ, and only request intake and output
+    processing in this process, on the engine loop. The core then never waits for the GIL
+    that this process's HTTP handling and the rollout core hold."""
+
+    def __init__(self, engine_args: dict, stream_interval: int = 1):
+        self.engine_args = engine_args
+        self.stream_interval = stream_interval
+        self.engine = None
+        self.creating: asyncio.Future | None = None
+        self.watchdog: subprocess.Popen | None = None
+
+    async def start(self) -> None:
+        # Built on a worker thread: it blocks while the core process loads (30-75 s on
+        # CPU), and the engine loop keeps serving other backends meanwhile. AsyncLLM made
+        # outside a running loop starts its tasks on first use, which is on the engine loop.
+        self.creating = asyncio.ensure_future(asyncio.to_thread(self._create))
+        await asyncio.shield(self.creating)
+        pids = [str(p.pid) for p in self._core_processes()]
+        if pids:
+            # Started from the engine loop's thread, which lives as long as the process (the
+            # signal comes when the thread that started it ends); prctl is all it runs there.
+            self.watchdog = subprocess.Popen(  # noqa: ASYNC220
+                ["sh", "-c", WATCHDOG, "sh", *pids], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                preexec_fn=die_with_parent_hook())  # noqa: PLW1509
+
+    def _create(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # vLLM's defaults for offline batches (those of `vllm.LLM`: on CPU 256 running
+        # sequences and 4096 batched tokens, where its server takes 128 and 2048), as in
+        # engine mode: rollouts are batch work. No stats and no request logs, as `vllm.LLM`.
+        context = UsageContext.LLM_CLASS
+        config = AsyncEngineArgs(**self.engine_args).create_engine_config(context)
+        # Kept here, not returned: a returned engine stays referenced from the thread's
+        # future and frame, and would outlive close().
+        self.engine = AsyncLLM.from_vllm_config(config, usage_context=context,
+                                                disable_log_stats=True)
+
+    def _core_processes(self) -> list:
+        """The engine core's processes (none where vLLM did not start them here)."""
+        manager = getattr(self.engine.engine_core.resources, "engine_manager", None)
+        return list(getattr(manager, "processes", ()))
+
+    def _dead(self) -> EngineDeadError:
+        """EngineDeadError saying how the core's process ended, where it has."""
+        how = ", ".join(f"{p.name} (pid {p.pid}) exited with code {p.exitcode}"
+                        for p in self._core_processes() if p.exitcode is not None)
+        return EngineDeadError(f"vLLM's engine core died ({how or 'see its log'})")
+
+    def _check(self) -> None:
+        if self.engine.errored:
+            raise self._dead()
+
+    async def generate(self, rid: str, prompt: list[int], params: dict) -> AsyncIterator[Chunk]:
+        from vllm.inputs import tokens_input
+
+        self._check()
+        sampling = sampling_params(params, self.stream_interval)
+        k = params.get("logprobs")
+        # A rendered token input: vLLM takes it on this thread, where a raw prompt would go
+        # through its renderer's thread pool.
+        outputs = self.engine.generate(tokens_input(prompt), sampling, rid)
+        finished = False
+        try:
+            # Closing vLLM's generator (GeneratorExit) or cancelling it aborts the request.
+            async with aclosing(outputs):
+                async for output in outputs:
+                    finished = output.finished
+                    for chunk in _chunks([output], k):
+                        yield chunk
+        except Exception as exc:  # noqa: BLE001 - sorted: dead engine or this request's error
+            raise self._error(exc) from None
+        finally:
+            if not finished and self.engine is not None and not self.engine.errored:
+                # Also stops a request whose add was still being sent when it was cancelled
+                # (vLLM's generator aborts only once the add returned); a no-op otherwise.
+                await self.engine.abort(rid)
+
+    def _error(self, exc: Exception) -> Exception:
+        from vllm.v1.engine.exceptions import EngineDeadError as Dead
+        from vllm.v1.engine.exceptions import EngineGenerateError
+
+        if isinstance(exc, Dead) or self.engine.errored:
+            return self._dead()
+        if isinstance(exc, EngineGenerateError) and isinstance(exc.__cause__, Exception):
+            exc = exc.__cause__  # what vLLM raised on taking the request
+        return _refusal(exc)
+
+    async def _call(self, method: str, *args, **kwargs):
+        """One of AsyncLLM's calls to the core; EngineDeadError if the core died."""
+        self._check()
+        try:
+            return await getattr(self.engine, method)(*args, **kwargs)
+        except Exception:
+            if self.engine.errored:
+                raise self._dead() from None
+            raise
+
+    async def update_weights(self, tensors: dict) -> None:
+        from rollout_vllm.weights import to_bytes
+
+        # The core is another process: safetensors bytes (never pickle), made off the loop.
+        data = await asyncio.to_thread(to_bytes, tensors)
+        await self._call("collective_rpc", "rollout_update_weights", args=(data,))
+        await self._call("reset_prefix_cache")
+
+    async def release(self, level: int) -> None:
+        await self._call("sleep", level)
+
+    async def resume(self, tags: list[str]) -> None:
+        await self._call("wake_up", tags)
+
+    async def close(self) -> None:
+        if self.creating is not None and not self.creating.done():
+            # Start timed out: wait for the engine it was making, to stop that too.
+            with suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(self.creating), 600)
+        if self.engine is not None:
+            # Stopped first, its output handler does not log the core's exit as a failure.
+            if self.engine.output_handler is not None:
+                self.engine.output_handler.cancel()
+            # Joins the core's process (SIGTERM, then SIGKILL): off the loop, whose sockets
+            # vLLM closes from there.
+            await asyncio.to_thread(self.engine.shutdown, 30)
+            self.engine = None
+        if self.watchdog is not None:
+            self.watchdog.terminate()  # the core is gone: its SIGTERM reaches no one
+            await asyncio.to_thread(self.watchdog.wait, 10)
+            self.watchdog = None
 
 
 class ServerEngine:

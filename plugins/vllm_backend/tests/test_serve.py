@@ -1,5 +1,5 @@
-"""The HTTP server in front of the vLLM backend (engine mode): the same server contract as
-the HF backend's, through the official `openai` client."""
+"""The HTTP server in front of the vLLM backend (engine and async modes): the same server
+contract as the HF backend's, through the official `openai` client."""
 
 import pytest
 from conftest import ENGINE
@@ -8,9 +8,20 @@ import rollout
 from rollout.testing.serving import ServerContract
 
 
+def loader(mode: str):
+    return lambda model, max_model_len: rollout.load_backend(
+        "vllm", model=model, mode=mode, max_model_len=max_model_len, **ENGINE)
+
+
 class TestVLLMServer(ServerContract):
     @pytest.fixture(scope="class")
     @classmethod
     def make_rollout(cls):
-        return lambda model, max_model_len: rollout.load_backend(
-            "vllm", model=model, mode="engine", max_model_len=max_model_len, **ENGINE)
+        return loader("engine")
+
+
+class TestVLLMAsyncServer(ServerContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def make_rollout(cls):
+        return loader("async")
