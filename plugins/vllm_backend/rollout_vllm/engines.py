@@ -25,6 +25,8 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import aclosing, suppress
 
+import attrs
+
 from rollout import (
     Chunk,
     EngineDeadError,
@@ -298,11 +300,14 @@ class _Outputs:
 
 
 def _chunks(outputs: list, k: int | None) -> list[Chunk]:
-    """A chunk per sample from delta RequestOutputs (several merged when they piled up)."""
+    """A chunk per sample from delta RequestOutputs (several merged when they piled up),
+    with vLLM's count of the prompt tokens it found in its prefix cache."""
+    cached = outputs[-1].num_cached_tokens
     if len(outputs) == 1:  # the usual case: one step's output
         return [Chunk(o.index, o.token_ids, _chosen(o.token_ids, o.logprobs) if k is not None
                       else None, _top(o.logprobs, k) if k else None,
-                      _finish(o.finish_reason, o.index)) for o in outputs[0].outputs]
+                      _finish(o.finish_reason, o.index), cached_tokens=cached)
+                for o in outputs[0].outputs]
     merged: dict[int, list] = {}
     for output in outputs:
         for o in output.outputs:
@@ -313,7 +318,8 @@ def _chunks(outputs: list, k: int | None) -> list[Chunk]:
             if k:
                 m[2] += _top(o.logprobs, k)
             m[3] = _finish(o.finish_reason, o.index) or m[3]
-    return [Chunk(i, tokens, logprobs if k is not None else None, top if k else None, finish)
+    return [Chunk(i, tokens, logprobs if k is not None else None, top if k else None, finish,
+                  cached_tokens=cached)
             for i, (tokens, logprobs, top, finish) in merged.items()]
 
 
@@ -501,7 +507,7 @@ class ServerEngine:
                 for k, v in self.engine_args.items()}
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", args.pop("model"), "--host", HOST, "--port", str(self.port),
-                "--served-model-name", SERVED_NAME]
+                "--served-model-name", SERVED_NAME, "--enable-prompt-tokens-details"]
         return argv + cli_flags(args)
 
     async def start(self) -> None:
@@ -562,6 +568,8 @@ class ServerEngine:
         body = {"model": SERVED_NAME, "prompt": prompt, "request_id": rid,
                 "return_token_ids": True, "return_tokens_as_token_ids": True,
                 "stream": True, "stream_interval": self.stream_interval,
+                # The last event's usage says how many prompt tokens were cached.
+                "stream_options": {"include_usage": True},
                 **{k: v for k, v in params.items() if v is not None}}
         k = params.get("logprobs")
         try:
@@ -571,10 +579,22 @@ class ServerEngine:
             ) as response:
                 if response.status != 200:
                     await _json(response, path)
+                ending: list[Chunk] = []  # samples' last chunks, held for the cached count
                 async for line in response.content:
                     if line.startswith(b"data: {"):
-                        for chunk in _sse_chunks(json.loads(line[6:]), k):
-                            yield chunk
+                        event = json.loads(line[6:])
+                        for chunk in _sse_chunks(event, k):
+                            if chunk.finish_reason is None:
+                                yield chunk
+                            else:
+                                ending.append(chunk)
+                        cached = _cached_tokens(event)
+                        if cached is not None:
+                            for chunk in ending:
+                                yield attrs.evolve(chunk, cached_tokens=cached)
+                            ending = []
+                for chunk in ending:  # (no usage came)
+                    yield chunk
         except RolloutError:
             raise
         except (aiohttp.ClientError, OSError, RuntimeError) as exc:  # RuntimeError: closed
@@ -611,6 +631,12 @@ async def _json(response, path: str):
     if response.status != 200:
         raise GenerationError(f"vLLM server answered {response.status} on {path}: {data}")
     return data
+
+
+def _cached_tokens(event: dict) -> int | None:
+    """The prompt tokens vLLM's server found cached, from a stream's final usage event."""
+    details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
+    return details.get("cached_tokens")
 
 
 def _sse_chunks(event: dict, k: int | None) -> list[Chunk]:

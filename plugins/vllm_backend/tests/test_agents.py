@@ -1,0 +1,48 @@
+"""Multi-turn tool trajectories on the real vLLM engine: the agent contract in process, and
+two replicas whose prefix caches hold each trajectory's history when sessions pin it."""
+
+import asyncio
+
+import pytest
+from conftest import ENGINE
+
+import rollout
+from rollout.testing.agents import GREEDY, ROWS, AgentContract, ToolTask
+
+
+class TestVLLMAgents(AgentContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def make_rollout(cls):
+        return lambda model_dir: rollout.load_backend("vllm", model=str(model_dir),
+                                                      mode="engine", **ENGINE)
+
+    def test_a_plain_generate_reports_cached_tokens(self, agent_ro):
+        request = {"prompt": "the ka lo " * 40, "sampling": {"temperature": 0.0,
+                                                            "max_tokens": 4}}
+        [first] = agent_ro.generate([request])[0].unwrap()
+        [again] = agent_ro.generate([request])[0].unwrap()
+        assert first.cached_tokens is not None
+        assert 0 < again.cached_tokens <= again.prompt_tokens
+
+
+def test_two_replicas_with_sessions_serve_later_turns_from_the_prefix_cache(tiny_model):
+    from rollout.apps.agents import AgentConfig, AgentRunner
+    from rollout.apps.serving.replicas import start_replicas
+
+    async def main():
+        pool = await start_replicas("vllm", str(tiny_model), ENGINE, 2)
+        try:
+            runner = AgentRunner(pool, ToolTask(calls=2), AgentConfig(sampling=GREEDY),
+                                 tokenizer=str(tiny_model))
+            return await runner.run_many(ROWS * 2)
+        finally:
+            await pool.close()
+
+    done = asyncio.run(main())
+    later = [(t.turns[i - 1], t.turns[i]) for t in done for i in range(1, t.num_turns)]
+    assert all(t.end_reason == "done" and t.num_turns == 3 for t in done)
+    for before, turn in later:
+        # The previous turn's prompt is in this replica's cache, up to its last block.
+        assert before.prompt_tokens - 64 <= turn.cached_tokens <= turn.prompt_tokens, (
+            before, turn)
