@@ -197,6 +197,18 @@ class BackendContract(SamplingContract):
             return
         pytest.fail("no probe output had a clean two-character stop string")
 
+    def test_cached_tokens_are_the_engines_word(self, harness):
+        request = {"prompt": "the ka lo " * 40, "sampling": {"temperature": 0.0,
+                                                            "max_tokens": 4}}
+        [first] = harness.rollout.generate([request])[0].unwrap()
+        [again] = harness.rollout.generate([request])[0].unwrap()
+        if first.cached_tokens is None and again.cached_tokens is None:
+            pytest.skip("this backend's engine reports no prefix-cache hits")
+        # The same prompt again is found in the prefix cache (all but what the engine
+        # recomputes), and never more than the prompt.
+        assert 0 <= first.cached_tokens <= first.prompt_tokens
+        assert 0 < again.cached_tokens <= again.prompt_tokens
+
     def test_logprobs_match_greedy_choice(self, harness):
         skip_unless(harness.caps, "logprobs")
         request = {"id": "lp", "prompt": "the ka lo",

@@ -17,14 +17,6 @@ class TestVLLMAgents(AgentContract):
         return lambda model_dir: rollout.load_backend("vllm", model=str(model_dir),
                                                       mode="engine", **ENGINE)
 
-    def test_a_plain_generate_reports_cached_tokens(self, agent_ro):
-        request = {"prompt": "the ka lo " * 40, "sampling": {"temperature": 0.0,
-                                                            "max_tokens": 4}}
-        [first] = agent_ro.generate([request])[0].unwrap()
-        [again] = agent_ro.generate([request])[0].unwrap()
-        assert first.cached_tokens is not None
-        assert 0 < again.cached_tokens <= again.prompt_tokens
-
 
 def test_two_replicas_with_sessions_serve_later_turns_from_the_prefix_cache(tiny_model):
     from rollout.apps.agents import AgentConfig, AgentRunner
