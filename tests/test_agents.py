@@ -276,3 +276,38 @@ def test_trajectories_over_a_replica_pool_stay_on_one_replica_each(tiny_model):
     with rollout.load_backend("hf", model=str(tiny_model)) as ro:
         local = run(ro, ToolTask(), ROWS * 2, sampling=GREEDY)
     assert [t.response_ids for t in done] == [t.response_ids for t in local]
+
+
+def test_an_engine_that_saw_another_prompt_ends_the_trajectory_naming_the_turn(ro):
+    """The real engines echo the prompt they got; a service that does not (stood in for
+    here by one that drops a token from the echo on turn 1) is caught at that turn."""
+    import attrs
+
+    class Lossy:
+        encoder = ro.encoder
+
+        def stream(self, request):
+            return LossyStream(ro.stream(request), request.id.endswith(":1"))
+
+    class LossyStream:
+        def __init__(self, inner, lossy):
+            self.inner, self.lossy, self.completion = inner, lossy, None
+
+        async def __aiter__(self):
+            async for chunk in self.inner:
+                yield chunk
+            completion = self.inner.completion
+            if self.lossy:
+                result = completion.results[0]
+                completion = attrs.evolve(completion, results=(attrs.evolve(
+                    result, prompt_token_ids=result.prompt_token_ids[1:],
+                    prompt_tokens=result.prompt_tokens - 1),))
+            self.completion = completion
+
+        async def aclose(self):
+            await self.inner.aclose()
+
+    [t] = asyncio.run(AgentRunner(Lossy(), Chatty(), AgentConfig(sampling=SHORT))
+                      .run_many([{"prompt": "hi"}]))
+    assert t.end_reason == "error" and t.num_turns == 2
+    assert "prefix_mismatch" in t.end_detail and "turn 1" in t.end_detail
