@@ -17,14 +17,16 @@ def logprobs(*steps):
     return [{t: NS(logprob=lp, rank=rank) for t, lp, rank in step} for step in steps]
 
 
-def output(*completions, finished=False):
+def output(*completions, finished=False, cached=None):
     return NS(outputs=[NS(index=i, token_ids=list(tokens), logprobs=lps, finish_reason=finish)
-                       for i, tokens, lps, finish in completions], finished=finished)
+                       for i, tokens, lps, finish in completions], finished=finished,
+              num_cached_tokens=cached)
 
 
 def test_one_step_gives_a_chunk_per_sample():
-    step = output((0, [5], None, None), (1, [7], None, "length"))
-    assert _chunks([step], None) == [Chunk(0, (5,)), Chunk(1, (7,), finish_reason="length")]
+    step = output((0, [5], None, None), (1, [7], None, "length"), cached=16)
+    assert _chunks([step], None) == [Chunk(0, (5,), cached_tokens=16),
+                                     Chunk(1, (7,), finish_reason="length", cached_tokens=16)]
 
 
 def test_outputs_that_piled_up_merge_per_sample():
