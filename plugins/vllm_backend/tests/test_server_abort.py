@@ -40,7 +40,9 @@ def test_an_aborted_request_leaves_the_server(backend):
     async def run():
         tasks = [asyncio.ensure_future(backend.agenerate({**LONG, "id": f"long-{i}"}))
                  for i in range(4)]
-        await asyncio.sleep(1.0)
+        deadline = time.monotonic() + 60  # (a loaded machine takes a while to start them)
+        while not await asyncio.to_thread(running, backend) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
         assert await asyncio.to_thread(running, backend) > 0  # the count sees them
         backend.abort([f"long-{i}" for i in range(4)])
         return await asyncio.gather(*tasks)
