@@ -162,14 +162,7 @@ class Job:
         self.config = config
         self.output = Path(config.output)
         self.table = read_prompts(config.input)
-        self.parts = Parts(self.output, self._fingerprint(), "job")
-
-    def _fingerprint(self) -> dict:
-        c = self.config
-        return {"input": os.path.abspath(c.input), "rows": self.table.num_rows,
-                "model": c.model, "backend": c.backend, "server": c.server,
-                "chunk_size": c.chunk_size,
-                "sampling": convert.unstructure(c.sampling)}
+        self.parts = Parts(self.output, fingerprint(config, self.table.num_rows), "job")
 
     async def run(self, service: Service, progress: bool = True, in_flight: int | None = None
                   ) -> dict:
@@ -241,6 +234,13 @@ class Job:
             table = table.append_column(name, generated.column(name))
         atomic_write_table(self.output, table)
         self.parts.remove()
+
+
+def fingerprint(config: GenerateConfig, rows: int) -> dict:
+    """What a job's parts must agree on to be resumed."""
+    return {"input": os.path.abspath(config.input), "rows": rows, "model": config.model,
+            "backend": config.backend, "server": config.server,
+            "chunk_size": config.chunk_size, "sampling": convert.unstructure(config.sampling)}
 
 
 def _ready(value) -> asyncio.Future:

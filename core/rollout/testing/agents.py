@@ -145,6 +145,7 @@ def check_logprobs(t: Trajectory, model, tokenizer, regexes: list[str]) -> None:
     by the turn's constraint (the contract's logprobs come after a constraint's mask)."""
     import torch
 
+    from rollout.contract.schemas import StructuredOutputs
     from rollout.kit.sampler.grammars import Grammars, allowed_tokens
 
     sequence = t.prompt_ids + t.response_ids
@@ -154,8 +155,6 @@ def check_logprobs(t: Trajectory, model, tokenizer, regexes: list[str]) -> None:
     grammars = Grammars(tokenizer, vocab, {tokenizer.eos_token_id})
     position = len(t.prompt_ids)
     for turn, regex in zip(t.turns, regexes):
-        from rollout.contract.schemas import StructuredOutputs
-
         matcher = grammars.matcher(grammars.compile(StructuredOutputs(regex=regex)))
         for _ in range(turn.sampled_tokens):
             token = sequence[position]

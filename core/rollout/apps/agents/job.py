@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,7 +21,7 @@ from rollout.contract.errors import InvalidRequestError
 from rollout.apps.agents.environment import load_environment
 from rollout.apps.agents.runner import AgentConfig, AgentRunner
 from rollout.apps.agents.trajectory import Trajectory
-from rollout.apps.job import GenerateConfig
+from rollout.apps.job import GenerateConfig, fingerprint
 from rollout.apps.parts import Parts, atomic_write_table
 
 COLUMNS = ("sample", "trajectory_id", "prompt_ids", "response_ids", "mask", "logprobs",
@@ -69,15 +68,10 @@ class AgentJob:
         if clash:
             raise InvalidRequestError("input", f"{config.input} already has output columns "
                                       f"{clash}")
-        self.parts = Parts(self.output, self._fingerprint(), "agent job")
-
-    def _fingerprint(self) -> dict:
-        c = self.config
-        return {"input": os.path.abspath(c.input), "rows": self.table.num_rows,
-                "model": c.model, "backend": c.backend, "server": c.server,
-                "chunk_size": c.chunk_size, "sampling": convert.unstructure(c.sampling),
-                "environment": c.environment, "environment_options": c.environment_options,
-                "agent": c.agent}
+        self.parts = Parts(self.output, {
+            **fingerprint(config, self.table.num_rows), "environment": config.environment,
+            "environment_options": config.environment_options, "agent": config.agent},
+            "agent job")
 
     def runner(self, service) -> AgentRunner:
         rollout = getattr(service, "rollout", None)  # a backend in this process

@@ -19,10 +19,11 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from rollout.api import Rollout
+from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError, RolloutError
 from rollout.contract.schemas import Message, Request, SamplingParams, ToolCall
 from rollout.apps.agents.environment import Environment, Reply
-from rollout.apps.agents.tokens import ChatTokens
+from rollout.apps.agents.tokens import ChatTokens, first_difference
 from rollout.apps.agents.tools import ToolResult, call_tool
 from rollout.apps.agents.trajectory import ToolCallRecord, Trajectory, Turn
 from rollout.apps.tool_parsers import ParsedMessage, load_tool_parser, new_call_id
@@ -75,8 +76,7 @@ class PrefixMismatchError(RolloutError):
     kind = "prefix_mismatch"
 
     def __init__(self, turn: int, expected: Sequence[int], got: Sequence[int]):
-        at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b),
-                  min(len(expected), len(got)))
+        at = first_difference(expected, got)
         super().__init__(f"turn {turn}: the engine's prompt differs from the trajectory's "
                          f"tokens at {at}: expected {list(expected[at:at + 8])}, got "
                          f"{list(got[at:at + 8])} ({len(expected)} vs {len(got)} tokens)")
@@ -269,8 +269,6 @@ class AgentRunner:
         changes = self.env.sampling(row, index, messages) if hasattr(self.env, "sampling") \
             else None
         if changes:
-            from rollout.contract import convert
-
             base = convert.structure({**convert.unstructure(base), **changes}, SamplingParams)
         limit = min(base.max_tokens, self.max_model_len - context)
         if self.config.max_tokens is not None:
@@ -377,8 +375,4 @@ def _close(work) -> None:
 
 
 def _message(value) -> Message:
-    if isinstance(value, Message):
-        return value
-    from rollout.contract import convert
-
-    return convert.structure(value, Message)
+    return value if isinstance(value, Message) else convert.structure(value, Message)

@@ -75,7 +75,12 @@ class ChatTokens:
         rendered = self._ids(text)
         if rendered == list(ids):
             return "same", None
-        first = next((i for i, (a, b) in enumerate(zip(rendered, ids)) if a != b),
-                     min(len(rendered), len(ids)))
+        first = first_difference(rendered, ids)
         held = self.tokenizer.decode(list(ids), skip_special_tokens=False)
         return ("retokenized" if held == text else "rewritten"), first
+
+
+def first_difference(a, b) -> int:
+    """The first index where two token sequences differ (the shorter one's length when one
+    starts the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

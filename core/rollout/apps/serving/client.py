@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import contextmanager
 
 from rollout.contract import convert
 from rollout.kit.aio import client_session
-from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutError, RolloutTimeoutError
+from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutError, \
+    RolloutTimeoutError
 from rollout.contract.schemas import Chunk, Completion, Request
 
 
@@ -33,24 +35,35 @@ class RemoteService:
             self._session = client_session(headers=self._headers)
         return self._session
 
-    async def generate(self, request: Request) -> Completion:
-        """Raises ReplicaDown when the replica cannot answer; the request's own error comes
-        back in its Completion."""
+    def _post(self, path: str, body: dict):
         import aiohttp
 
-        body = {"requests": [convert.unstructure(request)]}
+        return self._client().post(
+            f"{self.url}{path}", json=body,
+            timeout=aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=10))
+
+    @contextmanager
+    def _reaching(self):
+        """A call's transport failures as the pool reads them: a timeout, or the replica
+        down (its requests may then go elsewhere)."""
+        import aiohttp
+
         try:
-            async with self._client().post(
-                f"{self.url}/rollout/generate", json=body,
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=10),
-            ) as response:
-                data = await response.json(content_type=None)
-                status = response.status
+            yield
         except asyncio.TimeoutError:
             raise RolloutTimeoutError(
                 f"{self.url} did not answer within {self.request_timeout:.0f} s") from None
         except (aiohttp.ClientError, ValueError) as exc:
             raise ReplicaDown(f"{self.url}: {exc!r}") from None
+
+    async def generate(self, request: Request) -> Completion:
+        """Raises ReplicaDown when the replica cannot answer; the request's own error comes
+        back in its Completion."""
+        with self._reaching():
+            async with self._post("/rollout/generate",
+                                  {"requests": [convert.unstructure(request)]}) as response:
+                data = await response.json(content_type=None)
+                status = response.status
         if status == 200:
             return convert.structure(data["completions"][0], Completion)
         raise _refusal(self.url, status, data)
@@ -95,27 +108,20 @@ class RemoteStream:
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[Chunk]:
-        import aiohttp
-
         url = self.service.url
         try:
-            self._response = response = await self.service._client().post(
-                f"{url}/rollout/stream", json={"request": convert.unstructure(self.request)},
-                timeout=aiohttp.ClientTimeout(total=self.service.request_timeout,
-                                              sock_connect=10))
-            if response.status != 200:
-                raise _refusal(url, response.status, await response.json(content_type=None))
-            async for line in _lines(response.content):
-                item = json.loads(line)
-                if "chunk" in item:
-                    yield convert.structure(item["chunk"], Chunk)
-                else:
-                    self.completion = convert.structure(item["completion"], Completion)
-        except asyncio.TimeoutError:
-            raise RolloutTimeoutError(
-                f"{url} did not answer within {self.service.request_timeout:.0f} s") from None
-        except (aiohttp.ClientError, ValueError) as exc:
-            raise ReplicaDown(f"{url}: {exc!r}") from None
+            with self.service._reaching():
+                self._response = response = await self.service._post(
+                    "/rollout/stream", {"request": convert.unstructure(self.request)})
+                if response.status != 200:
+                    raise _refusal(url, response.status,
+                                   await response.json(content_type=None))
+                async for line in _lines(response.content):
+                    item = json.loads(line)
+                    if "chunk" in item:
+                        yield convert.structure(item["chunk"], Chunk)
+                    else:
+                        self.completion = convert.structure(item["completion"], Completion)
         finally:
             await self.aclose()
         if self.completion is None:
