@@ -154,18 +154,15 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
     path = Path(summary) if summary else Path(settings.output).with_suffix(".summary.json")
     path.write_text(json.dumps(stats, indent=2) + "\n")
     if settings.environment:
-        click.echo(f"{stats['trajectories']} trajectories, {stats.get('turns', 0)} turns, "
-                   f"end reasons {stats['end_reasons']}, tool calls {stats['tool_calls']}; "
-                   f"summary in {path}", err=True)
-        click.echo(json.dumps(stats), err=True)
-        click.echo(settings.output)
-        return
-    latency = stats["latency_s"]
-    click.echo(f"{stats['prompts']} prompts, {stats['samples']} samples, "
-               f"{stats['completion_tokens']} tokens in {stats['seconds']} s "
-               f"({stats['tokens_per_second']} tokens/s); latency p50 {latency['p50']} s, "
-               f"p99 {latency['p99']} s; errors {stats['errors']} {stats['errors_by_kind']}; "
-               f"summary in {path}", err=True)
+        line = (f"{stats['trajectories']} trajectories, {stats.get('turns', 0)} turns, "
+                f"end reasons {stats['end_reasons']}, tool calls {stats['tool_calls']}")
+    else:
+        latency = stats["latency_s"]
+        line = (f"{stats['prompts']} prompts, {stats['samples']} samples, "
+                f"{stats['completion_tokens']} tokens in {stats['seconds']} s "
+                f"({stats['tokens_per_second']} tokens/s); latency p50 {latency['p50']} s, "
+                f"p99 {latency['p99']} s; errors {stats['errors']} {stats['errors_by_kind']}")
+    click.echo(f"{line}; summary in {path}", err=True)
     click.echo(json.dumps(stats), err=True)
     click.echo(settings.output)
 

@@ -116,7 +116,6 @@ class _Routes:
             completions[i] = completion
         return web.json_response({"completions": [convert.unstructure(c) for c in completions]})
 
-
     async def native_stream(self, request: web.Request) -> web.StreamResponse:
         """One request in rollout's own schema, its chunks as they come: newline-delimited
         JSON, `{"chunk": ...}` lines and then `{"completion": ...}`, whose error is the
