@@ -15,6 +15,7 @@ from rollout.contract.errors import (
     RolloutTimeoutError,
     UnknownBackendError,
     UnsupportedError,
+    WeightsDirtyError,
 )
 from rollout.contract.hookspecs import hookimpl
 from rollout.contract.schemas import (
@@ -58,6 +59,7 @@ __all__ = [
     "RolloutTimeoutError",
     "SamplingParams",
     "StructuredOutputs",
+    "WeightsDirtyError",
     "TextPart",
     "TokenLogprob",
     "Tool",

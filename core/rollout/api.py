@@ -29,6 +29,7 @@ from rollout.contract.errors import (
     InvalidRequestError,
     RolloutError,
     RolloutTimeoutError,
+    WeightsDirtyError,
 )
 from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result
 from rollout.kit.aio import engine_loop, on_loop
@@ -37,6 +38,7 @@ from rollout.kit.text import TextStream, final_text
 # A supported capability needs these hooks implemented.
 HOOKS_FOR = {"release": ("release", "resume"), "update_weights": ("update_weights",)}
 LIFECYCLE_TIMEOUT_S = 600.0
+PAUSES = ("wait", "abort")  # what a weight update does to running requests
 
 
 class Rollout:
@@ -72,6 +74,8 @@ class Rollout:
         self._released: set[str] = set()
         self._closed = False
         self._dead: EngineDeadError | None = None
+        self._dirty: str | None = None  # why the weights may be half-updated
+        self.weight_version: int | None = None  # of the weights that serve requests now
         self._gate = threading.Condition()  # guards what follows
         self._flights: dict[str, set[_Flight]] = {}  # request id -> its running calls
         self._running = 0  # requests admitted and not yet done
@@ -259,7 +263,7 @@ class Rollout:
                 "unfinished samples"))
         results = []
         for i, sample in enumerate(samples):
-            results.append(sample.result(request, i, prompt))
+            results.append(sample.result(request, i, prompt, self.weight_version))
             if sink is not None and sample.stream is not None and not sample.streamed_end:
                 sink(Chunk(i, finish_reason=results[-1].finish_reason,
                            text=sample.stream.finish()))
@@ -275,6 +279,8 @@ class Rollout:
                     raise self._dead
                 if self._closed:
                     raise BackendReleasedError(f"backend {self.name!r} is closed")
+                if self._dirty is not None and not (self._lifecycle or self._lifecycle_waiting):
+                    raise WeightsDirtyError(f"backend {self.name!r}: {self._dirty}")
                 if not (self._lifecycle or self._lifecycle_waiting):
                     if not self._released:
                         self._running += 1
@@ -327,17 +333,36 @@ class Rollout:
             return {"backend": self.name, "running": self._running,
                     "released": sorted(self._released)}
 
-    def update_weights(self, named_tensors: Iterable, bucket_bytes: int | None = None) -> None:
-        """Load new weights, given as (name, tensor) pairs, packed into buckets."""
+    def update_weights(self, named_tensors: Iterable, bucket_bytes: int | None = None,
+                       version: int | None = None, pause: str = "wait") -> None:
+        """Load new weights, given as (name, tensor) pairs, packed into buckets.
+
+        `version` stamps every later `Result.weight_version`. `pause` says what happens to
+        running requests: "wait" lets them finish first, "abort" stops them (they return
+        what they made so far, finish reason "abort", to be continued under the new
+        weights). An update that fails midway leaves the weights dirty: no request runs
+        until a full update succeeds.
+        """
         from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
 
+        if pause not in PAUSES:
+            raise InvalidRequestError("pause", f"got {pause!r}", ", ".join(PAUSES))
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise InvalidRequestError("version", f"got {version!r}", "an integer or None")
         self.capabilities.require("update_weights")
-        with self._lifecycle_section():
+        with self._lifecycle_section(abort=pause == "abort"):
             if "weights" in self._released:
                 raise BackendReleasedError(
                     f"backend {self.name!r}: weights are released; resume(['weights']) first")
             buckets = iter_buckets(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
-            self._pm.hook.update_weights(buckets=buckets)
+            try:
+                self._pm.hook.update_weights(buckets=buckets)
+            except BaseException as exc:
+                self._dirty = (f"a weight update failed midway ({exc!r}); it takes no request "
+                               "until a full update succeeds")
+                raise
+            self._dirty = None
+            self.weight_version = version
 
     def close(self) -> None:
         """Stop running requests and the engine."""
@@ -356,10 +381,10 @@ class Rollout:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _lifecycle_section(self) -> _Lifecycle:
+    def _lifecycle_section(self, abort: bool = False) -> _Lifecycle:
         if on_loop(self._loop):
             raise RuntimeError("lifecycle calls block; make them off the engine loop")
-        return _Lifecycle(self)
+        return _Lifecycle(self, abort)
 
 
 class Stream:
@@ -456,13 +481,15 @@ class _Sample:
             text += self.stream.finish()
         return text
 
-    def result(self, request: Request, index: int, prompt: list[int]) -> Result:
+    def result(self, request: Request, index: int, prompt: list[int],
+               weight_version: int | None) -> Result:
         streamed = self.stream.final if self.streamed_end else None  # decoded once only
         return Result(
             request_id=request.id, index=index, token_ids=tuple(self.tokens),
             text=final_text(self.decode, self.tokens, self.s) if streamed is None else streamed,
             finish_reason=self.finish or "abort", prompt_tokens=len(prompt),
             prompt_token_ids=tuple(prompt), cached_tokens=self.cached,
+            weight_version=weight_version,
             logprobs=None if self.logprobs is None else tuple(self.logprobs),
             top_logprobs=None if self.top is None else tuple(self.top))
 
@@ -471,13 +498,17 @@ class _Lifecycle:
     """A lifecycle call runs alone: it waits (bounded) for running requests to end, and
     holds new ones back meanwhile."""
 
-    def __init__(self, owner: Rollout):
+    def __init__(self, owner: Rollout, abort: bool = False):
         self.owner = owner
+        self.abort = abort  # stop running requests instead of waiting for them
 
     def __enter__(self):
         o = self.owner
         with o._gate:
-            o._lifecycle_waiting += 1
+            o._lifecycle_waiting += 1  # from here on, no new request is admitted
+        if self.abort:
+            o.abort()
+        with o._gate:
             try:
                 if not o._gate.wait_for(lambda: not (o._lifecycle or o._running),
                                         timeout=LIFECYCLE_TIMEOUT_S):

@@ -73,6 +73,13 @@ class EngineDeadError(RolloutError, RuntimeError):
     kind = "engine_dead"
 
 
+class WeightsDirtyError(RolloutError, RuntimeError):
+    """A weight update failed midway: the engine may hold a mix of old and new weights, so
+    it takes no request until a full update succeeds (or it is restarted)."""
+
+    kind = "weights_dirty"
+
+
 class NoReplicaError(RolloutError, RuntimeError):
     """No healthy replica is left to serve a request."""
 

@@ -344,6 +344,9 @@ class Result:
     prompt_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     # Prompt tokens the engine took from its prefix cache; None where it does not say.
     cached_tokens: int | None = None
+    # The version of the weights that generated it (`Rollout.update_weights(version=)`);
+    # None until the first versioned update.
+    weight_version: int | None = None
 
     def __attrs_post_init__(self):
         _check("prompt_token_ids", not self.prompt_token_ids

@@ -94,3 +94,45 @@ def unpack(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
 def iter_unpacked(buckets: Iterable[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
     for bucket in buckets:
         yield from unpack(bucket)
+
+
+# --- a bucket's layout as JSON, for engines in other processes -------------------------
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def layout(bucket: Bucket) -> dict:
+    """What a receiver needs to cut a bucket's bytes back into tensors: JSON, no pickle."""
+    return {"nbytes": bucket.nbytes,
+            "tensors": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes]
+                        for m in bucket.tensors]}
+
+
+def metas_from_layout(value: dict) -> tuple[int, tuple[TensorMeta, ...]]:
+    """(nbytes, tensors) of a `layout`, checked: sent over the network, so not trusted."""
+    from rollout.contract.errors import InvalidRequestError
+
+    def bad(why: str, allowed: str):
+        return InvalidRequestError("layout", why, allowed)
+
+    try:
+        nbytes, rows = int(value["nbytes"]), value["tensors"]
+        metas = tuple(TensorMeta(str(n), str(d), tuple(int(x) for x in s), int(o), int(b))
+                      for n, d, s, o, b in rows)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise bad(f"malformed ({exc!r})", '{"nbytes": N, "tensors": [[name, dtype, shape, '
+                  'offset, nbytes], ...]}') from None
+    for m in metas:
+        if m.dtype not in DTYPES:
+            raise bad(f"{m.name!r} has dtype {m.dtype!r}", ", ".join(DTYPES))
+        itemsize = 2 if m.dtype in ("float16", "bfloat16") else 8 if m.dtype == "float64" else 4
+        count = 1
+        for x in m.shape:
+            count *= x
+        if min(m.shape, default=1) < 0 or m.nbytes != count * itemsize:
+            raise bad(f"{m.name!r}: shape {m.shape} does not make {m.nbytes} bytes",
+                      "nbytes = product(shape) * itemsize")
+        if m.offset < 0 or m.offset % ALIGN or m.offset + m.nbytes > nbytes:
+            raise bad(f"{m.name!r}: bytes {m.offset}..{m.offset + m.nbytes} of {nbytes}",
+                      f"offsets aligned to {ALIGN}, inside the bucket")
+    return nbytes, metas

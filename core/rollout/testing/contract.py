@@ -25,7 +25,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from rollout import BackendReleasedError, Capabilities, InvalidRequestError, Rollout
+from rollout import (BackendReleasedError, Capabilities, InvalidRequestError, Rollout,
+                     WeightsDirtyError)
 from rollout.testing.models import load_weights, perturbed_copy, tiny_model_dir
 from rollout.testing.sampling import SamplingContract
 from rollout.testing.strategies import invalid_requests, requests
@@ -50,6 +51,10 @@ def probe_requests() -> list[dict]:
 def probe(backend: Rollout) -> tuple[tuple[int, ...], ...]:
     """Greedy tokens for fixed prompts: the fingerprint of the weights now loaded."""
     return tuple(c.unwrap()[0].token_ids for c in backend.generate(probe_requests()))
+
+
+def probe_versions(backend: Rollout) -> set[int | None]:
+    return {r.weight_version for c in backend.generate(probe_requests()) for r in c.unwrap()}
 
 
 def skip_unless(caps: Capabilities, capability: str) -> None:
@@ -387,6 +392,62 @@ class BackendContract(SamplingContract):
             harness.rollout.update_weights(load_weights(harness.model_dir).items(),
                                            bucket_bytes=4096)
         assert probe(harness.rollout) == harness.baseline
+
+    def test_updates_stamp_results_with_their_version_and_flush_the_prefix_cache(
+            self, harness):
+        skip_unless(harness.caps, "update_weights")
+        request = {"prompt": "the ka lo " * 40, "sampling": {"temperature": 0.0,
+                                                            "max_tokens": 4}}
+        harness.rollout.generate([request])  # now in the prefix cache, where there is one
+        try:
+            harness.rollout.update_weights(load_weights(harness.model_dir).items(), version=7)
+            assert harness.rollout.weight_version == 7
+            [after] = harness.rollout.generate([request])[0].unwrap()
+            assert after.weight_version == 7
+            # KV computed under older weights is never read under newer ones.
+            assert after.cached_tokens in (None, 0), "the prefix cache outlived an update"
+        finally:
+            harness.rollout.update_weights(load_weights(harness.model_dir).items())
+        assert harness.rollout.generate([request])[0].unwrap()[0].weight_version is None
+
+    def test_a_failed_update_leaves_the_weights_dirty_until_a_full_one(self, harness):
+        skip_unless(harness.caps, "update_weights")
+        other = list(load_weights(harness.other_dir).items())
+
+        def dies_halfway():  # a trainer that stops sending after half the tensors
+            yield from other[: len(other) // 2]
+            raise ConnectionResetError("the trainer went away")
+
+        with pytest.raises(ConnectionResetError):
+            harness.rollout.update_weights(dies_halfway(), bucket_bytes=4096, version=1)
+        with pytest.raises(WeightsDirtyError, match="failed midway"):
+            harness.rollout.generate(probe_requests())
+        assert harness.rollout.weight_version is None  # the old version is not claimed
+        harness.rollout.update_weights(load_weights(harness.model_dir).items())
+        assert probe(harness.rollout) == harness.baseline
+
+    def test_an_update_that_aborts_returns_running_requests_partial(self, harness):
+        skip_unless(harness.caps, "update_weights")
+        request = self._long_request(harness, "cut-by-update")
+        weights = load_weights(harness.model_dir)
+
+        async def run():
+            task = asyncio.ensure_future(harness.rollout.agenerate(request, timeout=300))
+            while not harness.rollout.health()["running"]:
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(harness.rollout.update_weights, weights.items(),
+                                    version=3, pause="abort")
+            return await asyncio.wait_for(task, 60)
+
+        try:
+            for result in asyncio.run(run()).unwrap():
+                assert result.finish_reason == "abort"
+                assert result.weight_version is None  # made under the weights before
+            assert probe_versions(harness.rollout) == {3}
+        finally:
+            harness.rollout.update_weights(weights.items())
+        with pytest.raises(InvalidRequestError, match="pause"):
+            harness.rollout.update_weights(weights.items(), pause="later")
 
     def test_generate_while_released(self, harness):
         skip_unless(harness.caps, "release")
