@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -324,18 +325,21 @@ class Rollout:
         return frozenset(self._released)
 
     def health(self) -> dict:
-        """What runs now; raises the engine's death (or closing) if it happened."""
+        """What runs now; raises the engine's death, its closing or its dirty weights."""
         with self._gate:
             if self._dead is not None:
                 raise self._dead
             if self._closed:
                 raise BackendReleasedError(f"backend {self.name!r} is closed")
+            if self._dirty is not None:
+                raise WeightsDirtyError(f"backend {self.name!r}: {self._dirty}")
             return {"backend": self.name, "running": self._running,
-                    "released": sorted(self._released)}
+                    "released": sorted(self._released), "weight_version": self.weight_version}
 
     def update_weights(self, named_tensors: Iterable, bucket_bytes: int | None = None,
                        version: int | None = None, pause: str = "wait") -> None:
-        """Load new weights, given as (name, tensor) pairs, packed into buckets.
+        """Load new weights, given as (name, tensor) pairs, packed into buckets (or as
+        buckets already packed, which a server receives).
 
         `version` stamps every later `Result.weight_version`. `pause` says what happens to
         running requests: "wait" lets them finish first, "abort" stops them (they return
@@ -343,7 +347,7 @@ class Rollout:
         weights). An update that fails midway leaves the weights dirty: no request runs
         until a full update succeeds.
         """
-        from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
+        from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
 
         if pause not in PAUSES:
             raise InvalidRequestError("pause", f"got {pause!r}", ", ".join(PAUSES))
@@ -354,7 +358,7 @@ class Rollout:
             if "weights" in self._released:
                 raise BackendReleasedError(
                     f"backend {self.name!r}: weights are released; resume(['weights']) first")
-            buckets = iter_buckets(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
+            buckets = _packed(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
             try:
                 self._pm.hook.update_weights(buckets=buckets)
             except BaseException as exc:
@@ -548,6 +552,19 @@ def _aborted_results(request: Request) -> tuple[Result, ...]:
     return tuple(Result(request_id=request.id, index=i, token_ids=(), text="",
                         finish_reason="abort", prompt_tokens=0)
                  for i in range(request.sampling.n))
+
+
+def _packed(weights: Iterable, bucket_bytes: int) -> Iterator:
+    """Buckets as they come, or (name, tensor) pairs packed into buckets."""
+    from rollout.kit.buckets import Bucket, iter_buckets
+
+    items = iter(weights)
+    first = next(items, None)
+    if first is None:
+        return iter(())
+    if isinstance(first, Bucket):
+        return itertools.chain([first], items)
+    return iter_buckets(itertools.chain([first], items), bucket_bytes)
 
 
 def _tags(tags: Iterable[str] | None) -> tuple[str, ...]:

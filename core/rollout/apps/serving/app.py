@@ -14,6 +14,7 @@ import logging
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 import attrs
@@ -27,6 +28,7 @@ from rollout.contract.schemas import Completion, Request
 from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
     model_not_found
 from rollout.apps.serving.service import Service
+from rollout.apps.serving.weights import BUCKET_WAIT_S, WeightUpdate, check_update_options
 from rollout.apps.tool_parsers import DEFAULT_PARSER, load_tool_parser
 
 log = logging.getLogger("rollout.serve")
@@ -34,6 +36,7 @@ log = logging.getLogger("rollout.serve")
 MAX_BODY_BYTES = 64 << 20
 SESSION_HEADER = "X-Session-ID"  # the requests of one session go to one replica
 SHUTDOWN_GRACE_S = 5.0
+WEIGHT_STEPS = ("bucket", "end", "cancel")
 
 
 def make_app(service: Service, model_name: str, api_key: str | None = None,
@@ -50,6 +53,9 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
         web.get("/health", routes.health),
         web.post("/rollout/generate", routes.native_generate),
         web.post("/rollout/stream", routes.native_stream),
+        web.post("/rollout/release", routes.release),
+        web.post("/rollout/resume", routes.resume),
+        web.post("/rollout/weights/{step}", routes.weights),
     ])
     return app
 
@@ -60,6 +66,9 @@ class _Routes:
         self.model_name = model_name
         self.tool_parser = tool_parser
         self.started = int(time.time())
+        # The open weight update (one at most): id -> (update, its bucket timeout, when
+        # the trainer last sent a step).
+        self.updates: dict[str, tuple[WeightUpdate | None, float, float]] = {}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, CompletionsCall(await _json(request), self.model_name))
@@ -148,6 +157,80 @@ class _Routes:
         await send({"completion": convert.unstructure(completion)})
         await response.write_eof()
         return response
+
+
+    # --- lifecycle: what a trainer calls between steps --------------------------------
+
+    async def release(self, request: web.Request) -> web.Response:
+        await self.service.release(_tags_of(await _json(request)))
+        return web.json_response({})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        await self.service.resume(_tags_of(await _json(request)))
+        return web.json_response({})
+
+    async def weights(self, request: web.Request) -> web.Response:
+        """A weight update in steps: `begin` {version, pause} -> {update}; `bucket` {update,
+        bucket} once per bucket; `end` {update} -> {version}; `cancel` {update, reason}."""
+        step, body = request.match_info["step"], await _json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        if step == "begin":
+            unknown = set(body) - {"version", "pause", "timeout"}
+            if unknown:
+                raise ApiError(400, f"unknown fields {sorted(unknown)} (allowed: version, "
+                               "pause, timeout)", param=sorted(unknown)[0])
+            options = (body.get("version"), body.get("pause", "wait"),
+                       body.get("timeout", BUCKET_WAIT_S))
+            check_update_options(*options)
+            await self._drop_abandoned_update()
+            if self.updates:
+                raise ApiError(409, "another weight update is open on this server",
+                               code="update_open")
+            update_id = uuid.uuid4().hex
+            self.updates[update_id] = (None, options[2], time.monotonic())  # while it begins
+            try:
+                update = await self.service.begin_update(*options)
+            except BaseException:
+                del self.updates[update_id]
+                raise
+            self.updates[update_id] = (update, options[2], time.monotonic())
+            return web.json_response({"update": update_id})
+        update, timeout, _ = self.updates.get(body.get("update"), (None, 0, 0))
+        if step not in WEIGHT_STEPS or update is None:
+            raise ApiError(404, f"no open weight update {body.get('update')!r} at step "
+                           f"{step!r} (steps: begin, {', '.join(WEIGHT_STEPS)})",
+                           param="update")
+        if step == "bucket":
+            try:
+                await update.send(body.get("bucket"))
+                self.updates[body["update"]] = (update, timeout, time.monotonic())
+            except BaseException:  # a half-sent update: the backend stays dirty until a full one
+                self.updates.pop(body["update"], None)
+                await update.cancel("a bucket failed")
+                raise
+            return web.json_response({})
+        self.updates.pop(body["update"], None)
+        if step == "cancel":
+            await update.cancel(str(body.get("reason", "cancelled by the trainer")))
+            return web.json_response({})
+        return web.json_response({"version": await update.end()})
+
+
+    async def _drop_abandoned_update(self) -> None:
+        """An update whose trainer went quiet for longer than its timeout has failed (the
+        backend is dirty): it no longer stands in the way of a new one."""
+        for update_id, (update, timeout, last) in list(self.updates.items()):
+            if update is not None and time.monotonic() - last > timeout:
+                del self.updates[update_id]
+                await update.cancel("the trainer stopped sending")
+
+
+def _tags_of(body) -> list[str] | None:
+    if not isinstance(body, dict) or set(body) - {"tags"}:
+        raise ApiError(400, 'the body must be {"tags": ["weights", "kv_cache"] or null}',
+                       param="tags")
+    return body.get("tags")
 
 
 async def _json(request: web.Request):

@@ -88,6 +88,28 @@ class RemoteService:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise NoReplicaError(f"{self.url} is unreachable: {exc!r}") from None
 
+    async def _control(self, path: str, body: dict) -> dict:
+        """A lifecycle call: its failure raised as the replica's typed error."""
+        with self._reaching():
+            async with self._post(path, body) as response:
+                data = await response.json(content_type=None)
+                status = response.status
+        if status == 200:
+            return data
+        raise _typed_refusal(self.url, status, data)
+
+    async def release(self, tags: list[str] | None) -> None:
+        await self._control("/rollout/release", {"tags": tags})
+
+    async def resume(self, tags: list[str] | None) -> None:
+        await self._control("/rollout/resume", {"tags": tags})
+
+    async def begin_update(self, version: int | None, pause: str,
+                           timeout: float) -> RemoteUpdate:
+        data = await self._control("/rollout/weights/begin", {
+            "version": version, "pause": pause, "timeout": timeout})
+        return RemoteUpdate(self, data["update"])
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -139,6 +161,26 @@ class RemoteStream:
         self.cancel()
 
 
+class RemoteUpdate:
+    """A weight update open on a replica, by the id its server gave it."""
+
+    def __init__(self, service: RemoteService, update_id: str):
+        self.service = service
+        self.id = update_id
+
+    async def send(self, message: dict) -> None:
+        await self.service._control("/rollout/weights/bucket",
+                                    {"update": self.id, "bucket": message})
+
+    async def end(self) -> int | None:
+        return (await self.service._control("/rollout/weights/end", {"update": self.id}))[
+            "version"]
+
+    async def cancel(self, reason: str) -> None:
+        await self.service._control("/rollout/weights/cancel",
+                                    {"update": self.id, "reason": reason})
+
+
 async def _lines(content) -> AsyncIterator[bytes]:
     """The lines of a response body as they arrive, however long (a completion with many
     logprobs is longer than aiohttp's line limit)."""
@@ -164,6 +206,20 @@ def _refusal(url: str, status: int, data) -> Exception:
     if status == 504:
         return RolloutTimeoutError(f"{url} timed out: {message}")
     return RolloutError(f"{url} answered {status}: {message}")
+
+
+def _typed_refusal(url: str, status: int, data) -> Exception:
+    """The replica's own error, rebuilt with its type (an OpenAI error body whose code is
+    the rollout error kind)."""
+    from rollout.contract.errors import InvalidRequestError, from_dict
+
+    error = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, dict) or status == 401:
+        return _refusal(url, status, data)
+    if status == 400:  # the message names the field and what it may be
+        field = error.get("param") or "body"
+        return InvalidRequestError(field, str(error.get("message")).removeprefix(f"{field}: "))
+    return from_dict({"kind": error.get("code"), "message": f"{url}: {error.get('message')}"})
 
 
 def _error_message(data) -> str:

@@ -24,6 +24,7 @@ from rollout.contract.errors import (
     NoReplicaError,
     RolloutError,
     RolloutTimeoutError,
+    WeightsDirtyError,
 )
 from rollout.contract.schemas import Chunk, Completion, Request, Result, Tool
 from rollout.apps.tool_parsers import DEFAULT_PARSER, forced, load_tool_parser
@@ -98,7 +99,7 @@ def api_error(exc: RolloutError, param: str | None = None) -> ApiError:
         param = param or exc.field
         message = exc.message.removeprefix(f"{exc.field}: ")
         return ApiError(400, f"{param}: {message}", param=param)
-    if isinstance(exc, (NoReplicaError, EngineDeadError)):
+    if isinstance(exc, (NoReplicaError, EngineDeadError, WeightsDirtyError)):
         status = 503
     elif isinstance(exc, RolloutTimeoutError):
         status = 504

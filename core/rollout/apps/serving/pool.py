@@ -41,6 +41,7 @@ class Replica:
         self.healthy = True
         self.down_reason = ""
         self.failed_checks = 0
+        self.weight_version: int | None = None  # as its health last said, or its last update
         self.calls: set = set()  # its requests' futures and streams; cancelled if it dies
 
 
@@ -54,6 +55,10 @@ class ReplicaPool:
         self._changed: asyncio.Condition | None = None
         self._monitor: asyncio.Task | None = None
         self._sessions: OrderedDict[str, Replica] = OrderedDict()  # session id -> replica
+        # Set by the pool's first weight update: from then on only replicas at this version
+        # serve (a restarted one, at its checkpoint's weights, waits for the next update).
+        self.weight_version: int | None = None
+        self._versioned = False
 
     async def start(self) -> ReplicaPool:
         self._changed = asyncio.Condition()
@@ -92,11 +97,11 @@ class ReplicaPool:
         fewest requests in flight (which a new session is pinned to)."""
         async with self._changed:
             while True:
-                up = [r for r in self.replicas if r.healthy]
+                up = [r for r in self.replicas if self._serves(r)]
                 if not up:
                     raise NoReplicaError(self._no_replica_message())
                 pinned = self._sessions.get(session) if session else None
-                if pinned is not None and pinned.healthy:
+                if pinned is not None and self._serves(pinned):
                     self._sessions.move_to_end(session)
                     choices = [pinned]
                 else:
@@ -112,14 +117,23 @@ class ReplicaPool:
                     return best
                 await self._changed.wait()
 
+    def _serves(self, replica: Replica) -> bool:
+        return replica.healthy and (not self._versioned
+                                    or replica.weight_version == self.weight_version)
+
     async def _release(self, replica: Replica) -> None:
         async with self._changed:
             replica.in_flight -= 1
             self._changed.notify()
 
     def _no_replica_message(self) -> str:
-        reasons = "; ".join(f"{r.service.url}: {r.down_reason}" for r in self.replicas)
+        reasons = "; ".join(f"{r.service.url}: {r.down_reason or self._behind(r)}"
+                            for r in self.replicas)
         return f"no healthy replica left ({reasons})"
+
+    def _behind(self, replica: Replica) -> str:
+        return (f"at weight version {replica.weight_version}, the pool at "
+                f"{self.weight_version} (it waits for the next update)")
 
     # --- health -----------------------------------------------------------------------
 
@@ -142,13 +156,14 @@ class ReplicaPool:
             await self._take_out(replica, "its process exited")
             return
         try:
-            await replica.service.health()
+            state = await replica.service.health()
         except RolloutError as exc:
             replica.failed_checks += 1
             if replica.failed_checks >= HEALTH_STRIKES:
                 await self._take_out(replica, str(exc))
         else:
             replica.failed_checks = 0
+            replica.weight_version = state.get("weight_version")
             if not replica.healthy:
                 await self._put_back(replica)
 
@@ -159,11 +174,33 @@ class ReplicaPool:
 
     async def health(self) -> dict:
         states = [{"url": r.service.url, "healthy": r.healthy, "in_flight": r.in_flight,
-                   **({"down": r.down_reason} if not r.healthy else {})}
+                   "weight_version": r.weight_version,
+                   **({"down": r.down_reason} if not r.healthy else {}),
+                   **({"behind": self._behind(r)} if r.healthy and not self._serves(r) else {})}
                   for r in self.replicas]
-        if not any(r.healthy for r in self.replicas):
+        if not any(self._serves(r) for r in self.replicas):
             raise NoReplicaError(self._no_replica_message())
-        return {"replicas": states, "healthy": sum(r.healthy for r in self.replicas)}
+        return {"replicas": states, "healthy": sum(self._serves(r) for r in self.replicas),
+                "weight_version": self.weight_version}
+
+    # --- lifecycle, on every replica at once ------------------------------------------
+
+    async def release(self, tags: list[str] | None) -> None:
+        await _on_each(self._reachable(), lambda r: r.service.release(tags), "release")
+
+    async def resume(self, tags: list[str] | None) -> None:
+        await _on_each(self._reachable(), lambda r: r.service.resume(tags), "resume")
+
+    async def begin_update(self, version: int | None, pause: str,
+                           timeout: float) -> PoolUpdate:
+        update = PoolUpdate(self, version)
+        await update.each(self._reachable(),
+                          lambda r: r.service.begin_update(version, pause, timeout))
+        return update
+
+    def _reachable(self) -> list[Replica]:
+        """Replicas whose process runs: a dirty one (out of rotation) needs the update most."""
+        return [r for r in self.replicas if r.process is None or r.process.alive()]
 
     async def close(self, stop_replicas: bool = True) -> None:
         if self._monitor is not None:
@@ -172,6 +209,62 @@ class ReplicaPool:
             await replica.service.close()
             if stop_replicas and replica.process is not None:
                 await asyncio.to_thread(replica.process.stop)
+
+
+async def _on_each(replicas: list[Replica], call, what: str) -> list:
+    """`call` on every replica in parallel; raises naming the replicas it failed on."""
+    results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
+    failed = {r.service.url: x for r, x in zip(replicas, results) if isinstance(x, BaseException)}
+    if failed or not replicas:
+        raise RolloutError(f"{what} failed on {len(failed)} of {len(replicas)} replicas: "
+                           + "; ".join(f"{url}: {x}" for url, x in failed.items()))
+    return results
+
+
+class PoolUpdate:
+    """A weight update on every replica at once. A replica that fails drops out of it (it
+    is dirty, or gone, and takes no requests); the others go on. `end` returns when all
+    have the new version, or raises naming the ones that failed."""
+
+    def __init__(self, pool: ReplicaPool, version: int | None):
+        self.pool = pool
+        self.version = version
+        self.updates: dict[Replica, object] = {}  # the replicas still in the update
+        self.failed: dict[str, str] = {}  # url -> why
+
+    async def each(self, replicas: list[Replica], call) -> None:
+        results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
+        for replica, result in zip(replicas, results):
+            if isinstance(result, BaseException):
+                self.failed[replica.service.url] = str(result) or repr(result)
+                self.updates.pop(replica, None)
+            elif replica not in self.updates:
+                self.updates[replica] = result
+        if not self.updates:
+            raise RolloutError("the weight update failed on every replica: " + self._why())
+
+    def _why(self) -> str:
+        return "; ".join(f"{url}: {why}" for url, why in self.failed.items())
+
+    async def send(self, message: dict) -> None:
+        await self.each(list(self.updates), lambda r: self.updates[r].send(message))
+
+    async def end(self) -> int | None:
+        await self.each(list(self.updates), lambda r: self.updates[r].end())
+        async with self.pool._changed:  # from now on, only replicas at this version serve
+            for replica in self.updates:  # each is up and clean: it just loaded them all
+                replica.weight_version = self.version
+                replica.healthy, replica.down_reason, replica.failed_checks = True, "", 0
+            self.pool.weight_version, self.pool._versioned = self.version, True
+            self.pool._changed.notify_all()
+        if self.failed:
+            raise RolloutError(f"weights updated on {len(self.updates)} replicas, failed on "
+                               f"{len(self.failed)}: {self._why()}")
+        return self.version
+
+    async def cancel(self, reason: str) -> None:
+        await asyncio.gather(*(u.cancel(reason) for u in self.updates.values()),
+                             return_exceptions=True)
 
 
 class PoolStream:

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from rollout.api import Rollout
 from rollout.contract.schemas import Chunk, Completion, Request
+from rollout.apps.serving.weights import LocalUpdate, WeightUpdate
 
 
 class ChunkStream(Protocol):
@@ -36,6 +37,15 @@ class Service(Protocol):
     async def health(self) -> dict:
         """What is up; raises when nothing is."""
 
+    async def release(self, tags: list[str] | None) -> None: ...
+
+    async def resume(self, tags: list[str] | None) -> None: ...
+
+    async def begin_update(self, version: int | None, pause: str,
+                           timeout: float) -> WeightUpdate:
+        """Start a weight update (see `rollout.apps.serving.weights`); `timeout`: the
+        longest wait for the trainer's next bucket before the update fails."""
+
     async def close(self) -> None: ...
 
 
@@ -54,6 +64,16 @@ class LocalService:
 
     async def health(self) -> dict:
         return self.rollout.health()
+
+    async def release(self, tags: list[str] | None) -> None:
+        await asyncio.to_thread(self.rollout.release, tags)
+
+    async def resume(self, tags: list[str] | None) -> None:
+        await asyncio.to_thread(self.rollout.resume, tags)
+
+    async def begin_update(self, version: int | None, pause: str,
+                           timeout: float) -> WeightUpdate:
+        return LocalUpdate(self.rollout, version, pause, timeout)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.rollout.close)

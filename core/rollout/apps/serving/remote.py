@@ -1,0 +1,96 @@
+"""`ServedRollout`: what a trainer holds for a backend in other processes (a `rollout serve`
+at a URL, or replicas it starts), with `Rollout`'s synchronous methods: generate, update
+weights, release, resume. It runs its calls on a loop thread of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from rollout.contract import convert
+from rollout.contract.schemas import Completion, Request
+from rollout.kit.aio import LoopThread
+from rollout.apps.serving.service import Service
+from rollout.apps.serving.weights import BUCKET_WAIT_S, check_update_options, push_weights
+
+CALL_TIMEOUT_S = 3600.0
+
+
+class ServedRollout:
+    def __init__(self, service: Service, loop: LoopThread):
+        self.service = service
+        self._loop = loop
+        self.weight_version: int | None = None
+
+    @classmethod
+    def connect(cls, url: str, api_key: str | None = None) -> ServedRollout:
+        """A running `rollout serve` (with one backend or a pool of replicas behind it)."""
+        return cls._open(server=url, api_key=api_key)
+
+    @classmethod
+    def start(cls, backend: str, model: str, replicas: int = 1,
+              options: Mapping | None = None) -> ServedRollout:
+        """Replica processes of this machine, each serving `backend`, pooled here."""
+        return cls._open(backend=backend, model=model, options=options, replicas=replicas,
+                         mode="colocated")
+
+    @classmethod
+    def _open(cls, **how) -> ServedRollout:
+        from rollout.apps.serving.connect import connect
+
+        loop = LoopThread("rollout-served")
+        try:
+            service = loop.run(connect(**how), CALL_TIMEOUT_S, "starting the service")
+        except BaseException:
+            loop.stop()
+            raise
+        return cls(service, loop)
+
+    def _run(self, coro, what: str, timeout: float = CALL_TIMEOUT_S):
+        return self._loop.run(coro, timeout, what)
+
+    def generate(self, requests: Sequence[Request | Mapping]) -> list[Completion]:
+        import asyncio
+
+        checked = [r if isinstance(r, Request) else convert.structure(dict(r), Request)
+                   for r in requests]
+
+        async def run_all():
+            return await asyncio.gather(*(self.service.generate(r) for r in checked))
+
+        return self._run(run_all(), "generate")
+
+    def update_weights(self, named_tensors: Iterable, bucket_bytes: int | None = None,
+                       version: int | None = None, pause: str = "wait",
+                       timeout: float = BUCKET_WAIT_S) -> None:
+        """As `Rollout.update_weights`, on every replica in parallel; returns when all have
+        the new version, or raises naming the ones that failed (they take no requests).
+        A replica that waits `timeout` s for the next bucket fails the update."""
+        check_update_options(version, pause, timeout)
+
+        async def push():
+            update = await self.service.begin_update(version, pause, timeout)
+            return await push_weights(update, named_tensors, bucket_bytes)
+
+        self._run(push(), "the weight update")
+        self.weight_version = version
+
+    def release(self, tags: Iterable[str] | None = None) -> None:
+        self._run(self.service.release(None if tags is None else list(tags)), "release")
+
+    def resume(self, tags: Iterable[str] | None = None) -> None:
+        self._run(self.service.resume(None if tags is None else list(tags)), "resume")
+
+    def health(self) -> dict:
+        return self._run(self.service.health(), "health", 30)
+
+    def close(self) -> None:
+        try:
+            self._run(self.service.close(), "closing", 120)
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> ServedRollout:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

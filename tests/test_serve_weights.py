@@ -1,0 +1,130 @@
+"""Weights pushed from a trainer into a served backend over shared memory (HF backend, tiny
+model, a real server on a thread of this process): the output after an update equals a
+fresh load, versions reach the results, and every way an update fails leaves the server
+refusing requests, saying why, until a full update succeeds."""
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from rollout import InvalidRequestError, load_backend
+from rollout.apps.serving.app import ServerThread
+from rollout.apps.serving.remote import ServedRollout
+from rollout.apps.serving.service import LocalService
+from rollout.kit.buckets import iter_buckets
+from rollout.kit.transfer.shm import ShmSender
+from rollout.testing.contract import probe_requests
+from rollout.testing.models import load_weights, perturbed_copy
+
+KEY = "weights-key"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory):
+    other = perturbed_copy(tiny_model, tmp_path_factory.mktemp("other"))
+    rollout = load_backend("hf", str(tiny_model))
+    with ServerThread(LocalService(rollout, "tiny"), api_key=KEY) as server:
+        trainer = ServedRollout.connect(server.url, KEY)
+        fresh = {}
+        for name, folder in (("base", tiny_model), ("other", other)):
+            with load_backend("hf", str(folder)) as engine:
+                fresh[name] = probe(engine)
+        yield trainer, server.url, {"base": load_weights(tiny_model),
+                                    "other": load_weights(other)}, fresh, rollout
+        trainer.close()
+    rollout.close()
+
+
+def probe(backend) -> tuple:
+    return tuple(c.unwrap()[0].token_ids for c in backend.generate(probe_requests()))
+
+
+def versions(trainer) -> set:
+    return {r.weight_version for c in trainer.generate(probe_requests()) for r in c.unwrap()}
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {KEY}",
+                                              "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_pushed_weights_equal_a_fresh_load_and_carry_their_version(served):
+    trainer, _, weights, fresh, _ = served
+    assert fresh["base"] != fresh["other"]
+    # Small buckets: many of them through one reused shared-memory file, so a receiver
+    # that read the file after answering would load the next bucket's bytes.
+    trainer.update_weights(weights["other"].items(), bucket_bytes=4096, version=1)
+    assert probe(trainer) == fresh["other"]
+    assert versions(trainer) == {1} and trainer.health()["weight_version"] == 1
+    trainer.update_weights(weights["base"].items(), version=2)
+    assert probe(trainer) == fresh["base"] and versions(trainer) == {2}
+
+
+def test_release_and_resume_reach_the_served_backend(served):
+    trainer, *_, rollout = served
+    trainer.release(["kv_cache"])
+    assert rollout.released == {"kv_cache"}
+    trainer.resume()
+    assert not rollout.released
+
+
+def test_a_trainer_that_stops_sending_leaves_the_server_dirty_until_a_full_update(served):
+    trainer, url, weights, fresh, _ = served
+    status, begun = post(url, "/rollout/weights/begin", {"version": 9, "timeout": 1})
+    assert status == 200
+    with ShmSender() as sender:
+        first = next(iter_buckets(weights["other"].items(), 4096))
+        assert post(url, "/rollout/weights/bucket",
+                    {"update": begun["update"], "bucket": sender.put(first)})[0] == 200
+        time.sleep(2.5)  # the trainer died: no more buckets, no end
+    status, body = post(url, "/rollout/generate", {"requests": probe_requests()})
+    assert status == 503 and body["error"]["code"] == "weights_dirty", body
+    assert "failed midway" in body["error"]["message"]
+    trainer.update_weights(weights["base"].items(), version=3)
+    assert probe(trainer) == fresh["base"] and versions(trainer) == {3}
+
+
+def test_a_bucket_that_lies_about_its_size_is_refused_and_leaves_the_server_dirty(served):
+    trainer, url, weights, fresh, _ = served
+    status, begun = post(url, "/rollout/weights/begin", {"version": 4})
+    with ShmSender() as sender:
+        buckets = iter_buckets(weights["other"].items(), 4096)
+        assert post(url, "/rollout/weights/bucket",
+                    {"update": begun["update"], "bucket": sender.put(next(buckets))})[0] == 200
+        message = sender.put(next(buckets))
+        message["nbytes"] += 4096  # more bytes announced than the file holds
+        status, body = post(url, "/rollout/weights/bucket",
+                            {"update": begun["update"], "bucket": message})
+    assert status == 400 and body["error"]["param"] == "nbytes", body
+    assert post(url, "/rollout/weights/end", {"update": begun["update"]})[0] == 404
+    status, body = post(url, "/rollout/generate", {"requests": probe_requests()})
+    assert status == 503 and body["error"]["code"] == "weights_dirty"
+    trainer.update_weights(weights["base"].items(), version=5)
+    assert probe(trainer) == fresh["base"]
+
+
+def test_bad_update_options_are_refused_naming_the_field(served):
+    trainer, url, weights, *_ = served
+    with pytest.raises(InvalidRequestError, match="pause"):
+        trainer.update_weights(weights["base"].items(), pause="soon")
+    for body, field in (({"version": "v2"}, "version"), ({"timeout": -1}, "timeout"),
+                        ({"flush": True}, "flush")):
+        status, answer = post(url, "/rollout/weights/begin", body)
+        assert status == 400 and answer["error"]["param"] == field, answer
+    status, answer = post(url, "/rollout/weights/bucket", {"update": "nope", "bucket": {}})
+    assert status == 404 and answer["error"]["param"] == "update"
+    # A name outside rollout's shared-memory files is never opened.
+    status, begun = post(url, "/rollout/weights/begin", {})
+    status, answer = post(url, "/rollout/weights/bucket", {"update": begun["update"], "bucket": {
+        "transport": "shm", "name": "../../etc/passwd", "nbytes": 0, "tensors": []}})
+    assert status == 400 and answer["error"]["param"] == "name", answer
+    trainer.update_weights(weights["base"].items())  # clean again for the tests after
