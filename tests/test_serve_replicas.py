@@ -27,7 +27,8 @@ def front(tiny_model):
     port = free_port()
     server = ServerProcess("serve", [sys.executable, "-m", "rollout", "serve", "--backend", "hf",
                                      "--model", str(tiny_model), "--replicas", "2",
-                                     "--port", str(port), "--served-model-name", "tiny"],
+                                     "--port", str(port), "--served-model-name", "tiny",
+                                     "--replica-restarts", "0"],
                            env={"ROLLOUT_API_KEY": KEY})
     url = f"http://{HOST}:{port}"
     try:

@@ -200,10 +200,12 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
 @click.option("--tool-call-parser", default="hermes", show_default=True,
               help="Reads tool calls out of chat answers (tool_choice auto): a parser of the "
                    "entry-point group rollout.tool_parsers.")
+@click.option("--replica-restarts", type=click.IntRange(min=0), default=3, show_default=True,
+              help="How many times a local replica whose process dies is started again.")
 @click.option("--watch-parent", type=int, hidden=True,
               help="Exit when this process is gone (for replicas started by a pool).")
 def serve(backend, model, mode, replicas, placement, host, port, served_model_name, api_key,
-          backend_option, tool_call_parser, watch_parent) -> None:
+          backend_option, tool_call_parser, replica_restarts, watch_parent) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
     _require_serving("rollout serve")
     from rollout.apps.serving.app import serve as serve_http
@@ -221,7 +223,7 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
     async def run():
         service = await connect(backend, model, options,
                                 replicas if replicas > 1 or placement == "ray" else None,
-                                placement, mode=mode)
+                                placement, mode=mode, restarts=replica_restarts)
         await serve_http(service, model_name=served_model_name or model, host=host, port=port,
                          api_key=api_key, tool_parser=tool_call_parser)
 

@@ -38,7 +38,8 @@ def resolve_mode(mode: str | None, replicas: int | None, placement: str,
 async def connect(backend: str | None = None, model: str | None = None,
                   options: Mapping | None = None, replicas: int | None = None,
                   placement: str = "local", server: str | None = None,
-                  api_key: str | None = None, mode: str | None = None) -> Service:
+                  api_key: str | None = None, mode: str | None = None,
+                  restarts: int = 3) -> Service:
     from rollout.apps.serving.pool import Replica, ReplicaPool
 
     mode = resolve_mode(mode, replicas, placement, server)
@@ -51,7 +52,7 @@ async def connect(backend: str | None = None, model: str | None = None,
         from rollout.apps.serving.replicas import start_replicas
 
         return await start_replicas(backend, model, dict(options or {}), replicas or 1,
-                                    placement)
+                                    placement, restarts=restarts)
     from rollout.api import load_backend
     from rollout.apps.serving.service import LocalService
 

@@ -14,8 +14,9 @@ calls fail with NoReplicaError.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutError
@@ -23,6 +24,10 @@ from rollout.contract.schemas import Chunk, Completion, Request
 from rollout.apps.serving.client import ReplicaDown, RemoteService
 
 MAX_SESSIONS = 100_000  # sessions remembered (least recently used forgotten first)
+log = logging.getLogger("rollout.pool")
+
+MAX_RESTARTS = 3  # by default, a replica whose process dies is started again this often
+RESTART_BACKOFF_S = 1.0  # before the first restart; doubled before each next one
 MAX_SENDS = 3  # a request that took down this many replicas fails instead of another
 HEALTH_STRIKES = 2  # failed health checks in a row before a running replica is taken out
 
@@ -34,9 +39,15 @@ class ReplicaProcess(Protocol):
 
 
 class Replica:
-    def __init__(self, service: RemoteService, process: ReplicaProcess | None = None):
+    def __init__(self, service: RemoteService, process: ReplicaProcess | None = None,
+                 restart: Callable[[], Awaitable[tuple[RemoteService, ReplicaProcess]]]
+                 | None = None, restarts: int = MAX_RESTARTS):
         self.service = service
         self.process = process
+        self.restart = restart  # starts a new process for it (None: it is not restarted)
+        self.restarts = 0
+        self.restarts_left = restarts
+        self.restarting: asyncio.Task | None = None
         self.in_flight = 0
         self.healthy = True
         self.down_reason = ""
@@ -152,8 +163,12 @@ class ReplicaPool:
             self._changed.notify_all()
 
     async def _check(self, replica: Replica) -> None:
+        if replica.restarting is not None:
+            return
         if replica.process is not None and not await asyncio.to_thread(replica.process.alive):
             await self._take_out(replica, "its process exited")
+            if replica.restart is not None and replica.restarts_left > 0:
+                replica.restarting = asyncio.create_task(self._restart(replica))
             return
         try:
             state = await replica.service.health()
@@ -166,6 +181,28 @@ class ReplicaPool:
             replica.weight_version = state.get("weight_version")
             if not replica.healthy:
                 await self._put_back(replica)
+
+    async def _restart(self, replica: Replica) -> None:
+        """A new process for a dead replica, after a backoff. It loads the checkpoint, so
+        once the pool has pushed weights it stays out of rotation until the next update
+        (which reaches it) brings it to the pool's version."""
+        tail = getattr(replica.process, "log_tail", lambda: "")()
+        log.warning("replica %s exited; restarting it (%d more times at most). Its log "
+                    "ends:\n%s", replica.service.url, replica.restarts_left - 1, tail)
+        await asyncio.sleep(RESTART_BACKOFF_S * 2 ** replica.restarts)
+        replica.restarts += 1
+        replica.restarts_left -= 1
+        try:
+            service, process = await replica.restart()
+        except Exception as exc:  # noqa: BLE001 - logged; the next check tries again
+            log.warning("restarting replica %s failed: %r", replica.service.url, exc)
+        else:
+            await replica.service.close()
+            replica.service, replica.process = service, process
+            replica.weight_version, replica.failed_checks = None, 0
+            replica.down_reason = "restarted; waiting for its first health check"
+        finally:
+            replica.restarting = None
 
     async def _watch(self) -> None:
         while True:
@@ -205,6 +242,9 @@ class ReplicaPool:
     async def close(self, stop_replicas: bool = True) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
+        for replica in self.replicas:
+            if replica.restarting is not None:
+                replica.restarting.cancel()
         for replica in self.replicas:
             await replica.service.close()
             if stop_replicas and replica.process is not None:

@@ -37,7 +37,7 @@ def replica_argv(backend: str, model: str, options: Mapping, host: str, port: in
 async def start_replicas(backend: str, model: str, options: Mapping, count: int,
                          placement: str = "local", startup_timeout: float = 900.0,
                          request_timeout: float = 3600.0, max_in_flight: int = 64,
-                         ray_address: str | None = None) -> ReplicaPool:
+                         ray_address: str | None = None, restarts: int = 3) -> ReplicaPool:
     if placement not in PLACEMENTS:
         raise InvalidRequestError("placement", f"got {placement!r}", ", ".join(PLACEMENTS))
     if not isinstance(count, int) or count < 1:
@@ -57,9 +57,22 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
                 if not isinstance(s, BaseException):
                     await asyncio.to_thread(s[1].stop)
             raise failed[0]
-    replicas = [Replica(RemoteService(url, key, request_timeout), process)
-                for url, process in started]
+    restart = {}
+    if placement == "local":  # Ray restarts its actors by its own rules
+        restart = {i: _restarter(f"replica-{i}", backend, model, options, env, startup_timeout,
+                                 request_timeout) for i in range(count)}
+    replicas = [Replica(RemoteService(url, key, request_timeout), process, restart.get(i),
+                        restarts) for i, (url, process) in enumerate(started)]
     return await ReplicaPool(replicas, name=model, max_in_flight=max_in_flight).start()
+
+
+def _restarter(name: str, backend: str, model: str, options: Mapping, env: dict,
+               startup_timeout: float, request_timeout: float):
+    async def restart() -> tuple[RemoteService, ServerProcess]:
+        url, process = await asyncio.to_thread(_start_local, name, backend, model, options,
+                                               env, startup_timeout)
+        return RemoteService(url, env[KEY_VARIABLE], request_timeout), process
+    return restart
 
 
 def _thread_share(count: int) -> dict[str, str]:
