@@ -403,6 +403,31 @@ class ServerContract:
         status, body = http(f"{server.url}/v1/embeddings", body={"input": "x"})
         assert status == 404 and body["error"]["message"]
 
+    # --- weights from a trainer in another process -------------------------------------
+
+    def test_weights_pushed_through_the_server_equal_the_same_update_in_process(
+            self, server, ro, tiny_model, tmp_path):
+        if not ro.capabilities.supports("update_weights"):
+            pytest.skip(f"update_weights: {ro.capabilities.unsupported['update_weights']}")
+        from rollout.apps.serving.remote import ServedRollout
+        from rollout.testing.contract import probe, probe_requests
+        from rollout.testing.models import load_weights, perturbed_copy
+
+        base = load_weights(tiny_model)
+        other = load_weights(perturbed_copy(tiny_model, tmp_path / "other"))
+        before = probe(ro)
+        with ServedRollout.connect(server.url, KEY) as trainer:
+            try:
+                # Small buckets: many through one reused shared-memory file.
+                trainer.update_weights(other.items(), bucket_bytes=1 << 16, version=11)
+                served = [c.unwrap()[0] for c in trainer.generate(probe_requests())]
+                assert {r.weight_version for r in served} == {11}
+                ro.update_weights(other.items())  # the same weights, in process
+                assert tuple(r.token_ids for r in served) == probe(ro) != before
+            finally:
+                trainer.update_weights(base.items())
+            assert probe(ro) == before
+
     def test_a_too_long_prompt_is_a_400_and_the_server_goes_on(self, client):
         long_prompt = "hello there " * MAX_MODEL_LEN
         with pytest.raises(openai.BadRequestError) as caught:
