@@ -128,3 +128,42 @@ def test_bad_update_options_are_refused_naming_the_field(served):
         "transport": "shm", "name": "../../etc/passwd", "nbytes": 0, "tensors": []}})
     assert status == 400 and answer["error"]["param"] == "name", answer
     trainer.update_weights(weights["base"].items())  # clean again for the tests after
+
+
+TRAINER = """
+import sys, time
+from rollout.apps.serving.remote import ServedRollout
+from rollout.testing.models import load_weights
+
+weights = list(load_weights(sys.argv[3]).items())
+
+def dies_halfway():
+    yield from weights[: len(weights) // 2]
+    print("half sent", flush=True)
+    time.sleep(600)  # killed here
+
+ServedRollout.connect(sys.argv[1], sys.argv[2]).update_weights(
+    dies_halfway(), bucket_bytes=4096, version=99, timeout=2)
+"""
+
+
+def test_a_trainer_killed_mid_transfer_leaves_the_server_dirty(served, tiny_model):
+    import signal
+    import subprocess
+    import sys
+
+    trainer, url, weights, fresh, rollout = served
+    child = subprocess.Popen([sys.executable, "-c", TRAINER, url, KEY, str(tiny_model)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "half sent"
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(30)
+    deadline = time.monotonic() + 30
+    while post(url, "/rollout/generate", {"requests": probe_requests()})[0] != 503:
+        assert time.monotonic() < deadline, "the server still serves after a half update"
+        time.sleep(0.5)
+    assert rollout.weight_version != 99
+    trainer.update_weights(weights["base"].items(), version=6)
+    assert probe(trainer) == fresh["base"] and versions(trainer) == {6}
