@@ -15,7 +15,7 @@ from rollout.apps.serving.app import ServerThread
 from rollout.apps.serving.remote import ServedRollout
 from rollout.apps.serving.service import LocalService
 from rollout.kit.buckets import iter_buckets
-from rollout.kit.transfer.shm import ShmSender
+from rollout.kit.transfer.shm import SHM_DIR, ShmSender
 from rollout.testing.contract import probe_requests
 from rollout.testing.models import load_weights, perturbed_copy
 
@@ -167,3 +167,5 @@ def test_a_trainer_killed_mid_transfer_leaves_the_server_dirty(served, tiny_mode
     assert rollout.weight_version != 99
     trainer.update_weights(weights["base"].items(), version=6)
     assert probe(trainer) == fresh["base"] and versions(trainer) == {6}
+    # The killed trainer could not remove its shared-memory file; the next sender did.
+    assert not list(SHM_DIR.glob(f"rollout-weights-{child.pid}-*"))

@@ -49,6 +49,15 @@ def iter_buckets(
 
     Lazy: holds at most one bucket's tensors at a time.
     """
+    for group in iter_groups(named_tensors, max_bytes):
+        yield _pack(group)
+
+
+def iter_groups(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The (name, tensor) pairs of each bucket `iter_buckets` would make, not yet packed
+    (a sender that packs straight into its transport's buffer saves a copy)."""
     if max_bytes < 1:
         raise ValueError("max_bytes must be >= 1")
     pending: list[tuple[str, torch.Tensor]] = []
@@ -56,28 +65,42 @@ def iter_buckets(
     for name, tensor in named_tensors:
         need = _aligned(tensor.numel() * tensor.element_size())
         if pending and size + need > max_bytes:
-            yield _pack(pending)
+            yield pending
             pending, size = [], 0
         pending.append((name, tensor))
         size += need
     if pending:
-        yield _pack(pending)
+        yield pending
 
 
-def _pack(named: list[tuple[str, torch.Tensor]]) -> Bucket:
-    import torch
-
+def packed_layout(named: list[tuple[str, torch.Tensor]]) -> tuple[tuple[TensorMeta, ...], int]:
+    """Where each tensor goes in a bucket, and the bucket's size."""
     metas, offset = [], 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
         metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."),
                                 tuple(tensor.shape), offset, nbytes))
         offset += _aligned(nbytes)
-    data = torch.empty(offset, dtype=torch.uint8, device=named[0][1].device)
+    return tuple(metas), offset
+
+
+def pack_into(data: torch.Tensor, metas: tuple[TensorMeta, ...],
+              named: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy the tensors into `data` (uint8) at their layout's offsets."""
+    import torch
+
     for meta, (_, tensor) in zip(metas, named):
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         data[meta.offset : meta.offset + meta.nbytes].copy_(flat)
-    return Bucket(tuple(metas), data)
+
+
+def _pack(named: list[tuple[str, torch.Tensor]]) -> Bucket:
+    import torch
+
+    metas, size = packed_layout(named)
+    data = torch.empty(size, dtype=torch.uint8, device=named[0][1].device)
+    pack_into(data, metas, named)
+    return Bucket(metas, data)
 
 
 def unpack(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
@@ -101,11 +124,10 @@ def iter_unpacked(buckets: Iterable[Bucket]) -> Iterator[tuple[str, torch.Tensor
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
-def layout(bucket: Bucket) -> dict:
+def layout(metas: tuple[TensorMeta, ...], nbytes: int) -> dict:
     """What a receiver needs to cut a bucket's bytes back into tensors: JSON, no pickle."""
-    return {"nbytes": bucket.nbytes,
-            "tensors": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes]
-                        for m in bucket.tensors]}
+    return {"nbytes": nbytes,
+            "tensors": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in metas]}
 
 
 def metas_from_layout(value: dict) -> tuple[int, tuple[TensorMeta, ...]]:

@@ -14,6 +14,7 @@ from rollout.kit.aio import engine_loop
 from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
 from rollout.kit.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
+from rollout.kit.transfer.shm import ShmSender
 from rollout.contract.schemas import SamplingParams, StructuredOutputs
 from rollout.kit.structured import constraint_error
 
@@ -153,9 +154,22 @@ class VLLMBackend:
 
     @rollout.hookimpl
     def update_weights(self, buckets):
-        for group in layer_groups(buckets, self.shapes, self.weight_group_bytes):
-            self.loop.run(self.engine.update_weights(group), self.request_timeout,
-                          "vLLM weight update")
+        # Groups are made here, on the trainer's thread (it runs the trainer's iterator);
+        # the engine loop only carries each group's call. Every wait is bounded.
+        groups = layer_groups(buckets, self.shapes, self.weight_group_bytes)
+        if self.engine.in_process:
+            for group in groups:
+                self._run(self.engine.load_weights(group, self.request_timeout))
+        else:
+            # One shared-memory file for the whole update, removed however it ends.
+            with ShmSender() as sender:
+                for group in groups:
+                    message = sender.put_tensors(list(group.items()))
+                    self._run(self.engine.load_weights(message, self.request_timeout))
+        self._run(self.engine.reset_prefix_cache())
+
+    def _run(self, call) -> None:
+        self.loop.run(call, self.request_timeout + 60, "vLLM weight update")
 
     @rollout.hookimpl
     def release(self, tags):

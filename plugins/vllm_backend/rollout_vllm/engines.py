@@ -10,13 +10,15 @@
 All run on the engine loop (`rollout.kit.aio.engine_loop()`). `generate` is an async
 iterator of `rollout.Chunk`s as vLLM makes tokens; cancelling it stops the request in vLLM.
 All load weights through `rollout_vllm.worker.WeightUpdateExtension`: in process as
-tensors, to another process as safetensors bytes (never pickle).
+tensors (`in_process`), to another process as a bucket in shared memory named by a JSON
+message (`rollout.kit.transfer.shm`; never pickle), one message per group of whole layers.
+After every update the backend resets vLLM's prefix cache: KV computed under the old
+weights must not be read under the new ones.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import queue
 import subprocess
@@ -250,12 +252,16 @@ class InProcessEngine:
         finally:
             self.calls.discard(future)
 
-    async def update_weights(self, tensors: dict) -> None:
-        def load(engine):  # in process: the tensors themselves, no copy through bytes
-            engine.collective_rpc("rollout_load_tensors", args=(list(tensors.items()),))
-            engine.reset_prefix_cache()
+    in_process = True  # load_weights takes tensors
 
-        await self._call(load)
+    async def load_weights(self, tensors: dict, timeout: float) -> None:
+        # In process: the tensors themselves, no copy through bytes.
+        await self._call(lambda engine: engine.collective_rpc(
+            "rollout_load_tensors", timeout=timeout, args=(list(tensors.items()),)))
+
+    async def reset_prefix_cache(self) -> None:
+        # Running requests (none in an update, which runs alone) would be preempted.
+        _check_reset(await self._call(lambda engine: engine.reset_prefix_cache(True)))
 
     async def release(self, level: int) -> None:
         await self._call(lambda engine: engine.sleep(level=level))
@@ -332,6 +338,13 @@ def _top(logprobs, k: int) -> list[tuple[TokenLogprob, ...]]:
     return [tuple(TokenLogprob(t, lp) for t, lp in sorted(
         ((int(t), float(x.logprob)) for t, x in step.items() if x.rank <= k),
         key=lambda pair: -pair[1])[:k]) for step in logprobs]
+
+
+def _check_reset(success) -> None:
+    """vLLM answers False where blocks are still held; KV made under the old weights could
+    then be read under the new ones."""
+    if success is False:
+        raise GenerationError("vLLM did not reset its prefix cache after a weight update")
 
 
 def _settle(future: asyncio.Future, result, exception) -> None:
@@ -452,13 +465,15 @@ class AsyncEngine:
                 raise self._dead() from None
             raise
 
-    async def update_weights(self, tensors: dict) -> None:
-        from rollout_vllm.weights import to_bytes
+    in_process = False  # load_weights takes a shared-memory message
 
-        # The core is another process: safetensors bytes (never pickle), made off the loop.
-        data = await asyncio.to_thread(to_bytes, tensors)
-        await self._call("collective_rpc", "rollout_update_weights", args=(data,))
-        await self._call("reset_prefix_cache")
+    async def load_weights(self, message: dict, timeout: float) -> None:
+        # vLLM's own bound too: a worker stuck on a call fails it instead of holding it.
+        await self._call("collective_rpc", "rollout_receive_shm", timeout=timeout,
+                         args=(message,))
+
+    async def reset_prefix_cache(self) -> None:
+        _check_reset(await self._call("reset_prefix_cache", True))
 
     async def release(self, level: int) -> None:
         await self._call("sleep", level)
@@ -600,12 +615,19 @@ class ServerEngine:
         except (aiohttp.ClientError, OSError, RuntimeError) as exc:  # RuntimeError: closed
             raise await self._failure(exc, path) from None
 
-    async def update_weights(self, tensors: dict) -> None:
-        from rollout_vllm.weights import to_bytes
+    in_process = False  # load_weights takes a shared-memory message
 
-        data = base64.b64encode(to_bytes(tensors)).decode()
-        await self._call("/collective_rpc", {"method": "rollout_update_weights", "args": [data]})
-        await self._call("/reset_prefix_cache", timeout=60)
+    async def load_weights(self, message: dict, timeout: float) -> None:
+        # Only the JSON message goes over HTTP; the bytes are in shared memory. vLLM bounds
+        # the call on its side too.
+        await self._call("/collective_rpc", {"method": "rollout_receive_shm",
+                                             "args": [message], "timeout": timeout},
+                         timeout=timeout + 30)
+
+    async def reset_prefix_cache(self) -> None:
+        answer = await self._call("/reset_prefix_cache?reset_running_requests=true",
+                                  timeout=60)
+        _check_reset(answer.get("success") if isinstance(answer, dict) else answer)
 
     async def release(self, level: int) -> None:
         await self._call(f"/sleep?level={level}", timeout=300)

@@ -37,9 +37,3 @@ def layer_groups(buckets: Iterable[Bucket], shapes: dict[str, tuple[int, ...]],
         last = key
     if group:
         yield group
-
-
-def to_bytes(group: dict) -> bytes:
-    from safetensors.torch import save
-
-    return save(group)

@@ -1,20 +1,19 @@
 """Runs inside vLLM's worker (`worker_extension_cls`). Weight updates arrive as tensors
-when the worker is in this process, and as safetensors bytes (base64 over HTTP), never as
-pickle, when it is not."""
+when the worker is in this process, and as a shared-memory bucket named by a JSON message
+(never pickle) when it is not. Every call carries whole decoder layers (`weights.layer_groups`),
+so each `reload_weights` completes the layers it touches."""
 
 from __future__ import annotations
 
-import base64
-
 
 class WeightUpdateExtension:
-    def rollout_update_weights(self, data: bytes | str) -> int:
-        from safetensors.torch import load
+    def rollout_receive_shm(self, message: dict) -> int:
+        from rollout.kit.buckets import unpack
+        from rollout.kit.transfer.shm import receive_shm
 
-        if isinstance(data, str):
-            data = base64.b64decode(data)
-        tensors = load(bytes(data))
-        self.reload_weights(weights_iterator=list(tensors.items()))
+        # Copied out before vLLM sees it: the sender reuses its file for the next group.
+        tensors = unpack(receive_shm(message))
+        self.reload_weights(weights_iterator=tensors)
         return len(tensors)
 
     def rollout_load_tensors(self, tensors: list) -> int:

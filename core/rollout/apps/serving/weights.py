@@ -120,13 +120,13 @@ async def push_weights(update: WeightUpdate, named_tensors: Iterable,
                        bucket_bytes: int | None = None) -> int | None:
     """The trainer's side: pack, write to shared memory, send each bucket's layout, end.
     Any failure cancels the update (the receivers are then dirty, not half-updated)."""
-    from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
+    from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, iter_groups
     from rollout.kit.transfer.shm import ShmSender
 
     with ShmSender() as sender:
         try:
-            for bucket in iter_buckets(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES):
-                await update.send(sender.put(bucket))
+            for group in iter_groups(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES):
+                await update.send(sender.put_tensors(group))
         except BaseException as exc:
             await update.cancel(repr(exc))
             raise

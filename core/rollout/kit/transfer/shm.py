@@ -8,34 +8,52 @@ import os
 import re
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollout.contract.errors import InvalidRequestError
-from rollout.kit.buckets import Bucket, layout, metas_from_layout
+from rollout.kit.buckets import Bucket, layout, metas_from_layout, pack_into, packed_layout
+
+if TYPE_CHECKING:
+    import torch
 
 SHM_DIR = Path("/dev/shm")
-NAME = re.compile(r"^rollout-weights-[0-9a-f]{32}$")  # the only files a receiver opens
+# The only files a receiver opens; the sender's pid lets a later sender remove the files
+# of one that was killed before it could.
+NAME = re.compile(r"^rollout-weights-(\d+)-[0-9a-f]{32}$")
 
 
 class ShmSender:
     """One shared-memory file per sender, grown to the largest bucket and reused."""
 
     def __init__(self):
-        self.path = SHM_DIR / f"rollout-weights-{uuid.uuid4().hex}"
+        _remove_orphans()
+        self.path = SHM_DIR / f"rollout-weights-{os.getpid()}-{uuid.uuid4().hex}"
         self._size = 0
+
+    def _mapped(self, nbytes: int) -> torch.Tensor:
+        import torch
+
+        if nbytes > self._size:
+            with open(self.path, "wb") as f:
+                f.truncate(nbytes)
+            self._size = nbytes
+        return torch.from_file(str(self.path), shared=True, size=nbytes, dtype=torch.uint8)
 
     def put(self, bucket: Bucket) -> dict:
         """Write the bucket's bytes; returns the message that tells a receiver where."""
-        import torch
-
-        if bucket.nbytes > self._size:
-            with open(self.path, "wb") as f:
-                f.truncate(bucket.nbytes)
-            self._size = bucket.nbytes
         if bucket.nbytes:
-            target = torch.from_file(str(self.path), shared=True, size=bucket.nbytes,
-                                     dtype=torch.uint8)
-            target.copy_(bucket.data.reshape(-1).cpu())
-        return {"transport": "shm", "name": self.path.name, **layout(bucket)}
+            self._mapped(bucket.nbytes).copy_(bucket.data.reshape(-1).cpu())
+        return self._message(bucket.tensors, bucket.nbytes)
+
+    def put_tensors(self, named: list[tuple[str, torch.Tensor]]) -> dict:
+        """Pack (name, tensor) pairs straight into the file: one copy, not two."""
+        metas, nbytes = packed_layout(named)
+        if nbytes:
+            pack_into(self._mapped(nbytes), metas, [(n, t.cpu()) for n, t in named])
+        return self._message(metas, nbytes)
+
+    def _message(self, metas, nbytes: int) -> dict:
+        return {"transport": "shm", "name": self.path.name, **layout(metas, nbytes)}
 
     def close(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -47,6 +65,24 @@ class ShmSender:
         self.close()
 
 
+def _remove_orphans() -> None:
+    """Files of senders that died without removing them (a trainer killed mid-update)."""
+    for path in SHM_DIR.glob("rollout-weights-*"):
+        match = NAME.match(path.name)
+        if match and not _alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def receive_shm(message: dict) -> Bucket:
     """The bucket a `ShmSender.put` message names, copied into this process's memory."""
     import torch
@@ -54,7 +90,8 @@ def receive_shm(message: dict) -> Bucket:
     nbytes, metas = metas_from_layout(message)
     name = str(message.get("name", ""))
     if not NAME.match(name):
-        raise InvalidRequestError("name", f"got {name!r}", "rollout-weights-<32 hex digits>")
+        raise InvalidRequestError("name", f"got {name!r}",
+                                  "rollout-weights-<pid>-<32 hex digits>")
     path = SHM_DIR / name
     try:
         size = os.stat(path).st_size
