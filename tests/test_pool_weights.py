@@ -51,6 +51,7 @@ def test_a_restarted_replica_serves_only_after_the_next_update(tiny_model, tmp_p
                 [result] = completion.unwrap()
                 assert result.weight_version == 1 and result.token_ids == fresh
 
-        trainer.update_weights(weights["base"].items(), version=2)  # reaches the new one too
+        # Reaches the new one too; through a gloo group of the trainer and both replicas.
+        trainer.update_weights(weights["base"].items(), version=2, transport="gloo")
         assert list(served_by(trainer).values()) == [2, 2]
         assert {r.weight_version for c in trainer.generate(many) for r in c.unwrap()} == {2}

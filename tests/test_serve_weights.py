@@ -69,6 +69,17 @@ def test_pushed_weights_equal_a_fresh_load_and_carry_their_version(served):
     assert probe(trainer) == fresh["base"] and versions(trainer) == {2}
 
 
+def test_weights_pushed_through_a_gloo_group_equal_a_fresh_load(served):
+    trainer, _, weights, fresh, _ = served
+    trainer.update_weights(weights["other"].items(), bucket_bytes=4096, version=21,
+                           transport="gloo")
+    assert probe(trainer) == fresh["other"] and versions(trainer) == {21}
+    trainer.update_weights(weights["base"].items(), version=22, transport="gloo")
+    assert probe(trainer) == fresh["base"] and versions(trainer) == {22}
+    with pytest.raises(InvalidRequestError, match="transport"):
+        trainer.update_weights(weights["base"].items(), transport="nccl")
+
+
 def test_release_and_resume_reach_the_served_backend(served):
     trainer, *_, rollout = served
     trainer.release(["kv_cache"])
@@ -122,6 +133,15 @@ def test_bad_update_options_are_refused_naming_the_field(served):
         assert status == 400 and answer["error"]["param"] == field, answer
     status, answer = post(url, "/rollout/weights/bucket", {"update": "nope", "bucket": {}})
     assert status == 404 and answer["error"]["param"] == "update"
+    status, begun = post(url, "/rollout/weights/begin", {})
+    assert begun["receivers"] == 1
+    status, answer = post(url, "/rollout/weights/group", {"update": begun["update"],
+                                                          "host": "127.0.0.1", "port": -1})
+    assert status == 400 and answer["error"]["param"] == "group.port", answer
+    status, begun = post(url, "/rollout/weights/begin", {})
+    status, answer = post(url, "/rollout/weights/bucket", {"update": begun["update"], "bucket": {
+        "transport": "gloo", "nbytes": 0, "tensors": []}})
+    assert status == 400 and "group step" in answer["error"]["message"], answer
     # A name outside rollout's shared-memory files is never opened.
     status, begun = post(url, "/rollout/weights/begin", {})
     status, answer = post(url, "/rollout/weights/bucket", {"update": begun["update"], "bucket": {

@@ -50,7 +50,7 @@ def iter_buckets(
     Lazy: holds at most one bucket's tensors at a time.
     """
     for group in iter_groups(named_tensors, max_bytes):
-        yield _pack(group)
+        yield pack(group)
 
 
 def iter_groups(
@@ -94,7 +94,8 @@ def pack_into(data: torch.Tensor, metas: tuple[TensorMeta, ...],
         data[meta.offset : meta.offset + meta.nbytes].copy_(flat)
 
 
-def _pack(named: list[tuple[str, torch.Tensor]]) -> Bucket:
+def pack(named: list[tuple[str, torch.Tensor]]) -> Bucket:
+    """One bucket of these tensors."""
     import torch
 
     metas, size = packed_layout(named)

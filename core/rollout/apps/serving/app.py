@@ -28,7 +28,8 @@ from rollout.contract.schemas import Completion, Request
 from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
     model_not_found
 from rollout.apps.serving.service import Service
-from rollout.apps.serving.weights import BUCKET_WAIT_S, WeightUpdate, check_update_options
+from rollout.apps.serving.weights import BUCKET_WAIT_S, WeightUpdate, check_group, \
+    check_update_options
 from rollout.apps.tool_parsers import DEFAULT_PARSER, load_tool_parser
 
 log = logging.getLogger("rollout.serve")
@@ -36,7 +37,7 @@ log = logging.getLogger("rollout.serve")
 MAX_BODY_BYTES = 64 << 20
 SESSION_HEADER = "X-Session-ID"  # the requests of one session go to one replica
 SHUTDOWN_GRACE_S = 5.0
-WEIGHT_STEPS = ("bucket", "end", "cancel")
+WEIGHT_STEPS = ("group", "bucket", "end", "cancel")
 
 
 def make_app(service: Service, model_name: str, api_key: str | None = None,
@@ -170,8 +171,10 @@ class _Routes:
         return web.json_response({})
 
     async def weights(self, request: web.Request) -> web.Response:
-        """A weight update in steps: `begin` {version, pause} -> {update}; `bucket` {update,
-        bucket} once per bucket; `end` {update} -> {version}; `cancel` {update, reason}."""
+        """A weight update in steps: `begin` {version, pause, timeout} -> {update,
+        receivers}; for gloo, `group` {update, host, port, name, world_size, first_rank};
+        `bucket` {update, bucket} once per bucket; `end` {update} -> {version}; `cancel`
+        {update, reason}."""
         step, body = request.match_info["step"], await _json(request)
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
@@ -195,19 +198,22 @@ class _Routes:
                 del self.updates[update_id]
                 raise
             self.updates[update_id] = (update, options[2], time.monotonic())
-            return web.json_response({"update": update_id})
+            return web.json_response({"update": update_id, "receivers": update.receivers})
         update, timeout, _ = self.updates.get(body.get("update"), (None, 0, 0))
         if step not in WEIGHT_STEPS or update is None:
             raise ApiError(404, f"no open weight update {body.get('update')!r} at step "
                            f"{step!r} (steps: begin, {', '.join(WEIGHT_STEPS)})",
                            param="update")
-        if step == "bucket":
+        if step in ("bucket", "group"):
             try:
-                await update.send(body.get("bucket"))
+                if step == "group":
+                    await update.join(check_group(body))
+                else:
+                    await update.send(body.get("bucket"))
                 self.updates[body["update"]] = (update, timeout, time.monotonic())
             except BaseException:  # a half-sent update: the backend stays dirty until a full one
                 self.updates.pop(body["update"], None)
-                await update.cancel("a bucket failed")
+                await update.cancel(f"the {step} step failed")
                 raise
             return web.json_response({})
         self.updates.pop(body["update"], None)

@@ -286,6 +286,20 @@ class PoolUpdate:
     def _why(self) -> str:
         return "; ".join(f"{url}: {why}" for url, why in self.failed.items())
 
+    @property
+    def receivers(self) -> int:
+        return sum(u.receivers for u in self.updates.values())
+
+    async def join(self, group: dict) -> None:
+        """Every replica joins, each from its own first rank (the ranks are handed out
+        before anyone joins: a replica that fails leaves the group short, and the
+        others then fail within the group's timeout)."""
+        first, ranks = group["first_rank"], {}
+        for replica, update in self.updates.items():
+            ranks[replica], first = first, first + update.receivers
+        await self.each(list(self.updates), lambda r: self.updates[r].join(
+            {**group, "first_rank": ranks[r]}))
+
     async def send(self, message: dict) -> None:
         await self.each(list(self.updates), lambda r: self.updates[r].send(message))
 

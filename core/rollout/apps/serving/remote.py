@@ -10,7 +10,9 @@ from rollout.contract import convert
 from rollout.contract.schemas import Completion, Request
 from rollout.kit.aio import LoopThread
 from rollout.apps.serving.service import Service
-from rollout.apps.serving.weights import BUCKET_WAIT_S, check_update_options, push_weights
+from rollout.apps.serving.weights import BUCKET_WAIT_S, TRANSPORTS, check_update_options, \
+    push_weights
+from rollout.contract.errors import InvalidRequestError
 
 CALL_TIMEOUT_S = 3600.0
 
@@ -61,18 +63,37 @@ class ServedRollout:
 
     def update_weights(self, named_tensors: Iterable, bucket_bytes: int | None = None,
                        version: int | None = None, pause: str = "wait",
-                       timeout: float = BUCKET_WAIT_S) -> None:
+                       timeout: float = BUCKET_WAIT_S, transport: str = "shm",
+                       address: str | None = None) -> None:
         """As `Rollout.update_weights`, on every replica in parallel; returns when all have
         the new version, or raises naming the ones that failed (they take no requests).
-        A replica that waits `timeout` s for the next bucket fails the update."""
+        A replica that waits `timeout` s for the next bucket fails the update.
+
+        `transport`: "shm" (shared memory: the replicas run on this host) or "gloo" (a
+        collective group for the update; the replicas reach this process at `address`,
+        by default the address this host reaches the server from)."""
         check_update_options(version, pause, timeout)
+        if transport not in TRANSPORTS:
+            raise InvalidRequestError("transport", f"got {transport!r}", ", ".join(TRANSPORTS))
 
         async def push():
             update = await self.service.begin_update(version, pause, timeout)
-            return await push_weights(update, named_tensors, bucket_bytes)
+            return await push_weights(update, named_tensors, bucket_bytes, transport,
+                                      address or self._own_address(), timeout)
 
         self._run(push(), "the weight update")
         self.weight_version = version
+
+    def _own_address(self) -> str:
+        """This host's address on the way to the first replica's server."""
+        import socket
+        from urllib.parse import urlsplit
+
+        urls = [r.service.url for r in getattr(self.service, "replicas", ())]
+        host = urlsplit(urls[0]).hostname if urls else "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # no packet is sent: this only picks the route
+            return probe.getsockname()[0]
 
     def release(self, tags: Iterable[str] | None = None) -> None:
         self._run(self.service.release(None if tags is None else list(tags)), "release")

@@ -1,8 +1,9 @@
 """Weight updates into a served backend: begin, one message per bucket, end.
 
-The trainer's process packs buckets, writes each into shared memory (`ShmSender`) and sends
-its layout as JSON; every replica copies the bytes out before it answers, so the trainer
-reuses its buffer for the next bucket. `LocalUpdate` feeds the received buckets to
+The trainer's process sends each bucket's layout as JSON and its bytes by a transport:
+shared memory on one host (`ShmSender`: every replica copies the bytes out before it
+answers, so the trainer reuses its buffer for the next bucket), or a gloo group that the
+trainer (rank 0) and every replica join for the update (`group` step), across hosts. `LocalUpdate` feeds the received buckets to
 `Rollout.update_weights` on a thread of its own (one per update, not per bucket); a
 trainer that stops sending fails the update after `BUCKET_WAIT_S`, which leaves the
 backend dirty (it refuses requests) until a full update succeeds.
@@ -22,20 +23,43 @@ from rollout.api import PAUSES, Rollout
 from rollout.contract.errors import InvalidRequestError, RolloutError, RolloutTimeoutError
 
 BUCKET_WAIT_S = 120.0  # the longest a backend waits for a trainer's next bucket
+TRANSPORTS = ("shm", "gloo")
+GROUP_FIELDS = ("host", "port", "name", "world_size", "first_rank")
 _END = object()
 
 
 class WeightUpdate(Protocol):
     """One update in progress on a service."""
 
+    receivers: int  # the ranks it brings to a collective group
+
+    async def join(self, group: dict) -> None:
+        """Join the trainer's group (`GROUP_FIELDS`) from rank `first_rank` on."""
+
     async def send(self, message: dict) -> None:
-        """Load one bucket (a `ShmSender.put` message); returns when the bytes are copied."""
+        """Load one bucket (a `ShmSender.put` message, or a layout whose bytes the
+        trainer broadcasts in the group); returns when the bytes are here."""
 
     async def end(self) -> int | None:
         """Finish; returns the new weight version. Raises what failed the update."""
 
     async def cancel(self, reason: str) -> None:
         """Give up: the backend is left dirty until a full update succeeds."""
+
+
+def check_group(group) -> dict:
+    """A `group` step's body, checked: it names where the trainer's store listens."""
+    if not isinstance(group, dict) or set(group) - set(GROUP_FIELDS) - {"update"}:
+        raise InvalidRequestError("group", f"got {group!r:.120}",
+                                  "an object with " + ", ".join(GROUP_FIELDS))
+    for field in GROUP_FIELDS:
+        value = group.get(field)
+        kind = str if field in ("host", "name") else int
+        if not isinstance(value, kind) or isinstance(value, bool) or (
+                kind is int and value < (1 if field == "world_size" else 0)):
+            raise InvalidRequestError(f"group.{field}", f"got {value!r}",
+                                      "a string" if kind is str else "an integer >= 0")
+    return {field: group[field] for field in GROUP_FIELDS}
 
 
 def check_update_options(version, pause, timeout=BUCKET_WAIT_S) -> None:
@@ -53,6 +77,8 @@ class LocalUpdate:
         check_update_options(version, pause, timeout)
         self.version = version
         self.timeout = timeout  # the longest wait for the trainer's next bucket
+        self.receivers = 1
+        self._group = None  # the trainer's collective group, once joined
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._done: concurrent.futures.Future = concurrent.futures.Future()
         threading.Thread(target=self._run, args=(rollout, pause), daemon=True,
@@ -93,19 +119,40 @@ class LocalUpdate:
         self._done.result()  # raises what ended the update
         raise RolloutError("the weight update has already ended")
 
+    async def join(self, group: dict) -> None:
+        from rollout.kit.transfer.collective import open_group
+
+        g = check_group(group)
+        self._group = await asyncio.to_thread(
+            open_group, g["host"], g["port"], g["first_rank"], g["world_size"], g["name"],
+            "gloo", self.timeout)
+
     async def send(self, message: dict) -> None:
+        from rollout.kit.transfer.collective import receive_bucket
         from rollout.kit.transfer.shm import receive_shm
 
         if self._done.done():
             self._done.result()
-        if not isinstance(message, dict) or message.get("transport") != "shm":
-            raise InvalidRequestError("bucket.transport", f"got {message!r:.80}", "shm")
-        bucket = await asyncio.to_thread(receive_shm, message)
+        transport = message.get("transport") if isinstance(message, dict) else None
+        if transport not in TRANSPORTS:
+            raise InvalidRequestError("bucket.transport", f"got {transport!r}",
+                                      ", ".join(TRANSPORTS))
+        if transport == "gloo":
+            if self._group is None:
+                raise InvalidRequestError("bucket.transport", "gloo before the group step",
+                                          "shm, or gloo after joining the trainer's group")
+            bucket = await asyncio.to_thread(receive_bucket, self._group, message,
+                                             self.timeout)
+        else:
+            bucket = await asyncio.to_thread(receive_shm, message)
         await asyncio.to_thread(self._put, bucket)
 
     async def end(self) -> int | None:
-        await asyncio.to_thread(self._put, _END)
-        return await asyncio.wait_for(asyncio.wrap_future(self._done), BUCKET_WAIT_S)
+        try:
+            await asyncio.to_thread(self._put, _END)
+            return await asyncio.wait_for(asyncio.wrap_future(self._done), BUCKET_WAIT_S)
+        finally:
+            self._leave()
 
     async def cancel(self, reason: str) -> None:
         if not self._done.done():
@@ -114,20 +161,76 @@ class LocalUpdate:
             await asyncio.wait_for(asyncio.wrap_future(self._done), BUCKET_WAIT_S)
         except Exception:  # noqa: BLE001 - the failure is what cancelling means
             pass
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        from rollout.kit.transfer.collective import close
+
+        if self._group is not None:
+            close(self._group)
+            self._group = None
 
 
 async def push_weights(update: WeightUpdate, named_tensors: Iterable,
-                       bucket_bytes: int | None = None) -> int | None:
-    """The trainer's side: pack, write to shared memory, send each bucket's layout, end.
-    Any failure cancels the update (the receivers are then dirty, not half-updated)."""
+                       bucket_bytes: int | None = None, transport: str = "shm",
+                       address: str = "127.0.0.1", timeout: float = BUCKET_WAIT_S
+                       ) -> int | None:
+    """The trainer's side: each bucket's layout to the receivers, its bytes by `transport`
+    (for gloo, the receivers reach this process's store at `address`), then end. Any
+    failure cancels the update (the receivers are then dirty, not half-updated)."""
     from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, iter_groups
+
+    groups = iter_groups(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
+    try:
+        if transport == "gloo":
+            await _push_by_gloo(update, groups, address, timeout)
+        else:
+            await _push_by_shm(update, groups)
+    except BaseException as exc:
+        await update.cancel(repr(exc))
+        raise
+    return await update.end()
+
+
+async def _push_by_shm(update: WeightUpdate, groups) -> None:
     from rollout.kit.transfer.shm import ShmSender
 
     with ShmSender() as sender:
-        try:
-            for group in iter_groups(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES):
-                await update.send(sender.put_tensors(group))
-        except BaseException as exc:
-            await update.cancel(repr(exc))
-            raise
-        return await update.end()
+        for group in groups:
+            await update.send(sender.put_tensors(group))
+
+
+async def _push_by_gloo(update: WeightUpdate, groups, address: str, timeout: float) -> None:
+    import threading
+
+    from rollout.kit.buckets import layout, pack, unpack
+    from rollout.kit.process import free_port
+    from rollout.kit.transfer.collective import (close, open_group, start_broadcast,
+                                                 unique_group_name, wait_all)
+
+    spec = {"host": address, "port": free_port(), "name": unique_group_name(),
+            "world_size": 1 + update.receivers, "first_rank": 1}
+    opening = asyncio.ensure_future(asyncio.to_thread(
+        open_group, address, spec["port"], 0, spec["world_size"], spec["name"], "gloo",
+        timeout))
+    try:
+        await update.join(spec)
+    finally:
+        group = await opening  # joined together, or failed within the timeout
+    try:
+        for named in groups:
+            bucket = pack(named)
+            refused = threading.Event()  # a receiver that refused the bucket takes no bytes
+            sending = asyncio.ensure_future(update.send(
+                {"transport": "gloo", **layout(bucket.tensors, bucket.nbytes)}))
+            sending.add_done_callback(
+                lambda s: (s.cancelled() or s.exception() is not None) and refused.set())
+            works = start_broadcast(group, [t for _, t in unpack(bucket)])
+            try:
+                await asyncio.to_thread(wait_all, group, works, timeout, refused.is_set)
+            finally:
+                del works
+            await sending
+    finally:
+        close(group)
