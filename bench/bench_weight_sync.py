@@ -162,10 +162,38 @@ def bench_vllm(model: Path, repeats: int) -> dict[str, list[float]]:
             times["old"].append(_timed(lambda: old_vllm_update(inner.engine.url, groups)))
         # The same weights went in: the same greedy output comes out.
         assert backend.generate([probe])[0].unwrap()[0].token_ids == before
+    finally:
+        child.stdin.close()
+        child.wait(30)
+        backend.close()
+    times.update(bench_vllm_gloo(model, repeats, state, group_buckets))
+    return times
+
+
+def bench_vllm_gloo(model: Path, repeats: int, state: dict, group_buckets: list) -> dict:
+    """`weight_transport="gloo"`: vLLM's weight-transfer routes and our gloo engine, against
+    the raw gloo broadcast of the same groups into a child process, into fresh buffers as
+    our engine receives (started after the first server is gone: one vLLM server at a time)."""
+    import rollout
+    from rollout.kit.transfer import collective
+
+    backend = rollout.load_backend("vllm", model=str(model), mode="server", max_model_len=512,
+                                   weight_transport="gloo", **SETTINGS)
+    child, group = start_gloo_receiver()
+    try:
+        probe = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "max_tokens": 8}}
+        before = backend.generate([probe])[0].unwrap()[0].token_ids
+        backend.update_weights(state.items())  # opens the group, once per backend
+        times: dict[str, list[float]] = {"raw (gloo)": [], "new (gloo)": []}
+        for _ in range(repeats):
+            times["raw (gloo)"].append(raw_gloo(group_buckets, child, group, fresh=True))
+            times["new (gloo)"].append(_timed(lambda: backend.update_weights(state.items())))
+        assert backend.generate([probe])[0].unwrap()[0].token_ids == before
         return times
     finally:
         child.stdin.close()
         child.wait(30)
+        collective.close(group)
         backend.close()
 
 
@@ -203,9 +231,10 @@ import sys, json
 from rollout.kit.transfer import collective
 group = collective.open_group("127.0.0.1", int(sys.argv[1]), 1, 2, sys.argv[2], "gloo", 120)
 print("joined", flush=True)
-buffer = None  # reused: the floor is the transport, not the receiver's page faults
+buffer = None  # reused unless told (SGLang receives into new tensors every time)
 for line in sys.stdin:
-    data = collective.receive_bucket(group, json.loads(line), out=buffer).data
+    message = json.loads(line)
+    data = collective.receive_bucket(group, message, out=None if message["fresh"] else buffer).data
     buffer = data if buffer is None or data.numel() > buffer.numel() else buffer
     print("ok", flush=True)
 collective.close(group)
@@ -225,15 +254,17 @@ def start_gloo_receiver():
     return child, group
 
 
-def raw_gloo(buckets: list, child: subprocess.Popen, group) -> float:
+def raw_gloo(buckets: list, child: subprocess.Popen, group, fresh: bool) -> float:
     """Seconds to broadcast `buckets` to `child` tensor by tensor, the layout announced
-    first on its stdin, as SGLang's receiver takes them."""
+    first on its stdin, as SGLang's receiver takes them; into a buffer the child reuses
+    (the transport alone), or `fresh` ones (its page faults too, as SGLang's receiver)."""
     from rollout.kit.buckets import layout
     from rollout.kit.transfer import collective
 
     started = time.perf_counter()
     for bucket in buckets:
-        child.stdin.write(json.dumps(layout(bucket.tensors, bucket.nbytes)) + "\n")
+        child.stdin.write(json.dumps({**layout(bucket.tensors, bucket.nbytes),
+                                      "fresh": fresh}) + "\n")
         child.stdin.flush()
         collective.broadcast_bucket(group, bucket)
         assert child.stdout.readline().strip() == "ok"
@@ -264,8 +295,8 @@ def bench_sglang(model: Path, repeats: int) -> dict[str, list[float]]:
         probe = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "max_tokens": 8}}
         before = backend.generate([probe])[0].unwrap()[0].token_ids
         inner.update_weights(buckets=buckets)  # opens the update group, once per backend
-        times: dict[str, list[float]] = {"raw": [], "new (hook)": [], "new (Rollout)": [],
-                                          "old": []}
+        times: dict[str, list[float]] = {"raw": [], "raw (fresh)": [], "new (hook)": [],
+                                          "new (Rollout)": [], "old": []}
 
         def hook(transport: str) -> float:
             # Fresh buckets, as a trainer's every step makes: the tensor path moves each
@@ -275,7 +306,8 @@ def bench_sglang(model: Path, repeats: int) -> dict[str, list[float]]:
             return _timed(lambda: inner.update_weights(buckets=fresh))
 
         for _ in range(repeats):
-            times["raw"].append(raw_gloo(group_buckets, child, group))
+            times["raw"].append(raw_gloo(group_buckets, child, group, fresh=False))
+            times["raw (fresh)"].append(raw_gloo(group_buckets, child, group, fresh=True))
             times["new (hook)"].append(hook("gloo"))
             times["new (Rollout)"].append(_timed(lambda: backend.update_weights(state.items())))
             times["old"].append(hook("tensor"))
@@ -309,7 +341,8 @@ def report(times: dict[str, list[float]], nbytes: int) -> None:
         print(f"{path:>14}: median {median:6.2f} s  {gib / median:5.2f} GiB/s  ({runs})")
     for path, median in medians.items():
         if path.startswith("new"):
-            print(f"raw/{path}: {medians['raw'] / median:.2f} (target >= 0.8)")
+            raw = "raw (gloo)" if path == "new (gloo)" else "raw"  # the same transport
+            print(f"{raw}/{path}: {medians[raw] / median:.2f} (target >= 0.8)")
     if "old" in medians:
         print(f"old/new (hook): {medians['old'] / medians['new (hook)']:.1f}x")
 

@@ -27,6 +27,7 @@ from rollout.kit.text import TextStream, first_stop
 
 from rollout_sglang import protocol
 from rollout_sglang.engines import STREAM_ARGS, InProcessEngine, ServerEngine
+from rollout_sglang.transport import TRANSPORTS, make_sender
 from rollout_sglang.weights import checked_groups
 
 MODES = ("engine", "server")
@@ -61,9 +62,20 @@ class SGLangBackend:
     def __init__(self, model: str, mode: str = "engine", device: str | None = None,
                  dtype: str = "auto", max_total_tokens: int = 4096, random_seed: int = 0,
                  engine_args: dict | None = None, startup_timeout: float = 600.0,
-                 request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES):
+                 request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES,
+                 weight_transport: str | None = None, weight_group_timeout: float = 600.0):
         if mode not in MODES:
             raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
+        # The update group in server mode: measured 5x faster than a tensor payload there.
+        weight_transport = weight_transport or ("gloo" if mode == "server" else "tensor")
+        if weight_transport not in TRANSPORTS:
+            raise InvalidRequestError("weight_transport", f"got {weight_transport!r}",
+                                      ", ".join(TRANSPORTS))
+        if weight_transport != "tensor" and mode != "server":
+            raise InvalidRequestError(
+                "weight_transport", f"{weight_transport!r} needs mode='server' (in process, "
+                "tensors reach SGLang's scheduler as file descriptors, without a copy)",
+                "'tensor' with mode='engine'")
         for name, value in STREAM_ARGS.items():  # set by the engines, never silently undone
             if (engine_args or {}).get(name, value) != value:
                 raise InvalidRequestError(
@@ -92,6 +104,9 @@ class SGLangBackend:
             args["disable_overlap_schedule"]
         self.engine = InProcessEngine(args, startup_timeout) if mode == "engine" else \
             ServerEngine(args, startup_timeout, request_timeout)
+        self.weights = make_sender(weight_transport, self.engine, request_timeout,
+                                   weight_group_timeout)
+        self._session_open = False  # an SGLang weight-update session we began and did not end
         try:
             self.engine.start()
             # SGLang's scheduler keeps a few tokens of the context for itself and refuses
@@ -196,14 +211,29 @@ class SGLangBackend:
 
     @rollout.hookimpl
     def update_weights(self, buckets):
-        timeout = self.request_timeout
+        """One SGLang session per update, the cache flushed after it. A failure midway
+        (the trainer's tensors stop coming, a transfer fails) ends the session, bounded,
+        so that the next update can begin; the core then refuses requests (the weights
+        are half new) until a full update succeeds."""
+        if self._session_open:  # the last failure could not end it (nor maybe tell us it did)
+            with contextlib.suppress(GenerationError):
+                self._end_session()
+            self._session_open = False
         self.engine.run(self.engine.begin_update(), 60, "SGLang begin_weight_update")
+        self._session_open = True
         try:
             for group in checked_groups(buckets, self.shapes, self.weight_group_bytes):
-                self.engine.run(self.engine.update_tensors(group), timeout, "SGLang weight update")
-        finally:
-            self.engine.run(self.engine.end_update(), 60, "SGLang end_weight_update")
+                self.weights.send(group)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                self._end_session()
+            raise
+        self._end_session()
         self._flush()
+
+    def _end_session(self) -> None:
+        self.engine.run(self.engine.end_update(), 60, "SGLang end_weight_update")
+        self._session_open = False
 
     def update_weights_from_disk(self, path: str) -> None:
         """Load a checkpoint folder with the model's architecture from this host's disk."""
@@ -231,7 +261,10 @@ class SGLangBackend:
 
     @rollout.hookimpl
     def close(self):
-        self.engine.close()
+        try:
+            self.weights.close()
+        finally:
+            self.engine.close()
 
 
 async def _merged(streams: list):

@@ -383,6 +383,17 @@ class ServerEngine:
     async def end_update(self) -> None:
         await self._call("/end_weight_update", {}, timeout=60)
 
+    async def init_group(self, body: dict, timeout: float) -> None:
+        """Join the update group; answers once the trainer has joined too."""
+        await self._call("/init_weights_update_group", body, timeout=timeout)
+
+    async def update_distributed(self, body: dict) -> None:
+        """Receive one announced group of tensors by broadcast, and load it."""
+        await self._call("/update_weights_from_distributed", body)
+
+    async def destroy_group(self, name: str) -> None:
+        await self._call("/destroy_weights_update_group", {"group_name": name}, timeout=10)
+
     async def update_from_disk(self, path: str) -> None:
         await self._call("/update_weights_from_disk", protocol.update_disk_body(path))
 

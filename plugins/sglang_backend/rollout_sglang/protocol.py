@@ -24,6 +24,12 @@ STRUCTS = {
                                    "UpdateWeightsFromTensorReqInput"),
     "end_weight_update": ("sglang.srt.managers.io_struct", "EndWeightUpdateReqInput"),
     "update_weights_from_disk": ("sglang.srt.managers.io_struct", "UpdateWeightFromDiskReqInput"),
+    "init_weights_update_group": ("sglang.srt.managers.io_struct",
+                                  "InitWeightsUpdateGroupReqInput"),
+    "update_weights_from_distributed": ("sglang.srt.managers.io_struct",
+                                        "UpdateWeightsFromDistributedReqInput"),
+    "destroy_weights_update_group": ("sglang.srt.managers.io_struct",
+                                     "DestroyWeightsUpdateGroupReqInput"),
     "release": ("sglang.srt.managers.io_struct", "ReleaseMemoryOccupationReqInput"),
     "resume": ("sglang.srt.managers.io_struct", "ResumeMemoryOccupationReqInput"),
 }
@@ -169,6 +175,21 @@ def update_tensor_body(payload) -> dict:
 
 def update_disk_body(path: str) -> dict:
     return {"model_path": path, "flush_cache": False}
+
+
+def init_group_body(host: str, port: int, group_name: str, backend: str) -> dict:
+    """The server joins as rank 1 of 2 (its only tensor-parallel rank); the trainer is 0."""
+    return {"master_address": host, "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": group_name, "backend": backend}
+
+
+def update_distributed_body(group: list, group_name: str) -> dict:
+    """What one group of broadcasts will carry, tensor by tensor in this order; SGLang
+    receives each into a new tensor of this dtype and shape."""
+    return {"names": [name for name, _ in group],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in group],
+            "shapes": [list(t.shape) for _, t in group],
+            "group_name": group_name, "flush_cache": False}
 
 
 def parse_delta(out: dict, logprobs: int | None) -> Delta:

@@ -9,6 +9,8 @@ import rollout
     ({"mode": "cluster"}, "mode"),
     ({"engine_args": {"incremental_streaming_output": False}},
      "engine_args.incremental_streaming_output"),
+    ({"weight_transport": "nccl"}, "weight_transport"),
+    ({"mode": "engine", "weight_transport": "gloo"}, "weight_transport"),
 ])
 def test_a_bad_option_is_refused_naming_it(tiny_model, options, field):
     with pytest.raises(rollout.InvalidRequestError) as caught:

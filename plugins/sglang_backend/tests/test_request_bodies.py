@@ -6,6 +6,7 @@ import inspect
 from pathlib import Path
 
 import pytest
+import torch
 
 import rollout_sglang
 from rollout.contract.schemas import SamplingParams
@@ -56,6 +57,11 @@ def test_sampling_body_fits_sampling_params(sampling, tiny_model):
     ("update_weights_from_tensor", protocol.update_tensor_body("gASV")),
     ("end_weight_update", {}),
     ("update_weights_from_disk", protocol.update_disk_body("/tmp/model")),
+    ("init_weights_update_group",
+     protocol.init_group_body("127.0.0.1", 29500, "rollout-x", "gloo")),
+    ("update_weights_from_distributed", protocol.update_distributed_body(
+        [("w", torch.zeros(2, 3, dtype=torch.bfloat16))], "rollout-x")),
+    ("destroy_weights_update_group", {"group_name": "rollout-x"}),
     ("release", {"tags": ["weights", "kv_cache"]}),
     ("resume", {"tags": ["kv_cache"]}),
 ])

@@ -1,0 +1,154 @@
+"""The trainer's side of a collective group with an engine (rank 0 sends, the engine's
+ranks receive), in plain torch: the trainer needs no engine installed.
+
+The group is built as SGLang's `init_custom_process_group` builds its side, which is what
+torch does for `new_group` on a `tcp://` rendezvous: a TCP store on the master's address,
+wrapped in `PrefixStore(group_name)`, then torch's own per-group and per-device prefixes.
+A plain `init_process_group` would use other store keys, and both sides would wait out
+their timeouts. Every wait here is bounded by `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from typing import TYPE_CHECKING
+
+import attrs
+
+from rollout.kit.buckets import Bucket, metas_from_layout, unpack
+
+if TYPE_CHECKING:
+    import torch
+
+BACKENDS = ("gloo",)  # nccl needs a GPU on both sides: not here yet
+
+
+class ReceiverGaveUp(RuntimeError):
+    """The receiver said it will not receive what was broadcast (`wait_all`'s `stop`)."""
+
+
+def unique_group_name() -> str:
+    """A group name used once: an engine refuses a name it has seen, and the trainer then
+    waits out the rendezvous timeout."""
+    return f"rollout-{uuid.uuid4().hex}"
+
+
+@attrs.define
+class Group:
+    name: str
+    rank: int
+    world_size: int
+    timeout_s: float
+    backend: object  # torch's ProcessGroupGloo
+    store: object  # kept alive with the group: rank 0 serves it
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def open_group(host: str, port: int, rank: int, world_size: int, group_name: str,
+               backend: str = "gloo", timeout_s: float = 60.0,
+               op_timeout_s: float | None = None) -> Group:
+    """Join the group; returns once every rank has (blocks until then, at most
+    `timeout_s`). Rank 0 serves the store at host:port. A broadcast then fails after
+    `op_timeout_s` (by default `timeout_s`)."""
+    import torch.distributed as dist
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: only {', '.join(BACKENDS)}")
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
+                          timeout=_timeout(timeout_s), wait_for_workers=False)
+    # The keys of torch's tcp:// rendezvous + _new_process_group_helper, as SGLang uses them.
+    keys = dist.PrefixStore("cpu/", dist.PrefixStore(f"{group_name}/",
+                                                     dist.PrefixStore(group_name, store)))
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = _timeout(timeout_s)
+    # The engine is on this host or reached by `host`: connect through the address given.
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    pg = dist.ProcessGroupGloo(keys, rank, world_size, options)
+    if op_timeout_s is not None:
+        pg.set_timeout(_timeout(op_timeout_s))
+    return Group(group_name, rank, world_size, op_timeout_s or timeout_s, pg, store)
+
+
+def _tensors(bucket: Bucket) -> list[torch.Tensor]:
+    # Views into the bucket, one per tensor: SGLang receives per tensor, each into a
+    # tensor of the announced dtype and shape, so the bytes sent equal the bytes announced.
+    return [t for _, t in unpack(bucket)]
+
+
+def start_broadcast(group: Group, tensors: list[torch.Tensor]) -> list:
+    """Queue one broadcast per tensor from rank 0; gloo's threads send them while the
+    caller does something else (tells the engine what is coming). Returns the works."""
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    return [group.backend.broadcast([t], options) for t in tensors]
+
+
+def wait_all(group: Group, works: list, timeout_s: float | None = None, stop=None) -> None:
+    """Wait for queued broadcasts, at most `timeout_s` (the group's by default) in all, or
+    until `stop()` is true (the receiver said it will not receive), checked every 50 ms.
+    Unfinished, the group is unusable: drop every work and close it."""
+    import threading
+    import time
+
+    timeout_s = group.timeout_s if timeout_s is None else timeout_s
+    done, left, lock = threading.Event(), [len(works)], threading.Lock()
+
+    def finished(_):
+        with lock:
+            left[0] -= 1
+            if not left[0]:
+                done.set()
+
+    if not works:
+        return
+    for work in works:
+        work.get_future().add_done_callback(finished)
+    del work  # a traceback through here must not keep the group's connections open
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(0.05):
+        if stop is not None and stop():
+            raise ReceiverGaveUp(f"the receiver of group {group.name!r} gave up")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a broadcast in group {group.name!r} did not finish "
+                               f"within {timeout_s:.0f} s")
+    for work in works:
+        work.wait()  # raises what failed
+
+
+def broadcast_bucket(group: Group, bucket: Bucket, timeout_s: float | None = None) -> None:
+    """Send one bucket from rank 0, one broadcast per tensor (measured faster into SGLang
+    than one flat buffer, which SGLang copies apart again)."""
+    wait_all(group, start_broadcast(group, _tensors(bucket)), timeout_s)
+
+
+def receive_bucket(group: Group, message: dict, timeout_s: float | None = None,
+                   out: torch.Tensor | None = None) -> Bucket:
+    """On a receiving rank: the bucket whose `layout` is `message`, tensor by tensor, into
+    `out` (a uint8 buffer the receiver is done with) or a new buffer."""
+    import torch
+    import torch.distributed as dist
+
+    nbytes, metas = metas_from_layout(message)
+    data = out[:nbytes] if out is not None and out.numel() >= nbytes else \
+        torch.empty(nbytes, dtype=torch.uint8)
+    bucket = Bucket(metas, data)
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    works = [group.backend.broadcast([t], options) for t in _tensors(bucket)]
+    wait_all(group, works, timeout_s)
+    return bucket
+
+
+def close(group: Group) -> None:
+    """Leave the group. Its connections close when the last reference to it goes: the
+    caller drops its works first. Then a peer waiting on a broadcast fails at once; with
+    a broadcast of ours still pending, torch waits for it to time out first (at most the
+    group's timeout), so close such a group from a thread that may wait."""
+    group.backend = None
+    group.store = None

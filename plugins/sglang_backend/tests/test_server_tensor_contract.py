@@ -1,0 +1,21 @@
+"""The SGLang backend in server mode with weight_transport="tensor" (the default there is
+"gloo"), against the contract suite's weight-update tests; the rest is test_server_contract."""
+
+import pytest
+from conftest import ENGINE
+
+import rollout
+from rollout.testing import BackendContract
+
+
+class TestSGLangServerTensor(BackendContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def make_backend(cls):
+        return lambda model: rollout.load_backend("sglang", model=str(model), mode="server",
+                                                  weight_transport="tensor", **ENGINE)
+
+    @pytest.fixture(autouse=True)
+    def _weight_tests_only(self, request):
+        if "update" not in request.node.name and "weight" not in request.node.name:
+            pytest.skip("not about weights: the same as in test_server_contract")
