@@ -86,14 +86,12 @@ class ServedRollout:
 
     def _own_address(self) -> str:
         """This host's address on the way to the first replica's server."""
-        import socket
         from urllib.parse import urlsplit
 
+        from rollout.kit.transfer.collective import address_towards
+
         urls = [r.service.url for r in getattr(self.service, "replicas", ())]
-        host = urlsplit(urls[0]).hostname if urls else "127.0.0.1"
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))  # no packet is sent: this only picks the route
-            return probe.getsockname()[0]
+        return address_towards(urlsplit(urls[0]).hostname if urls else "127.0.0.1")
 
     def release(self, tags: Iterable[str] | None = None) -> None:
         self._run(self.service.release(None if tags is None else list(tags)), "release")

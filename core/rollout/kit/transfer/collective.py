@@ -65,12 +65,21 @@ def open_group(host: str, port: int, rank: int, world_size: int, group_name: str
                                                      dist.PrefixStore(group_name, store)))
     options = dist.ProcessGroupGloo._Options()
     options._timeout = _timeout(timeout_s)
-    # The engine is on this host or reached by `host`: connect through the address given.
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    # Each rank listens on its address towards the store's host (rank 0: that host).
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_towards(host))]
     pg = dist.ProcessGroupGloo(keys, rank, world_size, options)
     if op_timeout_s is not None:
         pg.set_timeout(_timeout(op_timeout_s))
     return Group(group_name, rank, world_size, op_timeout_s or timeout_s, pg, store)
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (itself for a loopback or local one)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))  # picks the route; sends nothing
+        return probe.getsockname()[0]
 
 
 def _tensors(bucket: Bucket) -> list[torch.Tensor]:
