@@ -19,6 +19,7 @@ from rollout.contract.schemas import SamplingParams, StructuredOutputs
 from rollout.kit.structured import constraint_error
 
 from rollout_vllm.engines import AsyncEngine, InProcessEngine, ServerEngine
+from rollout_vllm.transport import ENGINE_NAME, TRANSPORTS, GlooSender
 from rollout_vllm.weights import layer_groups
 
 MODES = ("engine", "async", "server")
@@ -77,9 +78,13 @@ class VLLMBackend:
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  engine_args: dict | None = None, startup_timeout: float = 600.0,
                  request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES,
-                 stream_interval: int = 16):
+                 stream_interval: int = 16, weight_transport: str = "shm",
+                 weight_group_timeout: float = 300.0):
         if mode not in MODES:
             raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
+        if weight_transport not in TRANSPORTS or (weight_transport != "shm" and mode != "server"):
+            raise InvalidRequestError("weight_transport", f"got {weight_transport!r}",
+                                      "'shm', or in server mode 'gloo'")
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
                                       "an integer >= 1")
@@ -93,6 +98,8 @@ class VLLMBackend:
         self.weight_group_bytes = weight_group_bytes
         self.sleep_reason = sleep_unsupported_reason()
         engine_args = dict(engine_args or {})
+        if weight_transport == "gloo":  # vLLM's weight-transfer routes, into our engine
+            engine_args.setdefault("weight_transfer_config", {"backend": ENGINE_NAME})
         structured = engine_args.pop("structured_outputs_config", None)
         args = {"model": model, "dtype": dtype, "max_model_len": self.max_model_len,
                 "enforce_eager": enforce_eager, "worker_extension_cls": _extension(),
@@ -108,6 +115,8 @@ class VLLMBackend:
         # The engine's asyncio side lives on the loop the core runs requests on: no hop
         # between loops per token.
         self.loop = engine_loop()
+        self.gloo = GlooSender(self.engine, self.loop, request_timeout, weight_group_timeout) \
+            if weight_transport == "gloo" else None
         try:
             self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
         except BaseException:
@@ -157,7 +166,9 @@ class VLLMBackend:
         # Groups are made here, on the trainer's thread (it runs the trainer's iterator);
         # the engine loop only carries each group's call. Every wait is bounded.
         groups = layer_groups(buckets, self.shapes, self.weight_group_bytes)
-        if self.engine.in_process:
+        if self.gloo is not None:
+            self.gloo.update(groups)
+        elif self.engine.in_process:
             for group in groups:
                 self._run(self.engine.load_weights(group, self.request_timeout))
         else:
@@ -184,6 +195,8 @@ class VLLMBackend:
 
     @rollout.hookimpl
     def close(self):
+        if self.gloo is not None:
+            self.gloo.close()  # the server leaves the group too, bounded
         self.loop.run(self.engine.close(), 120, "stopping vLLM")
 
 

@@ -11,7 +11,9 @@ All run on the engine loop (`rollout.kit.aio.engine_loop()`). `generate` is an a
 iterator of `rollout.Chunk`s as vLLM makes tokens; cancelling it stops the request in vLLM.
 All load weights through `rollout_vllm.worker.WeightUpdateExtension`: in process as
 tensors (`in_process`), to another process as a bucket in shared memory named by a JSON
-message (`rollout.kit.transfer.shm`; never pickle), one message per group of whole layers.
+message (`rollout.kit.transfer.shm`; never pickle), one message per group of whole layers;
+or, with `weight_transport="gloo"` in server mode, through vLLM's weight-transfer routes
+(`rollout_vllm.transport`).
 After every update the backend resets vLLM's prefix cache: KV computed under the old
 weights must not be read under the new ones.
 """
@@ -623,6 +625,23 @@ class ServerEngine:
         await self._call("/collective_rpc", {"method": "rollout_receive_shm",
                                              "args": [message], "timeout": timeout},
                          timeout=timeout + 30)
+
+    # vLLM's weight-transfer routes (`weight_transport="gloo"`, rollout_vllm.transport).
+
+    async def init_weight_transfer(self, init_info: dict, timeout: float) -> None:
+        await self._call("/init_weight_transfer_engine", {"init_info": init_info}, timeout)
+
+    async def start_weight_update(self, timeout: float) -> None:
+        await self._call("/start_weight_update", timeout=timeout)
+
+    async def update_weights_chunk(self, update_info: dict, timeout: float) -> None:
+        await self._call("/update_weights", {"update_info": update_info}, timeout)
+
+    async def finish_weight_update(self, version: str | None, timeout: float) -> None:
+        await self._call("/finish_weight_update", {"weight_version": version}, timeout)
+
+    async def shutdown_weight_transfer(self, timeout: float) -> None:
+        await self._call("/shutdown_weight_transfer_engine", timeout=timeout)
 
     async def reset_prefix_cache(self) -> None:
         answer = await self._call("/reset_prefix_cache?reset_running_requests=true",

@@ -1,9 +1,25 @@
 """Runs inside vLLM's worker (`worker_extension_cls`). Weight updates arrive as tensors
 when the worker is in this process, and as a shared-memory bucket named by a JSON message
 (never pickle) when it is not. Every call carries whole decoder layers (`weights.layer_groups`),
-so each `reload_weights` completes the layers it touches."""
+so each `reload_weights` completes the layers it touches.
+
+Imported by each vLLM worker (as `worker_extension_cls`) before it builds its weight-transfer
+engine: this is where our engines join vLLM's registry (loaded only when configured)."""
 
 from __future__ import annotations
+
+
+def _register_engines() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from rollout_vllm import transfer_engine
+
+    if transfer_engine.NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            transfer_engine.NAME, transfer_engine.__name__, "GlooTransferEngine")
+
+
+_register_engines()
 
 
 class WeightUpdateExtension:

@@ -10,6 +10,8 @@ from rollout import InvalidRequestError
     ({"mode": "http"}, "mode"),
     ({"mode": "server", "stream_interval": 0}, "stream_interval"),
     ({"stream_interval": 1.5}, "stream_interval"),
+    ({"mode": "server", "weight_transport": "nccl"}, "weight_transport"),
+    ({"mode": "async", "weight_transport": "gloo"}, "weight_transport"),  # server mode only
 ])
 def test_bad_option_names_the_field(tiny_model, options, field):
     with pytest.raises(InvalidRequestError, match=field) as caught:

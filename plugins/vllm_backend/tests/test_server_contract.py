@@ -12,3 +12,13 @@ class TestVLLMServer(BackendContract):
     @classmethod
     def make_backend(cls):
         return lambda model: rollout.load_backend("vllm", model=str(model), mode="server", **ENGINE)
+
+
+class TestVLLMServerGloo(BackendContract):
+    """The same server, weights through vLLM's weight-transfer routes and a gloo group."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def make_backend(cls):
+        return lambda model: rollout.load_backend("vllm", model=str(model), mode="server",
+                                                  weight_transport="gloo", **ENGINE)

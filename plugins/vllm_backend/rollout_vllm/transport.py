@@ -1,0 +1,161 @@
+"""The trainer's side of `weight_transport="gloo"` (server mode): vLLM's weight-transfer
+routes driving our `rollout_gloo` engine (`rollout_vllm.transfer_engine`) in the server.
+
+One gloo group per backend (this process rank 0, the server's worker rank 1), opened at the
+first update under a name never used before, concurrently with /init_weight_transfer_engine.
+Per update: /start_weight_update; per checked group of tensors one /update_weights call
+announcing names, dtypes and shapes, while the tensors go by broadcast; then
+/finish_weight_update with a version. A failed update ends vLLM's session anyway (so the
+next one can start; the core keeps the weights dirty until a full update succeeds); a
+failed broadcast also drops the group, so the server's pending receive fails now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterable
+
+from rollout import GenerationError
+from rollout.kit.process import HOST, free_port
+from rollout.kit.transfer import collective
+
+TRANSPORTS = ("shm", "gloo")
+ENGINE_NAME = "rollout_gloo"  # rollout_vllm.transfer_engine.NAME, without importing vLLM
+JOIN_TIMEOUT_S = 60.0  # both sides of a new group on one host join within seconds
+CONTROL_TIMEOUT_S = 60.0  # start, finish, shutdown: no bytes move in them
+
+
+def update_info(group: dict) -> dict:
+    """The JSON vLLM's /update_weights carries for one group: names, dtypes, shapes."""
+    return {"names": list(group),
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for t in group.values()],
+            "shapes": [list(t.shape) for t in group.values()]}
+
+
+class GlooSender:
+    def __init__(self, engine, loop, timeout: float, group_timeout: float):
+        self.engine, self.loop = engine, loop  # ServerEngine and the engine loop it runs on
+        self.timeout, self.group_timeout = timeout, group_timeout
+        self.group: collective.Group | None = None
+        self.updates = 0  # vLLM's weight version: this backend's count of full updates
+
+    def _run(self, coro, timeout: float, what: str):
+        return self.loop.run(coro, timeout, what)
+
+    def update(self, groups: Iterable[dict]) -> None:
+        if self.group is None:
+            self.group = self._open()
+        self._run(self.engine.start_weight_update(CONTROL_TIMEOUT_S), CONTROL_TIMEOUT_S + 10,
+                  "vLLM start_weight_update")
+        try:
+            for group in groups:  # the trainer's iterator: it may raise between groups
+                self._send(group)
+        except BaseException:
+            self._abandon()
+            if self.group is None:  # left after a failed broadcast: the server leaves too
+                self._shutdown_remote()
+            raise
+        self.updates += 1
+        self._run(self.engine.finish_weight_update(str(self.updates), CONTROL_TIMEOUT_S),
+                  CONTROL_TIMEOUT_S + 10, "vLLM finish_weight_update")
+
+    def _send(self, group: dict) -> None:
+        tensors = list(group.values())  # contiguous, checked (`weights.layer_groups`)
+        # vLLM answers once its worker has received and loaded every tensor; meanwhile the
+        # broadcasts go out. Ours are awaited first, stopping early if vLLM already failed.
+        reply = asyncio.run_coroutine_threadsafe(
+            self.engine.update_weights_chunk(update_info(group), self.timeout), self.loop.loop)
+        works: list = []
+        try:
+            works += collective.start_broadcast(self.group, tensors)
+            collective.wait_all(self.group, works, self.group_timeout,
+                                stop=lambda: reply.done() and reply.exception() is not None)
+            works.clear()
+            self._run(_awaiting(reply), self.timeout + 30, "vLLM update_weights")
+        except BaseException as exc:
+            works.clear()  # our references to the group go, so its connections can close
+            self._leave()
+            with contextlib.suppress(Exception):  # vLLM's answer, bounded: its error
+                self._run(_awaiting(reply), 30, "vLLM update_weights")
+            if isinstance(exc, collective.ReceiverGaveUp):
+                raise reply.exception() from None  # vLLM's refusal says why
+            raise
+
+    def _abandon(self) -> None:
+        """End vLLM's session after a failure: its layers that got nothing take their old
+        tensors back (none is left without storage). Where vLLM already ended the session
+        (its worker failed a chunk), a start and finish with nothing sent does the same."""
+        for path in (("finish",), ("start", "finish")):
+            try:
+                for step in path:
+                    call = self.engine.finish_weight_update(None, CONTROL_TIMEOUT_S) \
+                        if step == "finish" else self.engine.start_weight_update(CONTROL_TIMEOUT_S)
+                    self._run(call, CONTROL_TIMEOUT_S + 10, f"vLLM {step}_weight_update")
+                return
+            except Exception:  # noqa: BLE001 - best effort: the weights are dirty anyway
+                continue
+
+    def _open(self) -> collective.Group:
+        """Both sides join at once: vLLM's init call answers only once we have joined. A
+        refusal (e.g. a name used before) is raised at once, without waiting out the join."""
+        name, port = collective.unique_group_name(), free_port()
+        joined: dict = {}
+
+        def join():
+            try:
+                group = collective.open_group(HOST, port, 0, 2, name, "gloo",
+                                              JOIN_TIMEOUT_S, self.group_timeout)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                joined["error"] = exc
+                return
+            joined["group"] = group
+            if joined.get("abandoned"):
+                collective.close(group)
+
+        thread = threading.Thread(target=join, name="rollout-vllm-group", daemon=True)
+        thread.start()
+        body = {"host": HOST, "port": port, "group_name": name, "world_size": 2, "rank": 1,
+                "timeout_s": self.group_timeout}
+        try:
+            self._run(self.engine.init_weight_transfer(body, JOIN_TIMEOUT_S),
+                      JOIN_TIMEOUT_S + 10, "vLLM init_weight_transfer_engine")
+        except BaseException as exc:
+            # Our side gives up on its own within JOIN_TIMEOUT_S (a daemon thread).
+            joined["abandoned"] = True
+            if "group" in joined:
+                collective.close(joined.pop("group"))
+            raise GenerationError(f"vLLM refused weight transfer group {name!r}: {exc}") \
+                from None
+        thread.join(JOIN_TIMEOUT_S + 10)
+        if "group" not in joined:
+            raise GenerationError(f"joining vLLM's weight transfer group failed: "
+                                  f"{joined.get('error', 'timed out')!r}")
+        return joined["group"]
+
+    def _leave(self) -> None:
+        """Leave the group on our side, on a thread of its own: with a broadcast still
+        pending, torch waits for it to time out. The server's pending receive fails then."""
+        group, self.group = self.group, None
+        if group is not None:
+            threading.Thread(target=collective.close, args=(group,), daemon=True,
+                             name="rollout-vllm-group-close").start()
+
+    def _shutdown_remote(self) -> None:
+        with contextlib.suppress(Exception):  # a dead server, or one still in a session
+            self._run(self.engine.shutdown_weight_transfer(CONTROL_TIMEOUT_S),
+                      CONTROL_TIMEOUT_S + 10, "vLLM shutdown_weight_transfer_engine")
+
+    def drop(self) -> None:
+        """Leave the group, and have the server leave it."""
+        if self.group is not None:
+            self._leave()
+            self._shutdown_remote()
+
+    def close(self) -> None:
+        self.drop()
+
+
+async def _awaiting(future):
+    return await asyncio.wrap_future(future)
