@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 
 from rollout import GenerationError
 from rollout.kit.process import HOST, free_port
@@ -56,55 +55,31 @@ class GlooSender:
         body = protocol.update_distributed_body(group, self.group.name)
         _check_sizes(body, tensors)  # a size SGLang does not expect kills its scheduler
         # The call answers once SGLang has received and loaded every tensor; meanwhile the
-        # broadcasts go out. Ours are awaited first: if they fail, dropping the group makes
-        # SGLang's receive fail now (its own timeout is 30 minutes).
+        # broadcasts go out. If they fail, leaving the group makes SGLang's receive fail now
+        # (its own timeout is 30 minutes).
         reply = asyncio.run_coroutine_threadsafe(
             self.engine.update_distributed(body), self.engine.loop)
-        works: list = []
         try:
-            works += collective.start_broadcast(self.group, tensors)
-            collective.wait_all(self.group, works, self.group_timeout,
-                                stop=lambda: reply.done() and reply.exception() is not None)
-            works.clear()
+            collective.broadcast_announced(self.group, tensors, reply, self.group_timeout)
             self.engine.run(_awaiting(reply), self.timeout,
                             "SGLang update_weights_from_distributed")
-        except BaseException as exc:
-            works.clear()  # our references to the group go, so its connections can close
+        except BaseException:
             self.drop()
-            with contextlib.suppress(Exception):  # SGLang's answer, bounded: its error
+            with contextlib.suppress(Exception):  # SGLang's answer, bounded
                 self.engine.run(_awaiting(reply), 30, "SGLang update_weights_from_distributed")
-            if isinstance(exc, collective.ReceiverGaveUp):
-                raise reply.exception() from None  # SGLang's refusal says why
             raise
 
     def _open(self) -> collective.Group:
         """Both sides join at once: the server's call answers only when we have joined."""
         name, port = collective.unique_group_name(), free_port()
-        joined: dict = {}
-
-        def join():
-            try:
-                joined["group"] = collective.open_group(HOST, port, 0, 2, name, "gloo",
-                                                        JOIN_TIMEOUT_S, self.group_timeout)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                joined["error"] = exc
-
-        thread = threading.Thread(target=join, name="rollout-sglang-group", daemon=True)
-        thread.start()
         try:
-            self.engine.run(self.engine.init_group(
-                protocol.init_group_body(HOST, port, name, "gloo"), JOIN_TIMEOUT_S),
-                JOIN_TIMEOUT_S + 10, "SGLang init_weights_update_group")
-        except BaseException:
-            thread.join(JOIN_TIMEOUT_S + 10)  # our side gives up within its timeout
-            if "group" in joined:
-                collective.close(joined["group"])
-            raise
-        thread.join(JOIN_TIMEOUT_S + 10)
-        if "group" not in joined:
-            raise GenerationError(f"joining SGLang's update group failed: "
-                                  f"{joined.get('error', 'timed out')!r}")
-        return joined["group"]
+            return collective.open_with(
+                lambda: self.engine.run(self.engine.init_group(
+                    protocol.init_group_body(HOST, port, name, "gloo"), JOIN_TIMEOUT_S),
+                    JOIN_TIMEOUT_S + 10, "SGLang init_weights_update_group"),
+                HOST, port, 2, name, JOIN_TIMEOUT_S, self.group_timeout)
+        except TimeoutError as exc:
+            raise GenerationError(f"joining SGLang's update group failed: {exc}") from None
 
     def drop(self) -> None:
         """Leave the group and have the server forget it. Our side closes on a thread of
@@ -113,8 +88,7 @@ class GlooSender:
         if group is None:
             return
         name = group.name
-        threading.Thread(target=collective.close, args=(group,), daemon=True,
-                         name="rollout-sglang-group-close").start()
+        collective.close_soon(group)
         del group
         try:
             self.engine.run(self.engine.destroy_group(name), 15,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections.abc import Iterable
 
 from rollout import GenerationError
@@ -62,25 +61,18 @@ class GlooSender:
                   CONTROL_TIMEOUT_S + 10, "vLLM finish_weight_update")
 
     def _send(self, group: dict) -> None:
-        tensors = list(group.values())  # contiguous, checked (`weights.layer_groups`)
         # vLLM answers once its worker has received and loaded every tensor; meanwhile the
-        # broadcasts go out. Ours are awaited first, stopping early if vLLM already failed.
+        # broadcasts go out (contiguous, checked tensors: `weights.layer_groups`).
         reply = asyncio.run_coroutine_threadsafe(
             self.engine.update_weights_chunk(update_info(group), self.timeout), self.loop.loop)
-        works: list = []
         try:
-            works += collective.start_broadcast(self.group, tensors)
-            collective.wait_all(self.group, works, self.group_timeout,
-                                stop=lambda: reply.done() and reply.exception() is not None)
-            works.clear()
+            collective.broadcast_announced(self.group, list(group.values()), reply,
+                                           self.group_timeout)
             self._run(_awaiting(reply), self.timeout + 30, "vLLM update_weights")
-        except BaseException as exc:
-            works.clear()  # our references to the group go, so its connections can close
+        except BaseException:
             self._leave()
-            with contextlib.suppress(Exception):  # vLLM's answer, bounded: its error
+            with contextlib.suppress(Exception):  # vLLM's answer, bounded
                 self._run(_awaiting(reply), 30, "vLLM update_weights")
-            if isinstance(exc, collective.ReceiverGaveUp):
-                raise reply.exception() from None  # vLLM's refusal says why
             raise
 
     def _abandon(self) -> None:
@@ -101,46 +93,21 @@ class GlooSender:
         """Both sides join at once: vLLM's init call answers only once we have joined. A
         refusal (e.g. a name used before) is raised at once, without waiting out the join."""
         name, port = collective.unique_group_name(), free_port()
-        joined: dict = {}
-
-        def join():
-            try:
-                group = collective.open_group(HOST, port, 0, 2, name, "gloo",
-                                              JOIN_TIMEOUT_S, self.group_timeout)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                joined["error"] = exc
-                return
-            joined["group"] = group
-            if joined.get("abandoned"):
-                collective.close(group)
-
-        thread = threading.Thread(target=join, name="rollout-vllm-group", daemon=True)
-        thread.start()
         body = {"host": HOST, "port": port, "group_name": name, "world_size": 2, "rank": 1,
                 "timeout_s": self.group_timeout}
         try:
-            self._run(self.engine.init_weight_transfer(body, JOIN_TIMEOUT_S),
-                      JOIN_TIMEOUT_S + 10, "vLLM init_weight_transfer_engine")
-        except BaseException as exc:
-            # Our side gives up on its own within JOIN_TIMEOUT_S (a daemon thread).
-            joined["abandoned"] = True
-            if "group" in joined:
-                collective.close(joined.pop("group"))
-            raise GenerationError(f"vLLM refused weight transfer group {name!r}: {exc}") \
-                from None
-        thread.join(JOIN_TIMEOUT_S + 10)
-        if "group" not in joined:
-            raise GenerationError(f"joining vLLM's weight transfer group failed: "
-                                  f"{joined.get('error', 'timed out')!r}")
-        return joined["group"]
+            return collective.open_with(
+                lambda: self._run(self.engine.init_weight_transfer(body, JOIN_TIMEOUT_S),
+                                  JOIN_TIMEOUT_S + 10, "vLLM init_weight_transfer_engine"),
+                HOST, port, 2, name, JOIN_TIMEOUT_S, self.group_timeout)
+        except Exception as exc:
+            raise GenerationError(f"opening weight transfer group {name!r} with vLLM "
+                                  f"failed: {exc}") from None
 
     def _leave(self) -> None:
-        """Leave the group on our side, on a thread of its own: with a broadcast still
-        pending, torch waits for it to time out. The server's pending receive fails then."""
         group, self.group = self.group, None
         if group is not None:
-            threading.Thread(target=collective.close, args=(group,), daemon=True,
-                             name="rollout-vllm-group-close").start()
+            collective.close_soon(group)  # the server's pending receive fails then
 
     def _shutdown_remote(self) -> None:
         with contextlib.suppress(Exception):  # a dead server, or one still in a session

@@ -202,35 +202,24 @@ async def _push_by_shm(update: WeightUpdate, groups) -> None:
 
 
 async def _push_by_gloo(update: WeightUpdate, groups, address: str, timeout: float) -> None:
-    import threading
-
     from rollout.kit.buckets import layout, pack, unpack
     from rollout.kit.process import free_port
-    from rollout.kit.transfer.collective import (close, open_group, start_broadcast,
-                                                 unique_group_name, wait_all)
+    from rollout.kit.transfer.collective import (broadcast_announced, close, open_with,
+                                                 unique_group_name)
 
+    loop = asyncio.get_running_loop()
     spec = {"host": address, "port": free_port(), "name": unique_group_name(),
             "world_size": 1 + update.receivers, "first_rank": 1}
-    opening = asyncio.ensure_future(asyncio.to_thread(
-        open_group, address, spec["port"], 0, spec["world_size"], spec["name"], "gloo",
-        timeout))
-    try:
-        await update.join(spec)
-    finally:
-        group = await opening  # joined together, or failed within the timeout
+    group = await asyncio.to_thread(
+        open_with, lambda: asyncio.run_coroutine_threadsafe(update.join(spec), loop).result(),
+        address, spec["port"], spec["world_size"], spec["name"], timeout, timeout)
     try:
         for named in groups:
             bucket = pack(named)
-            refused = threading.Event()  # a receiver that refused the bucket takes no bytes
-            sending = asyncio.ensure_future(update.send(
-                {"transport": "gloo", **layout(bucket.tensors, bucket.nbytes)}))
-            sending.add_done_callback(
-                lambda s: (s.cancelled() or s.exception() is not None) and refused.set())
-            works = start_broadcast(group, [t for _, t in unpack(bucket)])
-            try:
-                await asyncio.to_thread(wait_all, group, works, timeout, refused.is_set)
-            finally:
-                del works
-            await sending
+            sending = asyncio.run_coroutine_threadsafe(update.send(
+                {"transport": "gloo", **layout(bucket.tensors, bucket.nbytes)}), loop)
+            await asyncio.to_thread(broadcast_announced, group,
+                                    [t for _, t in unpack(bucket)], sending, timeout)
+            await asyncio.wrap_future(sending)
     finally:
         close(group)

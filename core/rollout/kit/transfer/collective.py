@@ -161,3 +161,66 @@ def close(group: Group) -> None:
     group's timeout), so close such a group from a thread that may wait."""
     group.backend = None
     group.store = None
+
+
+# --- the trainer's side of an engine that joins or receives on a call of its own --------
+
+def open_with(announce, host: str, port: int, world_size: int, group_name: str,
+              join_timeout_s: float, op_timeout_s: float) -> Group:
+    """Open the group as rank 0 while `announce()` runs: a blocking call that has the other
+    ranks join (it returns once they have). Its failure (a name refused, a server down) is
+    raised at once; our join then gives up within `join_timeout_s` on its own thread."""
+    import threading
+
+    joined: dict = {}
+
+    def join():
+        try:
+            group = open_group(host, port, 0, world_size, group_name, "gloo",
+                               join_timeout_s, op_timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            joined["error"] = exc
+            return
+        joined["group"] = group
+        if joined.get("abandoned"):
+            close(group)
+
+    thread = threading.Thread(target=join, name="rollout-group-join", daemon=True)
+    thread.start()
+    try:
+        announce()
+    except BaseException:
+        joined["abandoned"] = True
+        if "group" in joined:
+            close(joined.pop("group"))
+        raise
+    thread.join(join_timeout_s + 10)
+    if "group" not in joined:
+        raise TimeoutError(f"joining group {group_name!r} failed: "
+                           f"{joined.get('error', 'timed out')!r}")
+    return joined["group"]
+
+
+def broadcast_announced(group: Group, tensors: list[torch.Tensor], announced,
+                        timeout_s: float | None = None) -> None:
+    """Broadcast from rank 0 while the receivers' announcement call (`announced`, a
+    concurrent.futures.Future) runs; stop as soon as it fails and raise its error. On any
+    failure the group is unusable: leave it (`close_soon`)."""
+    works = start_broadcast(group, tensors)
+    try:
+        wait_all(group, works, timeout_s,
+                 stop=lambda: announced.done() and announced.exception() is not None)
+    except ReceiverGaveUp:
+        works.clear()
+        raise announced.exception() from None  # the receiver's refusal says why
+    finally:
+        works.clear()  # our references to the group go, so its connections can close
+
+
+def close_soon(group: Group) -> None:
+    """Leave the group on a thread of its own: with a broadcast of ours still pending,
+    torch waits for it to time out first."""
+    import threading
+
+    threading.Thread(target=close, args=(group,), daemon=True,
+                     name="rollout-group-close").start()
