@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from rollout import InvalidRequestError, load_backend
+from rollout import InvalidRequestError, UnsupportedError, load_backend
 from rollout.apps.serving.app import ServerThread
 from rollout.apps.serving.remote import ServedRollout
 from rollout.apps.serving.service import LocalService
@@ -77,7 +77,24 @@ def test_weights_pushed_through_a_gloo_group_equal_a_fresh_load(served):
     trainer.update_weights(weights["base"].items(), version=22, transport="gloo")
     assert probe(trainer) == fresh["base"] and versions(trainer) == {22}
     with pytest.raises(InvalidRequestError, match="transport"):
+        trainer.update_weights(weights["base"].items(), transport="ucx")
+
+
+def test_nccl_is_refused_with_its_reason_where_there_is_no_gpu(served):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    trainer, url, weights, fresh, _ = served
+    with pytest.raises(UnsupportedError, match="no GPU"):
         trainer.update_weights(weights["base"].items(), transport="nccl")
+    # A trainer with a GPU, a server without: the server refuses the group, saying why.
+    status, begun = post(url, "/rollout/weights/begin", {})
+    status, answer = post(url, "/rollout/weights/group", {
+        "update": begun["update"], "host": "127.0.0.1", "port": 1, "name": "g",
+        "world_size": 2, "first_rank": 1, "backend": "nccl"})
+    assert answer["error"]["code"] == "unsupported" and "no GPU" in answer["error"]["message"]
+    assert probe(trainer) == fresh["base"]  # nothing was sent: the old weights serve
 
 
 def test_release_and_resume_reach_the_served_backend(served):
@@ -135,8 +152,8 @@ def test_bad_update_options_are_refused_naming_the_field(served):
     assert status == 404 and answer["error"]["param"] == "update"
     status, begun = post(url, "/rollout/weights/begin", {})
     assert begun["receivers"] == 1
-    status, answer = post(url, "/rollout/weights/group", {"update": begun["update"],
-                                                          "host": "127.0.0.1", "port": -1})
+    status, answer = post(url, "/rollout/weights/group", {
+        "update": begun["update"], "host": "127.0.0.1", "port": -1, "backend": "gloo"})
     assert status == 400 and answer["error"]["param"] == "group.port", answer
     status, begun = post(url, "/rollout/weights/begin", {})
     status, answer = post(url, "/rollout/weights/bucket", {"update": begun["update"], "bucket": {

@@ -555,8 +555,10 @@ def _aborted_results(request: Request) -> tuple[Result, ...]:
 
 
 def _packed(weights: Iterable, bucket_bytes: int) -> Iterator:
-    """Buckets as they come, or (name, tensor) pairs packed into buckets."""
-    from rollout.kit.buckets import Bucket, iter_buckets
+    """Buckets as they come, or (name, tensor) pairs grouped into buckets, which pack only
+    for a backend that reads their bytes. A first item that fails (nothing was sent yet)
+    is raised from here, before the backend is called: the weights are not dirty."""
+    from rollout.kit.buckets import Bucket, iter_groups
 
     items = iter(weights)
     first = next(items, None)
@@ -564,7 +566,7 @@ def _packed(weights: Iterable, bucket_bytes: int) -> Iterator:
         return iter(())
     if isinstance(first, Bucket):
         return itertools.chain([first], items)
-    return iter_buckets(itertools.chain([first], items), bucket_bytes)
+    return map(Bucket.of, iter_groups(itertools.chain([first], items), bucket_bytes))
 
 
 def _tags(tags: Iterable[str] | None) -> tuple[str, ...]:

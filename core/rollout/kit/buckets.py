@@ -28,14 +28,38 @@ class TensorMeta:
     nbytes: int
 
 
-@attrs.frozen
+@attrs.define
 class Bucket:
+    """Whole tensors, in order, laid out in one flat uint8 buffer. A bucket made in this
+    process (`Bucket.of`) keeps its tensors and packs the buffer only when something reads
+    `data` (a transport): a backend that loads tensors gets them without a copy."""
+
     tensors: tuple[TensorMeta, ...]
-    data: torch.Tensor  # 1-D uint8
+    _data: torch.Tensor | None = None  # 1-D uint8
+    _named: list[tuple[str, torch.Tensor]] | None = None  # the tensors, until packed
+
+    @classmethod
+    def of(cls, named: list[tuple[str, torch.Tensor]]) -> Bucket:
+        # Detached (a trainer's parameters carry gradients) and contiguous, as if packed.
+        named = [(n, t.detach().contiguous()) for n, t in named]
+        return cls(packed_layout(named)[0], None, named)
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self._data is None:
+            import torch
+
+            data = torch.empty(self.nbytes, dtype=torch.uint8, device=self._named[0][1].device)
+            pack_into(data, self.tensors, self._named)
+            self._data = data
+        return self._data
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.numel())
+        if self._data is not None:
+            return int(self._data.numel())
+        last = self.tensors[-1]
+        return _aligned(last.offset + last.nbytes)
 
 
 def _aligned(n: int) -> int:
@@ -95,19 +119,18 @@ def pack_into(data: torch.Tensor, metas: tuple[TensorMeta, ...],
 
 
 def pack(named: list[tuple[str, torch.Tensor]]) -> Bucket:
-    """One bucket of these tensors."""
-    import torch
-
-    metas, size = packed_layout(named)
-    data = torch.empty(size, dtype=torch.uint8, device=named[0][1].device)
-    pack_into(data, metas, named)
-    return Bucket(metas, data)
+    """One bucket of these tensors, packed."""
+    bucket = Bucket.of(named)
+    bucket.data  # noqa: B018 - packs it now
+    return bucket
 
 
 def unpack(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
-    """The bucket's tensors as views into its buffer (no copy)."""
+    """The bucket's tensors: as they were given, or views into its buffer (no copy)."""
     import torch
 
+    if bucket._named is not None and bucket._data is None:
+        return list(bucket._named)
     out = []
     for meta in bucket.tensors:
         raw = bucket.data[meta.offset : meta.offset + meta.nbytes]

@@ -69,12 +69,17 @@ class ServedRollout:
         the new version, or raises naming the ones that failed (they take no requests).
         A replica that waits `timeout` s for the next bucket fails the update.
 
-        `transport`: "shm" (shared memory: the replicas run on this host) or "gloo" (a
+        `transport`: "shm" (shared memory: the replicas run on this host), "gloo" (a
         collective group for the update; the replicas reach this process at `address`,
-        by default the address this host reaches the server from)."""
+        by default the address this host reaches the server from), or "nccl" (the same
+        with CUDA tensors, GPUs on both sides; unsupported where there is none)."""
+        from rollout.kit.transfer.collective import require
+
         check_update_options(version, pause, timeout)
         if transport not in TRANSPORTS:
             raise InvalidRequestError("transport", f"got {transport!r}", ", ".join(TRANSPORTS))
+        if transport != "shm":
+            require(transport)  # before anything is sent
 
         async def push():
             update = await self.service.begin_update(version, pause, timeout)

@@ -23,8 +23,8 @@ from rollout.api import PAUSES, Rollout
 from rollout.contract.errors import InvalidRequestError, RolloutError, RolloutTimeoutError
 
 BUCKET_WAIT_S = 120.0  # the longest a backend waits for a trainer's next bucket
-TRANSPORTS = ("shm", "gloo")
-GROUP_FIELDS = ("host", "port", "name", "world_size", "first_rank")
+TRANSPORTS = ("shm", "gloo", "nccl")  # nccl: GPUs on both sides (not run on CPU CI)
+GROUP_FIELDS = ("host", "port", "name", "world_size", "first_rank", "backend")
 _END = object()
 
 
@@ -54,7 +54,7 @@ def check_group(group) -> dict:
                                   "an object with " + ", ".join(GROUP_FIELDS))
     for field in GROUP_FIELDS:
         value = group.get(field)
-        kind = str if field in ("host", "name") else int
+        kind = str if field in ("host", "name", "backend") else int
         if not isinstance(value, kind) or isinstance(value, bool) or (
                 kind is int and value < (1 if field == "world_size" else 0)):
             raise InvalidRequestError(f"group.{field}", f"got {value!r}",
@@ -122,10 +122,13 @@ class LocalUpdate:
     async def join(self, group: dict) -> None:
         from rollout.kit.transfer.collective import open_group
 
+        from rollout.kit.transfer.collective import require
+
         g = check_group(group)
+        require(g["backend"])
         self._group = await asyncio.to_thread(
             open_group, g["host"], g["port"], g["first_rank"], g["world_size"], g["name"],
-            "gloo", self.timeout)
+            g["backend"], self.timeout)
 
     async def send(self, message: dict) -> None:
         from rollout.kit.transfer.collective import receive_bucket
@@ -137,10 +140,10 @@ class LocalUpdate:
         if transport not in TRANSPORTS:
             raise InvalidRequestError("bucket.transport", f"got {transport!r}",
                                       ", ".join(TRANSPORTS))
-        if transport == "gloo":
-            if self._group is None:
-                raise InvalidRequestError("bucket.transport", "gloo before the group step",
-                                          "shm, or gloo after joining the trainer's group")
+        if transport != "shm":
+            if self._group is None or self._group.kind != transport:
+                raise InvalidRequestError("bucket.transport", f"{transport} before the group "
+                                          "step", f"shm, or {transport} in the trainer's group")
             bucket = await asyncio.to_thread(receive_bucket, self._group, message,
                                              self.timeout)
         else:
@@ -183,8 +186,8 @@ async def push_weights(update: WeightUpdate, named_tensors: Iterable,
 
     groups = iter_groups(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
     try:
-        if transport == "gloo":
-            await _push_by_gloo(update, groups, address, timeout)
+        if transport != "shm":
+            await _push_by_group(update, groups, transport, address, timeout)
         else:
             await _push_by_shm(update, groups)
     except BaseException as exc:
@@ -201,7 +204,8 @@ async def _push_by_shm(update: WeightUpdate, groups) -> None:
             await update.send(sender.put_tensors(group))
 
 
-async def _push_by_gloo(update: WeightUpdate, groups, address: str, timeout: float) -> None:
+async def _push_by_group(update: WeightUpdate, groups, backend: str, address: str,
+                         timeout: float) -> None:
     from rollout.kit.buckets import layout, pack, unpack
     from rollout.kit.process import free_port
     from rollout.kit.transfer.collective import (broadcast_announced, close, open_with,
@@ -209,15 +213,15 @@ async def _push_by_gloo(update: WeightUpdate, groups, address: str, timeout: flo
 
     loop = asyncio.get_running_loop()
     spec = {"host": address, "port": free_port(), "name": unique_group_name(),
-            "world_size": 1 + update.receivers, "first_rank": 1}
+            "world_size": 1 + update.receivers, "first_rank": 1, "backend": backend}
     group = await asyncio.to_thread(
         open_with, lambda: asyncio.run_coroutine_threadsafe(update.join(spec), loop).result(),
-        address, spec["port"], spec["world_size"], spec["name"], timeout, timeout)
+        address, spec["port"], spec["world_size"], spec["name"], timeout, timeout, backend)
     try:
         for named in groups:
             bucket = pack(named)
             sending = asyncio.run_coroutine_threadsafe(update.send(
-                {"transport": "gloo", **layout(bucket.tensors, bucket.nbytes)}), loop)
+                {"transport": backend, **layout(bucket.tensors, bucket.nbytes)}), loop)
             await asyncio.to_thread(broadcast_announced, group,
                                     [t for _, t in unpack(bucket)], sending, timeout)
             await asyncio.wrap_future(sending)

@@ -21,7 +21,7 @@ from rollout.kit.buckets import Bucket, metas_from_layout, unpack
 if TYPE_CHECKING:
     import torch
 
-BACKENDS = ("gloo",)  # nccl needs a GPU on both sides: not here yet
+BACKENDS = ("gloo", "nccl")  # nccl: CUDA tensors, a GPU in every process of the group
 
 
 class ReceiverGaveUp(RuntimeError):
@@ -40,8 +40,9 @@ class Group:
     rank: int
     world_size: int
     timeout_s: float
-    backend: object  # torch's ProcessGroupGloo
+    backend: object  # torch's ProcessGroupGloo (or ProcessGroupNCCL)
     store: object  # kept alive with the group: rank 0 serves it
+    kind: str = "gloo"  # one of BACKENDS
 
 
 def _timeout(seconds: float) -> datetime.timedelta:
@@ -56,21 +57,47 @@ def open_group(host: str, port: int, rank: int, world_size: int, group_name: str
     `op_timeout_s` (by default `timeout_s`)."""
     import torch.distributed as dist
 
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r}: only {', '.join(BACKENDS)}")
+    require(backend)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
                           timeout=_timeout(timeout_s), wait_for_workers=False)
     # The keys of torch's tcp:// rendezvous + _new_process_group_helper, as SGLang uses them.
-    keys = dist.PrefixStore("cpu/", dist.PrefixStore(f"{group_name}/",
-                                                     dist.PrefixStore(group_name, store)))
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = _timeout(timeout_s)
-    # Each rank listens on its address towards the store's host (rank 0: that host).
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_towards(host))]
-    pg = dist.ProcessGroupGloo(keys, rank, world_size, options)
-    if op_timeout_s is not None:
-        pg.set_timeout(_timeout(op_timeout_s))
-    return Group(group_name, rank, world_size, op_timeout_s or timeout_s, pg, store)
+    device = device_of(backend)
+    keys = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/",
+                                                           dist.PrefixStore(group_name, store)))
+    if backend == "nccl":  # written for GPUs; not run on this project's CPU-only CI
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = _timeout(op_timeout_s or timeout_s)
+        pg = dist.ProcessGroupNCCL(keys, rank, world_size, options)
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = _timeout(timeout_s)
+        # Each rank listens on its address towards the store's host (rank 0: that host).
+        options._devices = [dist.ProcessGroupGloo.create_device(
+            hostname=address_towards(host))]
+        pg = dist.ProcessGroupGloo(keys, rank, world_size, options)
+        if op_timeout_s is not None:
+            pg.set_timeout(_timeout(op_timeout_s))
+    return Group(group_name, rank, world_size, op_timeout_s or timeout_s, pg, store,
+                 backend)
+
+
+def require(backend: str) -> None:
+    """Raise where this process cannot join a group of `backend`."""
+    from rollout.contract.errors import InvalidRequestError, UnsupportedError
+
+    if backend not in BACKENDS:
+        raise InvalidRequestError("backend", f"got {backend!r}", ", ".join(BACKENDS))
+    if backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UnsupportedError("nccl", "it moves CUDA tensors and this process sees no "
+                                   "GPU; use gloo (or shm on one host)")
+
+
+def device_of(backend: str) -> str:
+    """Where the tensors of a group of `backend` live."""
+    return "cuda" if backend == "nccl" else "cpu"
 
 
 def address_towards(host: str) -> str:
@@ -145,7 +172,7 @@ def receive_bucket(group: Group, message: dict, timeout_s: float | None = None,
 
     nbytes, metas = metas_from_layout(message)
     data = out[:nbytes] if out is not None and out.numel() >= nbytes else \
-        torch.empty(nbytes, dtype=torch.uint8)
+        torch.empty(nbytes, dtype=torch.uint8, device=device_of(group.kind))
     bucket = Bucket(metas, data)
     options = dist.BroadcastOptions()
     options.rootRank, options.rootTensor = 0, 0
@@ -166,7 +193,7 @@ def close(group: Group) -> None:
 # --- the trainer's side of an engine that joins or receives on a call of its own --------
 
 def open_with(announce, host: str, port: int, world_size: int, group_name: str,
-              join_timeout_s: float, op_timeout_s: float) -> Group:
+              join_timeout_s: float, op_timeout_s: float, backend: str = "gloo") -> Group:
     """Open the group as rank 0 while `announce()` runs: a blocking call that has the other
     ranks join (it returns once they have). Its failure (a name refused, a server down) is
     raised at once; our join then gives up within `join_timeout_s` on its own thread."""
@@ -176,7 +203,7 @@ def open_with(announce, host: str, port: int, world_size: int, group_name: str,
 
     def join():
         try:
-            group = open_group(host, port, 0, world_size, group_name, "gloo",
+            group = open_group(host, port, 0, world_size, group_name, backend,
                                join_timeout_s, op_timeout_s)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             joined["error"] = exc
