@@ -21,6 +21,11 @@ from typing import Protocol
 
 from rollout.api import PAUSES, Rollout
 from rollout.contract.errors import InvalidRequestError, RolloutError, RolloutTimeoutError
+from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_groups, layout, unpack
+from rollout.kit.process import free_port
+from rollout.kit.transfer.collective import (broadcast_announced, close, open_group, open_with,
+                                             receive_bucket, require, unique_group_name)
+from rollout.kit.transfer.shm import ShmSender, receive_shm
 
 BUCKET_WAIT_S = 120.0  # the longest a backend waits for a trainer's next bucket
 TRANSPORTS = ("shm", "gloo", "nccl")  # nccl: GPUs on both sides (not run on CPU CI)
@@ -120,10 +125,6 @@ class LocalUpdate:
         raise RolloutError("the weight update has already ended")
 
     async def join(self, group: dict) -> None:
-        from rollout.kit.transfer.collective import open_group
-
-        from rollout.kit.transfer.collective import require
-
         g = check_group(group)
         require(g["backend"])
         self._group = await asyncio.to_thread(
@@ -131,9 +132,6 @@ class LocalUpdate:
             g["backend"], self.timeout)
 
     async def send(self, message: dict) -> None:
-        from rollout.kit.transfer.collective import receive_bucket
-        from rollout.kit.transfer.shm import receive_shm
-
         if self._done.done():
             self._done.result()
         transport = message.get("transport") if isinstance(message, dict) else None
@@ -168,8 +166,6 @@ class LocalUpdate:
             self._leave()
 
     def _leave(self) -> None:
-        from rollout.kit.transfer.collective import close
-
         if self._group is not None:
             close(self._group)
             self._group = None
@@ -182,8 +178,6 @@ async def push_weights(update: WeightUpdate, named_tensors: Iterable,
     """The trainer's side: each bucket's layout to the receivers, its bytes by `transport`
     (for gloo, the receivers reach this process's store at `address`), then end. Any
     failure cancels the update (the receivers are then dirty, not half-updated)."""
-    from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, iter_groups
-
     groups = iter_groups(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
     try:
         if transport != "shm":
@@ -197,8 +191,6 @@ async def push_weights(update: WeightUpdate, named_tensors: Iterable,
 
 
 async def _push_by_shm(update: WeightUpdate, groups) -> None:
-    from rollout.kit.transfer.shm import ShmSender
-
     with ShmSender() as sender:
         for group in groups:
             await update.send(sender.put_tensors(group))
@@ -206,11 +198,6 @@ async def _push_by_shm(update: WeightUpdate, groups) -> None:
 
 async def _push_by_group(update: WeightUpdate, groups, backend: str, address: str,
                          timeout: float) -> None:
-    from rollout.kit.buckets import layout, pack, unpack
-    from rollout.kit.process import free_port
-    from rollout.kit.transfer.collective import (broadcast_announced, close, open_with,
-                                                 unique_group_name)
-
     loop = asyncio.get_running_loop()
     spec = {"host": address, "port": free_port(), "name": unique_group_name(),
             "world_size": 1 + update.receivers, "first_rank": 1, "backend": backend}
@@ -219,7 +206,7 @@ async def _push_by_group(update: WeightUpdate, groups, backend: str, address: st
         address, spec["port"], spec["world_size"], spec["name"], timeout, timeout, backend)
     try:
         for named in groups:
-            bucket = pack(named)
+            bucket = Bucket.of(named)  # its layout; the tensors go as they are, one by one
             sending = asyncio.run_coroutine_threadsafe(update.send(
                 {"transport": backend, **layout(bucket.tensors, bucket.nbytes)}), loop)
             await asyncio.to_thread(broadcast_announced, group,
