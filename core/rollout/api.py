@@ -349,10 +349,7 @@ class Rollout:
         """
         from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
 
-        if pause not in PAUSES:
-            raise InvalidRequestError("pause", f"got {pause!r}", ", ".join(PAUSES))
-        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-            raise InvalidRequestError("version", f"got {version!r}", "an integer or None")
+        check_update(version, pause)
         self.capabilities.require("update_weights")
         with self._lifecycle_section(abort=pause == "abort"):
             if "weights" in self._released:
@@ -552,6 +549,14 @@ def _aborted_results(request: Request) -> tuple[Result, ...]:
     return tuple(Result(request_id=request.id, index=i, token_ids=(), text="",
                         finish_reason="abort", prompt_tokens=0)
                  for i in range(request.sampling.n))
+
+
+def check_update(version, pause) -> None:
+    """A weight update's version and pause, checked before anything moves."""
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+        raise InvalidRequestError("version", f"got {version!r}", "an integer or null")
+    if pause not in PAUSES:
+        raise InvalidRequestError("pause", f"got {pause!r}", ", ".join(PAUSES))
 
 
 def _packed(weights: Iterable, bucket_bytes: int) -> Iterator:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from rollout.api import PAUSES, Rollout
+from rollout.api import Rollout, check_update
 from rollout.contract.errors import InvalidRequestError, RolloutError, RolloutTimeoutError
 from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_groups, layout, unpack
 from rollout.kit.process import free_port
@@ -68,10 +68,7 @@ def check_group(group) -> dict:
 
 
 def check_update_options(version, pause, timeout=BUCKET_WAIT_S) -> None:
-    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-        raise InvalidRequestError("version", f"got {version!r}", "an integer or null")
-    if pause not in PAUSES:
-        raise InvalidRequestError("pause", f"got {pause!r}", ", ".join(PAUSES))
+    check_update(version, pause)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise InvalidRequestError("timeout", f"got {timeout!r}", "seconds > 0")
 
