@@ -159,7 +159,6 @@ class _Routes:
         await response.write_eof()
         return response
 
-
     # --- lifecycle: what a trainer calls between steps --------------------------------
 
     async def release(self, request: web.Request) -> web.Response:
@@ -221,7 +220,6 @@ class _Routes:
             await update.cancel(str(body.get("reason", "cancelled by the trainer")))
             return web.json_response({})
         return web.json_response({"version": await update.end()})
-
 
     async def _drop_abandoned_update(self) -> None:
         """An update whose trainer went quiet for longer than its timeout has failed (the
