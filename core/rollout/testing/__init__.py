@@ -12,12 +12,13 @@ A backend's test module subclasses `BackendContract` and overrides one fixture::
 Needs hypothesis, pytest, torch, safetensors and transformers (`rollout-core[testing]`).
 """
 
-from rollout.testing.contract import BackendContract, ContractMachine
+from rollout.testing.contract import BackendContract, ContractMachine, WeightTestsOnly
 from rollout.testing.models import perturbed_copy, tiny_model_dir
 from rollout.testing.strategies import invalid_requests, requests, sampling_params
 
 __all__ = [
     "BackendContract",
+    "WeightTestsOnly",
     "ContractMachine",
     "invalid_requests",
     "perturbed_copy",

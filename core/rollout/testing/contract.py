@@ -544,3 +544,14 @@ class ContractMachine(RuleBasedStateMachine):
     @invariant()
     def released_state_matches(self):
         assert self.rollout.released == self.released
+
+
+class WeightTestsOnly:
+    """Mix into a `BackendContract` subclass that differs from another only in how weights
+    travel (a transport option): it runs the weight tests alone."""
+
+    @pytest.fixture(autouse=True)
+    def _weight_tests_only(self, request):
+        name = request.node.name
+        if not any(word in name for word in ("update", "weight", "lifecycle")):
+            pytest.skip("not about weights: the same as with the default transport")

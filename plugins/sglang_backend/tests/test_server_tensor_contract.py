@@ -5,17 +5,12 @@ import pytest
 from conftest import ENGINE
 
 import rollout
-from rollout.testing import BackendContract
+from rollout.testing import BackendContract, WeightTestsOnly
 
 
-class TestSGLangServerTensor(BackendContract):
+class TestSGLangServerTensor(WeightTestsOnly, BackendContract):
     @pytest.fixture(scope="class")
     @classmethod
     def make_backend(cls):
         return lambda model: rollout.load_backend("sglang", model=str(model), mode="server",
                                                   weight_transport="tensor", **ENGINE)
-
-    @pytest.fixture(autouse=True)
-    def _weight_tests_only(self, request):
-        if "update" not in request.node.name and "weight" not in request.node.name:
-            pytest.skip("not about weights: the same as in test_server_contract")

@@ -4,7 +4,7 @@ import pytest
 from conftest import ENGINE
 
 import rollout
-from rollout.testing import BackendContract
+from rollout.testing import BackendContract, WeightTestsOnly
 
 
 class TestVLLMServer(BackendContract):
@@ -14,7 +14,7 @@ class TestVLLMServer(BackendContract):
         return lambda model: rollout.load_backend("vllm", model=str(model), mode="server", **ENGINE)
 
 
-class TestVLLMServerGloo(BackendContract):
+class TestVLLMServerGloo(WeightTestsOnly, BackendContract):
     """The same server, weights through vLLM's weight-transfer routes and a gloo group."""
 
     @pytest.fixture(scope="class")
