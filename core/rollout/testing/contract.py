@@ -433,10 +433,13 @@ class BackendContract(SamplingContract):
 
         async def run():
             task = asyncio.ensure_future(harness.rollout.agenerate(request, timeout=300))
-            while not harness.rollout.health()["running"]:
+            deadline = time.monotonic() + 60
+            while not harness.rollout.health()["running"]:  # the engine has the request
+                assert not task.done(), f"the long request ended first: {task.result()}"
+                assert time.monotonic() < deadline, "the long request never started"
                 await asyncio.sleep(0.01)
-            await asyncio.to_thread(harness.rollout.update_weights, weights.items(),
-                                    version=3, pause="abort")
+            await asyncio.wait_for(asyncio.to_thread(
+                harness.rollout.update_weights, weights.items(), version=3, pause="abort"), 120)
             return await asyncio.wait_for(task, 60)
 
         try:
