@@ -350,7 +350,11 @@ class BackendContract(SamplingContract):
         done, slow_running, slow_done = asyncio.run(run())
         assert all(c.unwrap()[0].completion_tokens == 2 for c in done)
         assert slow_running, "the fast requests waited for the slow one"
-        assert all(r.finish_reason == "abort" for r in slow_done.unwrap())
+        # Each sample was stopped, or (on a starved machine) had reached its length first.
+        limit = slow["sampling"]["max_tokens"]
+        assert all(r.finish_reason == "abort" or r.completion_tokens == limit
+                   for r in slow_done.unwrap()), [(r.finish_reason, r.completion_tokens)
+                                                  for r in slow_done.unwrap()]
 
     def test_an_abort_right_after_the_call_still_aborts(self, harness):
         """The abort comes before the engine has registered the request (most likely
