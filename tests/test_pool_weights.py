@@ -1,6 +1,7 @@
 """Weights pushed into two replica processes of a pool (HF backend, tiny model): both
 update in parallel, and a replica killed between two updates is restarted by the pool and
-serves no request on its checkpoint's weights until the next update reaches it."""
+serves no request on its checkpoint's weights: the pool first pushes it the weights it kept
+from the last update."""
 
 import os
 import signal
@@ -28,30 +29,47 @@ def wait_for(condition, timeout: float, what: str):
     return value
 
 
-def test_a_restarted_replica_serves_only_after_the_next_update(tiny_model, tmp_path):
+def kill_and_wait_for_restart(trainer, victim) -> None:
+    os.killpg(victim.process.proc.pid, signal.SIGKILL)
+    old_url = victim.service.url
+    wait_for(lambda: victim.service.url != old_url, 120, "the pool to restart the replica")
+
+
+def test_a_restarted_replica_is_brought_to_the_pool_version_before_it_serves(tiny_model,
+                                                                              tmp_path):
     other = perturbed_copy(tiny_model, tmp_path / "other")
     weights = {"base": load_weights(tiny_model), "other": load_weights(other)}
     with load_backend("hf", str(other)) as engine:
         fresh_other = [c.unwrap()[0].token_ids for c in engine.generate(probe_requests())]
+    with load_backend("hf", str(tiny_model)) as engine:
+        fresh_base = [c.unwrap()[0].token_ids for c in engine.generate(probe_requests())]
     many = probe_requests() * 4  # enough to reach both replicas
+
+    def served_equal(version, fresh):
+        for completion, expected in zip(trainer.generate(many), fresh * 4):
+            [result] = completion.unwrap()
+            assert result.weight_version == version and result.token_ids == expected
+
     with ServedRollout.start("hf", str(tiny_model), replicas=2) as trainer:
         trainer.update_weights(weights["other"].items(), version=1)
         assert list(served_by(trainer).values()) == [1, 1]
 
         victim = trainer.service.replicas[0]
-        os.killpg(victim.process.proc.pid, signal.SIGKILL)
-        old_url = victim.service.url
-        # Restarted from the checkpoint: up, but behind the pool's version, so out of rotation.
-        wait_for(lambda: victim.service.url != old_url and victim.failed_checks == 0
-                 and victim.healthy, 120, "the pool to restart the replica")
-        state = {r["url"]: r for r in trainer.health()["replicas"]}[victim.service.url]
-        assert state["weight_version"] is None and "behind" in state
-        for _ in range(2):
-            for completion, fresh in zip(trainer.generate(many), fresh_other * 4):
-                [result] = completion.unwrap()
-                assert result.weight_version == 1 and result.token_ids == fresh
+        kill_and_wait_for_restart(trainer, victim)
+        # Restarted on the checkpoint, it serves nothing until the pool has pushed it the
+        # weights it kept from update 1; then it serves them.
+        while served_by(trainer) != {r.service.url: 1 for r in trainer.service.replicas}:
+            served_equal(1, fresh_other)
+            time.sleep(0.2)
+        served_equal(1, fresh_other)
 
-        # Reaches the new one too; through a gloo group of the trainer and both replicas.
+        # An update through a gloo group of the trainer, both replicas and the pool's copy;
+        # a restart after it brings the replica to that version.
         trainer.update_weights(weights["base"].items(), version=2, transport="gloo")
         assert list(served_by(trainer).values()) == [2, 2]
+        kill_and_wait_for_restart(trainer, victim)
+        wait_for(lambda: served_by(trainer) == {r.service.url: 2
+                                               for r in trainer.service.replicas}, 120,
+                 "the restarted replica to be brought to version 2")
+        served_equal(2, fresh_base)
         assert {r.weight_version for c in trainer.generate(many) for r in c.unwrap()} == {2}

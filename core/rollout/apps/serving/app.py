@@ -14,7 +14,6 @@ import logging
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 import attrs
@@ -28,7 +27,7 @@ from rollout.contract.schemas import Completion, Request
 from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
     model_not_found
 from rollout.apps.serving.service import Service
-from rollout.apps.serving.weights import BUCKET_WAIT_S, WeightUpdate, check_group, \
+from rollout.apps.serving.weights import BUCKET_WAIT_S, OpenUpdates, check_group, \
     check_update_options
 from rollout.apps.tool_parsers import DEFAULT_PARSER, load_tool_parser
 
@@ -67,9 +66,7 @@ class _Routes:
         self.model_name = model_name
         self.tool_parser = tool_parser
         self.started = int(time.time())
-        # The open weight update (one at most): id -> (update, its bucket timeout, when
-        # the trainer last sent a step).
-        self.updates: dict[str, tuple[WeightUpdate | None, float, float]] = {}
+        self.updates = OpenUpdates()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, CompletionsCall(await _json(request), self.model_name))
@@ -185,20 +182,14 @@ class _Routes:
             options = (body.get("version"), body.get("pause", "wait"),
                        body.get("timeout", BUCKET_WAIT_S))
             check_update_options(*options)
-            await self._drop_abandoned_update()
-            if self.updates:
+            opened = await self.updates.begin(self.service, *options)
+            if opened is None:
                 raise ApiError(409, "another weight update is open on this server",
                                code="update_open")
-            update_id = uuid.uuid4().hex
-            self.updates[update_id] = (None, options[2], time.monotonic())  # while it begins
-            try:
-                update = await self.service.begin_update(*options)
-            except BaseException:
-                del self.updates[update_id]
-                raise
-            self.updates[update_id] = (update, options[2], time.monotonic())
+            update_id, update = opened
             return web.json_response({"update": update_id, "receivers": update.receivers})
-        update, timeout, _ = self.updates.get(body.get("update"), (None, 0, 0))
+        update_id = body.get("update")
+        update = self.updates.get(update_id)
         if step not in WEIGHT_STEPS or update is None:
             raise ApiError(404, f"no open weight update {body.get('update')!r} at step "
                            f"{step!r} (steps: begin, {', '.join(WEIGHT_STEPS)})",
@@ -209,25 +200,17 @@ class _Routes:
                     await update.join(check_group(body))
                 else:
                     await update.send(body.get("bucket"))
-                self.updates[body["update"]] = (update, timeout, time.monotonic())
+                self.updates.touch(update_id)
             except BaseException:  # a half-sent update: the backend stays dirty until a full one
-                self.updates.pop(body["update"], None)
+                self.updates.close(update_id)
                 await update.cancel(f"the {step} step failed")
                 raise
             return web.json_response({})
-        self.updates.pop(body["update"], None)
+        self.updates.close(update_id)
         if step == "cancel":
             await update.cancel(str(body.get("reason", "cancelled by the trainer")))
             return web.json_response({})
         return web.json_response({"version": await update.end()})
-
-    async def _drop_abandoned_update(self) -> None:
-        """An update whose trainer went quiet for longer than its timeout has failed (the
-        backend is dirty): it no longer stands in the way of a new one."""
-        for update_id, (update, timeout, last) in list(self.updates.items()):
-            if update is not None and time.monotonic() - last > timeout:
-                del self.updates[update_id]
-                await update.cancel("the trainer stopped sending")
 
 
 def _tags_of(body) -> list[str] | None:

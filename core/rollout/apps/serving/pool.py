@@ -22,11 +22,13 @@ from typing import Protocol
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutError
 from rollout.contract.schemas import Chunk, Completion, Request
 from rollout.apps.serving.client import ReplicaDown, RemoteService
+from rollout.apps.serving.weights import BUCKET_WAIT_S, KeepingUpdate, KeptWeights, push_weights
 
 MAX_SESSIONS = 100_000  # sessions remembered (least recently used forgotten first)
 log = logging.getLogger("rollout.pool")
 
 MAX_RESTARTS = 3  # by default, a replica whose process dies is started again this often
+MAX_CATCH_UPS = 3  # tries to bring a restarted replica to the pool's weights
 RESTART_BACKOFF_S = 1.0  # before the first restart; doubled before each next one
 MAX_SENDS = 3  # a request that took down this many replicas fails instead of another
 HEALTH_STRIKES = 2  # failed health checks in a row before a running replica is taken out
@@ -47,7 +49,8 @@ class Replica:
         self.restart = restart  # starts a new process for it (None: it is not restarted)
         self.restarts = 0
         self.restarts_left = restarts
-        self.restarting: asyncio.Task | None = None
+        self.recovering: asyncio.Task | None = None  # its restart or catch-up, under way
+        self.catch_ups_left = MAX_CATCH_UPS
         self.in_flight = 0
         self.healthy = True
         self.down_reason = ""
@@ -58,7 +61,7 @@ class Replica:
 
 class ReplicaPool:
     def __init__(self, replicas: list[Replica], name: str, max_in_flight: int = 64,
-                 health_interval: float = 1.0):
+                 health_interval: float = 1.0, keep_weights: bool = False):
         self.replicas = replicas
         self.name = name
         self.max_in_flight = max_in_flight
@@ -67,9 +70,12 @@ class ReplicaPool:
         self._monitor: asyncio.Task | None = None
         self._sessions: OrderedDict[str, Replica] = OrderedDict()  # session id -> replica
         # Set by the pool's first weight update: from then on only replicas at this version
-        # serve (a restarted one, at its checkpoint's weights, waits for the next update).
+        # serve. A restarted one, at its checkpoint's weights, is brought to it from the
+        # weights kept here, or (keep_weights=False) waits for the next update.
         self.weight_version: int | None = None
         self._versioned = False
+        self.kept = KeptWeights() if keep_weights else None
+        self._updating = asyncio.Lock()  # one weight update at a time, catch-ups included
 
     async def start(self) -> ReplicaPool:
         self._changed = asyncio.Condition()
@@ -143,8 +149,10 @@ class ReplicaPool:
         return f"no healthy replica left ({reasons})"
 
     def _behind(self, replica: Replica) -> str:
+        waits = "it is being brought to it" if self._can_catch_up(replica) else \
+            "it waits for the next update"
         return (f"at weight version {replica.weight_version}, the pool at "
-                f"{self.weight_version} (it waits for the next update)")
+                f"{self.weight_version} ({waits})")
 
     # --- health -----------------------------------------------------------------------
 
@@ -163,12 +171,12 @@ class ReplicaPool:
             self._changed.notify_all()
 
     async def _check(self, replica: Replica) -> None:
-        if replica.restarting is not None:
+        if replica.recovering is not None:
             return
         if replica.process is not None and not await asyncio.to_thread(replica.process.alive):
             await self._take_out(replica, "its process exited")
             if replica.restart is not None and replica.restarts_left > 0:
-                replica.restarting = asyncio.create_task(self._restart(replica))
+                replica.recovering = asyncio.create_task(self._restart(replica))
             return
         try:
             state = await replica.service.health()
@@ -181,6 +189,8 @@ class ReplicaPool:
             replica.weight_version = state.get("weight_version")
             if not replica.healthy:
                 await self._put_back(replica)
+            if self._can_catch_up(replica):
+                replica.recovering = asyncio.create_task(self._catch_up(replica))
 
     async def _restart(self, replica: Replica) -> None:
         """A new process for a dead replica, after a backoff. It loads the checkpoint, so
@@ -200,9 +210,42 @@ class ReplicaPool:
             await replica.service.close()
             replica.service, replica.process = service, process
             replica.weight_version, replica.failed_checks = None, 0
+            replica.catch_ups_left = MAX_CATCH_UPS
             replica.down_reason = "restarted; waiting for its first health check"
         finally:
-            replica.restarting = None
+            replica.recovering = None
+
+    def _can_catch_up(self, replica: Replica) -> bool:
+        """A replica behind the pool's weights, which the pool has kept."""
+        return (self.kept is not None and self._versioned and replica.healthy
+                and replica.weight_version != self.weight_version
+                and self.kept.version == self.weight_version and replica.catch_ups_left > 0)
+
+    async def _catch_up(self, replica: Replica) -> None:
+        """Push the kept weights into a replica that came back on its checkpoint's (through
+        shared memory: local replicas), so that it serves at the pool's version."""
+        try:
+            await asyncio.wait_for(self._updating.acquire(), BUCKET_WAIT_S)
+        except TimeoutError:  # an update holds it; the next check tries again
+            replica.recovering = None
+            return
+        version = self.weight_version
+        try:
+            if self._can_catch_up(replica):
+                replica.catch_ups_left -= 1
+                update = await replica.service.begin_update(version, "wait", BUCKET_WAIT_S)
+                await push_weights(update, list(self.kept.tensors.items()))
+                replica.weight_version = version
+                log.info("replica %s brought to weight version %s", replica.service.url,
+                         version)
+        except Exception as exc:  # noqa: BLE001 - logged; the next check tries again
+            log.warning("bringing replica %s to weight version %s failed: %r",
+                        replica.service.url, version, exc)
+        finally:
+            self._updating.release()
+            replica.recovering = None
+        async with self._changed:
+            self._changed.notify_all()
 
     async def _watch(self) -> None:
         while True:
@@ -230,9 +273,14 @@ class ReplicaPool:
 
     async def begin_update(self, version: int | None, pause: str,
                            timeout: float) -> PoolUpdate:
-        update = PoolUpdate(self, version)
-        await update.each(self._reachable(),
-                          lambda r: r.service.begin_update(version, pause, timeout))
+        await asyncio.wait_for(self._updating.acquire(), timeout)  # a catch-up may run
+        try:
+            update = PoolUpdate(self, version, timeout)
+            await update.each(self._reachable(),
+                              lambda r: r.service.begin_update(version, pause, timeout))
+        except BaseException:
+            self._updating.release()
+            raise
         return update
 
     def _reachable(self) -> list[Replica]:
@@ -243,8 +291,8 @@ class ReplicaPool:
         if self._monitor is not None:
             self._monitor.cancel()
         for replica in self.replicas:
-            if replica.restarting is not None:
-                replica.restarting.cancel()
+            if replica.recovering is not None:
+                replica.recovering.cancel()
         for replica in self.replicas:
             await replica.service.close()
             if stop_replicas and replica.process is not None:
@@ -264,13 +312,17 @@ async def _on_each(replicas: list[Replica], call, what: str) -> list:
 class PoolUpdate:
     """A weight update on every replica at once. A replica that fails drops out of it (it
     is dirty, or gone, and takes no requests); the others go on. `end` returns when all
-    have the new version, or raises naming the ones that failed."""
+    have the new version, or raises naming the ones that failed. Where the pool keeps
+    weights, it receives them too, as one more receiver."""
 
-    def __init__(self, pool: ReplicaPool, version: int | None):
+    def __init__(self, pool: ReplicaPool, version: int | None, timeout: float):
         self.pool = pool
         self.version = version
         self.updates: dict[Replica, object] = {}  # the replicas still in the update
         self.failed: dict[str, str] = {}  # url -> why
+        self.keeping = None if pool.kept is None else KeepingUpdate(pool.kept, version,
+                                                                     timeout)
+        self._open = True  # holds the pool's update lock until it ends or is cancelled
 
     async def each(self, replicas: list[Replica], call) -> None:
         results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
@@ -288,37 +340,68 @@ class PoolUpdate:
 
     @property
     def receivers(self) -> int:
-        return sum(u.receivers for u in self.updates.values())
+        return sum(u.receivers for u in self.updates.values()) + (self.keeping is not None)
 
     async def join(self, group: dict) -> None:
         """Every replica joins, each from its own first rank (the ranks are handed out
         before anyone joins: a replica that fails leaves the group short, and the
         others then fail within the group's timeout)."""
         first, ranks = group["first_rank"], {}
+        if self.keeping is not None:
+            keeper_rank, first = first, first + 1
         for replica, update in self.updates.items():
             ranks[replica], first = first, first + update.receivers
-        await self.each(list(self.updates), lambda r: self.updates[r].join(
-            {**group, "first_rank": ranks[r]}))
+        await asyncio.gather(
+            self.each(list(self.updates), lambda r: self.updates[r].join(
+                {**group, "first_rank": ranks[r]})),
+            self._keep(lambda k: k.join({**group, "first_rank": keeper_rank})))
 
     async def send(self, message: dict) -> None:
-        await self.each(list(self.updates), lambda r: self.updates[r].send(message))
+        await asyncio.gather(self.each(list(self.updates), lambda r: self.updates[r].send(
+            message)), self._keep(lambda k: k.send(message)))
+
+    async def _keep(self, step) -> None:
+        """A step of the pool's own copy; where it fails, the pool keeps no copy of this
+        version (a restarted replica then waits for the next update), and the replicas'
+        update goes on."""
+        if self.keeping is None:
+            return
+        try:
+            await step(self.keeping)
+        except Exception as exc:  # noqa: BLE001 - logged; the replicas matter
+            log.warning("the pool could not keep weight version %s: %r", self.version, exc)
+            await self.keeping.cancel(repr(exc))
+            self.keeping = None
 
     async def end(self) -> int | None:
-        await self.each(list(self.updates), lambda r: self.updates[r].end())
-        async with self.pool._changed:  # from now on, only replicas at this version serve
-            for replica in self.updates:  # each is up and clean: it just loaded them all
-                replica.weight_version = self.version
-                replica.healthy, replica.down_reason, replica.failed_checks = True, "", 0
-            self.pool.weight_version, self.pool._versioned = self.version, True
-            self.pool._changed.notify_all()
+        try:
+            await self.each(list(self.updates), lambda r: self.updates[r].end())
+            await self._keep(lambda k: k.end())
+            async with self.pool._changed:  # from now on, only replicas at this version serve
+                for replica in self.updates:  # each is up and clean: it just loaded them all
+                    replica.weight_version = self.version
+                    replica.healthy, replica.down_reason, replica.failed_checks = True, "", 0
+                self.pool.weight_version, self.pool._versioned = self.version, True
+                self.pool._changed.notify_all()
+        finally:
+            self._close()
         if self.failed:
             raise RolloutError(f"weights updated on {len(self.updates)} replicas, failed on "
                                f"{len(self.failed)}: {self._why()}")
         return self.version
 
     async def cancel(self, reason: str) -> None:
-        await asyncio.gather(*(u.cancel(reason) for u in self.updates.values()),
-                             return_exceptions=True)
+        try:
+            await asyncio.gather(*(u.cancel(reason) for u in self.updates.values()),
+                                 self._keep(lambda k: k.cancel(reason)),
+                                 return_exceptions=True)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._open:
+            self._open = False
+            self.pool._updating.release()
 
 
 class PoolStream:

@@ -63,7 +63,10 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
                                  request_timeout) for i in range(count)}
     replicas = [Replica(RemoteService(url, key, request_timeout), process, restart.get(i),
                         restarts) for i, (url, process) in enumerate(started)]
-    return await ReplicaPool(replicas, name=model, max_in_flight=max_in_flight).start()
+    # Kept weights bring a restarted replica to the pool's version (one copy of the model
+    # in this process).
+    return await ReplicaPool(replicas, name=model, max_in_flight=max_in_flight,
+                             keep_weights=bool(restart) and restarts > 0).start()
 
 
 def _restarter(name: str, backend: str, model: str, options: Mapping, env: dict,

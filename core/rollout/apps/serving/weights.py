@@ -16,6 +16,7 @@ import concurrent.futures
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -73,14 +74,46 @@ def check_update_options(version, pause, timeout=BUCKET_WAIT_S) -> None:
         raise InvalidRequestError("timeout", f"got {timeout!r}", "seconds > 0")
 
 
-class LocalUpdate:
+class _Receiver:
+    """A receiver's membership in the trainer's collective group, for one update."""
+
+    timeout: float
+    _group = None
+
+    async def join(self, group: dict) -> None:
+        g = check_group(group)
+        require(g["backend"])
+        self._group = await asyncio.to_thread(
+            open_group, g["host"], g["port"], g["first_rank"], g["world_size"], g["name"],
+            g["backend"], self.timeout)
+
+    async def _receive(self, message: dict) -> Bucket:
+        """One bucket's bytes, by the transport its message names (a collective one needs
+        the group joined first)."""
+        transport = message.get("transport") if isinstance(message, dict) else None
+        if transport not in TRANSPORTS:
+            raise InvalidRequestError("bucket.transport", f"got {transport!r}",
+                                      ", ".join(TRANSPORTS))
+        if transport == "shm":
+            return await asyncio.to_thread(receive_shm, message)
+        if self._group is None or self._group.kind != transport:
+            raise InvalidRequestError("bucket.transport", f"{transport} before the group "
+                                      "step", f"shm, or {transport} in the trainer's group")
+        return await asyncio.to_thread(receive_bucket, self._group, message, self.timeout)
+
+    def _leave(self) -> None:
+        if self._group is not None:
+            close(self._group)
+            self._group = None
+
+
+class LocalUpdate(_Receiver):
     def __init__(self, rollout: Rollout, version: int | None, pause: str,
                  timeout: float = BUCKET_WAIT_S):
         check_update_options(version, pause, timeout)
         self.version = version
         self.timeout = timeout  # the longest wait for the trainer's next bucket
         self.receivers = 1
-        self._group = None  # the trainer's collective group, once joined
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._done: concurrent.futures.Future = concurrent.futures.Future()
         threading.Thread(target=self._run, args=(rollout, pause), daemon=True,
@@ -121,28 +154,10 @@ class LocalUpdate:
         self._done.result()  # raises what ended the update
         raise RolloutError("the weight update has already ended")
 
-    async def join(self, group: dict) -> None:
-        g = check_group(group)
-        require(g["backend"])
-        self._group = await asyncio.to_thread(
-            open_group, g["host"], g["port"], g["first_rank"], g["world_size"], g["name"],
-            g["backend"], self.timeout)
-
     async def send(self, message: dict) -> None:
         if self._done.done():
             self._done.result()
-        transport = message.get("transport") if isinstance(message, dict) else None
-        if transport not in TRANSPORTS:
-            raise InvalidRequestError("bucket.transport", f"got {transport!r}",
-                                      ", ".join(TRANSPORTS))
-        if transport != "shm":
-            if self._group is None or self._group.kind != transport:
-                raise InvalidRequestError("bucket.transport", f"{transport} before the group "
-                                          "step", f"shm, or {transport} in the trainer's group")
-            bucket = await asyncio.to_thread(receive_bucket, self._group, message,
-                                             self.timeout)
-        else:
-            bucket = await asyncio.to_thread(receive_shm, message)
+        bucket = await self._receive(message)
         await asyncio.to_thread(self._put, bucket)
 
     async def end(self) -> int | None:
@@ -162,10 +177,76 @@ class LocalUpdate:
         finally:
             self._leave()
 
-    def _leave(self) -> None:
-        if self._group is not None:
-            close(self._group)
-            self._group = None
+
+class OpenUpdates:
+    """A server's open weight update (one at most), by id, with when its trainer last sent
+    a step. One whose trainer went quiet for longer than its timeout has failed (the
+    backend is dirty): it is cancelled, and no longer stands in the way of a new one."""
+
+    def __init__(self):
+        self._open: dict[str, list] = {}  # id -> [update (None while it begins), timeout, last]
+
+    async def begin(self, service, version, pause, timeout
+                    ) -> tuple[str, WeightUpdate] | None:
+        """A new update's id and the update; None while another is open."""
+        for update_id, (update, quiet_after, last) in list(self._open.items()):
+            if update is not None and time.monotonic() - last > quiet_after:
+                del self._open[update_id]
+                await update.cancel("the trainer stopped sending")
+        if self._open:
+            return None
+        update_id = uuid.uuid4().hex
+        self._open[update_id] = [None, timeout, time.monotonic()]
+        try:
+            update = await service.begin_update(version, pause, timeout)
+        except BaseException:
+            del self._open[update_id]
+            raise
+        self._open[update_id] = [update, timeout, time.monotonic()]
+        return update_id, update
+
+    def get(self, update_id) -> WeightUpdate | None:
+        return self._open.get(update_id, [None])[0] if isinstance(update_id, str) else None
+
+    def touch(self, update_id: str) -> None:
+        self._open[update_id][2] = time.monotonic()
+
+    def close(self, update_id: str) -> None:
+        self._open.pop(update_id, None)
+
+
+class KeptWeights:
+    """The weights a pool last pushed, by name, kept in the pool's process so that a
+    replica restarted on its checkpoint is brought to the pool's version before it serves.
+    Costs one copy of the model in memory (two while an update stages its tensors)."""
+
+    def __init__(self):
+        self.tensors: dict = {}
+        self.version: int | None = None
+
+
+class KeepingUpdate(_Receiver):
+    """`KeptWeights`' part in an update: one more receiver, which keeps what it receives
+    and takes it as the kept weights only when the update ends."""
+
+    receivers = 1
+
+    def __init__(self, kept: KeptWeights, version: int | None, timeout: float):
+        self.kept, self.version, self.timeout = kept, version, timeout
+        self.staged: dict = {}
+
+    async def send(self, message: dict) -> None:
+        self.staged.update(unpack(await self._receive(message)))
+
+    async def end(self) -> int | None:
+        self.kept.tensors.update(self.staged)
+        self.kept.version, self.staged = self.version, {}
+        self._leave()
+        return self.version
+
+    async def cancel(self, reason: str) -> None:
+        self.staged = {}
+        self._leave()
 
 
 async def push_weights(update: WeightUpdate, named_tensors: Iterable,
