@@ -1,8 +1,10 @@
 """Weights pushed from a trainer into a served backend over shared memory (HF backend, tiny
 model, a real server on a thread of this process): the output after an update equals a
 fresh load, versions reach the results, and every way an update fails leaves the server
-refusing requests, saying why, until a full update succeeds."""
+refusing requests, saying why, until a full update succeeds. The trainer's `ServedRollout`
+also awaits and streams requests as a `Rollout` does."""
 
+import asyncio
 import json
 import time
 import urllib.error
@@ -95,6 +97,34 @@ def test_nccl_is_refused_with_its_reason_where_there_is_no_gpu(served):
         "world_size": 2, "first_rank": 1, "backend": "nccl"})
     assert answer["error"]["code"] == "unsupported" and "no GPU" in answer["error"]["message"]
     assert probe(trainer) == fresh["base"]  # nothing was sent: the old weights serve
+
+
+def test_a_served_rollout_awaits_and_streams_requests(served):
+    trainer, _, _, _, rollout = served
+    requests = probe_requests()
+    expected = [c.unwrap()[0].token_ids for c in trainer.generate(requests)]
+    long = {"prompt": "a", "sampling": {"n": 4, "max_tokens": 2000, "ignore_eos": True}}
+
+    async def calls():
+        completions = await asyncio.gather(*(trainer.agenerate(r) for r in requests))
+        stream = trainer.stream(requests[0])
+        chunks = [chunk async for chunk in stream]
+        left = trainer.stream(long)
+        async for _ in left:  # one chunk, then the caller leaves
+            break
+        await left.aclose()
+        return completions, chunks, stream.completion
+
+    completions, chunks, completion = asyncio.run(calls())
+    assert [c.unwrap()[0].token_ids for c in completions] == expected
+    assert len(chunks) > 1
+    assert [t for c in chunks for t in c.token_ids] == list(completion.unwrap()[0].token_ids) \
+        == list(expected[0])
+    deadline = time.monotonic() + 5  # the request left early stops on the server (it
+    # would run for over 15 s)
+    while rollout._flights and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not rollout._flights
 
 
 def test_release_and_resume_reach_the_served_backend(served):

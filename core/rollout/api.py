@@ -33,7 +33,7 @@ from rollout.contract.errors import (
     WeightsDirtyError,
 )
 from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result
-from rollout.kit.aio import engine_loop, on_loop
+from rollout.kit.aio import Relay, engine_loop, on_loop
 from rollout.kit.text import TextStream, final_text
 
 # A supported capability needs these hooks implemented.
@@ -408,35 +408,13 @@ class Stream:
             self.completion = checked
             raise checked.error
         flight = owner._register(checked)
-        queue: asyncio.Queue = asyncio.Queue()
-        here = asyncio.get_running_loop()
-        if here is owner._loop:
-            sink = queue.put_nowait
-        else:
-            def sink(chunk):
-                try:
-                    here.call_soon_threadsafe(queue.put_nowait, chunk)
-                except RuntimeError:  # the caller's loop is closed: nobody is listening
-                    pass
-
-        async def produce():
-            try:
-                return await owner._run(flight, timeout, sink)
-            finally:
-                sink(None)  # the end, whatever happened
-
-        if here is owner._loop:
-            task = done = here.create_task(produce())
-        else:
-            task = asyncio.run_coroutine_threadsafe(produce(), owner._loop)
-            done = asyncio.wrap_future(task)
+        relay = Relay(owner._loop, lambda sink: owner._run(flight, timeout, sink))
         try:
-            while (chunk := await queue.get()) is not None:
+            async for chunk in relay:
                 yield chunk
-            self.completion = await done
         finally:
-            if not done.done():  # the caller left early: the request stops in the engine
-                task.cancel()
+            await relay.aclose()  # the caller left early: the request stops in the engine
+        self.completion = relay.result
         if self.completion.error is not None:
             raise self.completion.error
 

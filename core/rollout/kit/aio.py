@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from rollout.contract.errors import RolloutTimeoutError
@@ -57,6 +57,57 @@ def on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
+
+
+class Relay:
+    """What a coroutine on `loop` hands to its sink, read with `async for` on the caller's
+    loop (the same loop or another; no thread is taken); `.result` then holds what the
+    coroutine returned, and its exception is raised from the iteration. Leaving the
+    iteration early (or `aclose()`) cancels the coroutine."""
+
+    _END = object()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 produce: Callable[[Callable[[Any], None]], Awaitable]):
+        self.result = None
+        self._items = self._iterate(loop, produce)
+
+    def __aiter__(self) -> AsyncIterator:
+        return self._items
+
+    async def aclose(self) -> None:
+        await self._items.aclose()
+
+    async def _iterate(self, loop, produce) -> AsyncIterator:
+        queue: asyncio.Queue = asyncio.Queue()
+        here = asyncio.get_running_loop()
+        if here is loop:
+            sink = queue.put_nowait
+        else:
+            def sink(item):
+                try:
+                    here.call_soon_threadsafe(queue.put_nowait, item)
+                except RuntimeError:  # the caller's loop is closed: nobody is listening
+                    pass
+
+        async def run():
+            try:
+                return await produce(sink)
+            finally:
+                sink(self._END)  # whatever happened
+
+        if here is loop:
+            task = done = here.create_task(run())
+        else:
+            task = asyncio.run_coroutine_threadsafe(run(), loop)
+            done = asyncio.wrap_future(task)
+        try:
+            while (item := await queue.get()) is not self._END:
+                yield item
+            self.result = await done
+        finally:
+            if not done.done():  # the caller left early
+                task.cancel()
 
 
 # Servers (uvicorn) close a connection after 5 s idle; a call sent on one they have just

@@ -1,6 +1,6 @@
 """`ServedRollout`: what a trainer holds for a backend in other processes (a `rollout serve`
-at a URL, or replicas it starts), with `Rollout`'s synchronous methods: generate, update
-weights, release, resume. It runs its calls on a loop thread of its own."""
+at a URL, or replicas it starts), with `Rollout`'s methods: generate, agenerate, stream,
+update weights, release, resume. It runs its calls on a loop thread of its own."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from rollout.contract import convert
 from rollout.contract.schemas import Completion, Request
-from rollout.kit.aio import LoopThread
+from rollout.kit.aio import LoopThread, Relay
 from rollout.apps.serving.service import Service
 from rollout.apps.serving.weights import BUCKET_WAIT_S, TRANSPORTS, check_update_options, \
     push_weights
@@ -53,13 +53,25 @@ class ServedRollout:
     def generate(self, requests: Sequence[Request | Mapping]) -> list[Completion]:
         import asyncio
 
-        checked = [r if isinstance(r, Request) else convert.structure(dict(r), Request)
-                   for r in requests]
+        checked = [_request(r) for r in requests]
 
         async def run_all():
             return await asyncio.gather(*(self.service.generate(r) for r in checked))
 
         return self._run(run_all(), "generate")
+
+    async def agenerate(self, request: Request | Mapping) -> Completion:
+        """One request, awaited on any event loop (no thread per call). Cancelling the
+        call drops its connection, which stops the request on its server."""
+        import asyncio
+
+        call = self.service.generate(_request(request))
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self._loop.loop))
+
+    def stream(self, request: Request | Mapping) -> ServedStream:
+        """The request's chunks as its server makes them (`async for`); `.completion`
+        afterwards. Leaving early stops the request on its server."""
+        return ServedStream(self.service, _request(request), self._loop.loop)
 
     def update_weights(self, named_tensors: Iterable, bucket_bytes: int | None = None,
                        version: int | None = None, pause: str = "wait",
@@ -118,3 +130,26 @@ class ServedRollout:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ServedStream(Relay):
+    def __init__(self, service: Service, request: Request, loop):
+        async def produce(sink):
+            stream = service.stream(request)
+            try:
+                async for chunk in stream:
+                    sink(chunk)
+            finally:
+                await stream.aclose()
+            return stream.completion
+
+        super().__init__(loop, produce)
+
+    @property
+    def completion(self) -> Completion | None:
+        return self.result
+
+
+def _request(request: Request | Mapping) -> Request:
+    return request if isinstance(request, Request) else convert.structure(dict(request),
+                                                                          Request)
