@@ -82,7 +82,7 @@ def test_weights_pushed_through_a_gloo_group_equal_a_fresh_load(served):
         trainer.update_weights(weights["base"].items(), transport="ucx")
 
 
-def test_nccl_is_refused_with_its_reason_where_there_is_no_gpu(served):
+def test_gpu_transports_are_refused_with_their_reason_where_there_is_no_gpu(served):
     import torch
 
     if torch.cuda.is_available():
@@ -97,6 +97,14 @@ def test_nccl_is_refused_with_its_reason_where_there_is_no_gpu(served):
         "world_size": 2, "first_rank": 1, "backend": "nccl"})
     assert answer["error"]["code"] == "unsupported" and "no GPU" in answer["error"]["message"]
     assert probe(trainer) == fresh["base"]  # nothing was sent: the old weights serve
+
+    with pytest.raises(UnsupportedError, match="no GPU"):
+        trainer.update_weights(weights["base"].items(), transport="cuda_ipc")
+    status, begun = post(url, "/rollout/weights/begin", {})
+    status, answer = post(url, "/rollout/weights/bucket", {"update": begun["update"], "bucket": {
+        "transport": "cuda_ipc", "nbytes": 0, "tensors": [], "ipc": {}}})
+    assert answer["error"]["code"] == "unsupported" and "no GPU" in answer["error"]["message"]
+    assert probe(trainer) == fresh["base"]
 
 
 def test_a_served_rollout_awaits_and_streams_requests(served):

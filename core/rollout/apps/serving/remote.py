@@ -10,9 +10,8 @@ from rollout.contract import convert
 from rollout.contract.schemas import Completion, Request
 from rollout.kit.aio import LoopThread, Relay
 from rollout.apps.serving.service import Service
-from rollout.apps.serving.weights import BUCKET_WAIT_S, TRANSPORTS, check_update_options, \
-    push_weights
-from rollout.contract.errors import InvalidRequestError
+from rollout.apps.serving.weights import BUCKET_WAIT_S, check_update_options, push_weights, \
+    require_transport
 
 CALL_TIMEOUT_S = 3600.0
 
@@ -83,15 +82,11 @@ class ServedRollout:
 
         `transport`: "shm" (shared memory: the replicas run on this host), "gloo" (a
         collective group for the update; the replicas reach this process at `address`,
-        by default the address this host reaches the server from), or "nccl" (the same
-        with CUDA tensors, GPUs on both sides; unsupported where there is none)."""
-        from rollout.kit.transfer.collective import require
-
+        by default the address this host reaches the server from), "nccl" (the same
+        with CUDA tensors, GPUs on both sides; unsupported where there is none), or
+        "cuda_ipc" (a replica on this process's own GPU: the bytes never leave it)."""
         check_update_options(version, pause, timeout)
-        if transport not in TRANSPORTS:
-            raise InvalidRequestError("transport", f"got {transport!r}", ", ".join(TRANSPORTS))
-        if transport != "shm":
-            require(transport)  # before anything is sent
+        require_transport(transport)
 
         async def push():
             update = await self.service.begin_update(version, pause, timeout)

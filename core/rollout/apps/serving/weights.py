@@ -26,10 +26,14 @@ from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_groups, layou
 from rollout.kit.process import free_port
 from rollout.kit.transfer.collective import (broadcast_announced, close, open_group, open_with,
                                              receive_bucket, require, unique_group_name)
+from rollout.kit.transfer.cuda_ipc import CudaIpcSender, receive_cuda_ipc
+from rollout.kit.transfer.cuda_ipc import require as require_cuda_ipc
 from rollout.kit.transfer.shm import ShmSender, receive_shm
 
 BUCKET_WAIT_S = 120.0  # the longest a backend waits for a trainer's next bucket
-TRANSPORTS = ("shm", "gloo", "nccl")  # nccl: GPUs on both sides (not run on CPU CI)
+# nccl: GPUs on both sides; cuda_ipc: one GPU shared with an engine (neither run on CPU CI)
+TRANSPORTS = ("shm", "gloo", "nccl", "cuda_ipc")
+SENDERS = {"shm": ShmSender, "cuda_ipc": CudaIpcSender}  # the rest go through a group
 GROUP_FIELDS = ("host", "port", "name", "world_size", "first_rank", "backend")
 _END = object()
 
@@ -68,6 +72,16 @@ def check_group(group) -> dict:
     return {field: group[field] for field in GROUP_FIELDS}
 
 
+def require_transport(transport: str) -> None:
+    """Raise, before anything is sent, where this process cannot use `transport`."""
+    if transport not in TRANSPORTS:
+        raise InvalidRequestError("transport", f"got {transport!r}", ", ".join(TRANSPORTS))
+    if transport == "cuda_ipc":
+        require_cuda_ipc()
+    elif transport not in SENDERS:
+        require(transport)
+
+
 def check_update_options(version, pause, timeout=BUCKET_WAIT_S) -> None:
     check_update(version, pause)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -96,6 +110,8 @@ class _Receiver:
                                       ", ".join(TRANSPORTS))
         if transport == "shm":
             return await asyncio.to_thread(receive_shm, message)
+        if transport == "cuda_ipc":
+            return await asyncio.to_thread(receive_cuda_ipc, message)
         if self._group is None or self._group.kind != transport:
             raise InvalidRequestError("bucket.transport", f"{transport} before the group "
                                       "step", f"shm, or {transport} in the trainer's group")
@@ -236,7 +252,8 @@ class KeepingUpdate(_Receiver):
         self.staged: dict = {}
 
     async def send(self, message: dict) -> None:
-        self.staged.update(unpack(await self._receive(message)))
+        # In host memory: a copy kept on a GPU would take the engines' memory.
+        self.staged.update((n, t.cpu()) for n, t in unpack(await self._receive(message)))
 
     async def end(self) -> int | None:
         self.kept.tensors.update(self.staged)
@@ -258,18 +275,20 @@ async def push_weights(update: WeightUpdate, named_tensors: Iterable,
     failure cancels the update (the receivers are then dirty, not half-updated)."""
     groups = iter_groups(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
     try:
-        if transport != "shm":
-            await _push_by_group(update, groups, transport, address, timeout)
+        if transport in SENDERS:
+            await _push_by_sender(update, groups, SENDERS[transport])
         else:
-            await _push_by_shm(update, groups)
+            await _push_by_group(update, groups, transport, address, timeout)
     except BaseException as exc:
         await update.cancel(repr(exc))
         raise
     return await update.end()
 
 
-async def _push_by_shm(update: WeightUpdate, groups) -> None:
-    with ShmSender() as sender:
+async def _push_by_sender(update: WeightUpdate, groups, sender_class) -> None:
+    """One reused buffer (a shared-memory file, a CUDA buffer); every receiver copies a
+    bucket out before it answers, so the next one may overwrite it."""
+    with sender_class() as sender:
         for group in groups:
             await update.send(sender.put_tensors(group))
 
