@@ -95,7 +95,8 @@ def test_gpu_transports_are_refused_with_their_reason_where_there_is_no_gpu(serv
     status, answer = post(url, "/rollout/weights/group", {
         "update": begun["update"], "host": "127.0.0.1", "port": 1, "name": "g",
         "world_size": 2, "first_rank": 1, "backend": "nccl"})
-    assert answer["error"]["code"] == "unsupported" and "no GPU" in answer["error"]["message"]
+    assert status == 501 and answer["error"]["code"] == "unsupported"
+    assert "no GPU" in answer["error"]["message"]
     assert probe(trainer) == fresh["base"]  # nothing was sent: the old weights serve
 
     with pytest.raises(UnsupportedError, match="no GPU"):
@@ -103,7 +104,8 @@ def test_gpu_transports_are_refused_with_their_reason_where_there_is_no_gpu(serv
     status, begun = post(url, "/rollout/weights/begin", {})
     status, answer = post(url, "/rollout/weights/bucket", {"update": begun["update"], "bucket": {
         "transport": "cuda_ipc", "nbytes": 0, "tensors": [], "ipc": {}}})
-    assert answer["error"]["code"] == "unsupported" and "no GPU" in answer["error"]["message"]
+    assert status == 501 and answer["error"]["code"] == "unsupported"
+    assert "no GPU" in answer["error"]["message"]
     assert probe(trainer) == fresh["base"]
 
 

@@ -24,6 +24,7 @@ from rollout.contract.errors import (
     NoReplicaError,
     RolloutError,
     RolloutTimeoutError,
+    UnsupportedError,
     WeightsDirtyError,
 )
 from rollout.contract.schemas import Chunk, Completion, Request, Result, Tool
@@ -103,6 +104,8 @@ def api_error(exc: RolloutError, param: str | None = None) -> ApiError:
         status = 503
     elif isinstance(exc, RolloutTimeoutError):
         status = 504
+    elif isinstance(exc, UnsupportedError):  # what this server cannot do here, and why
+        status = 501
     else:
         status = 500
     # `code` is the rollout error kind, so a rollout client can rebuild the typed error.
@@ -526,6 +529,10 @@ def _part(part: Any, where: str) -> Any:
         if set(part) != {"type", "image_url"} or not isinstance(url, str):
             raise bad_field(f"{where}.image_url", f"got {_short(image)}",
                             'a URL, or {"url": URL}')
+        # A server neither fetches URLs nor reads its own files for a client.
+        if not url.startswith("data:"):
+            raise bad_field(f"{where}.image_url", f"got {_short(url)}",
+                            "a data: URL (base64); images are not fetched")
         return {"type": "image", "image": url}
     raise bad_field(f"{where}.type", f"got {_short(kind)}", "text, image_url")
 
