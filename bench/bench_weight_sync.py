@@ -12,7 +12,8 @@ compared. Paths:
 Targets: raw/new >= 0.8 (the new path moves bytes at 80% of the transport's speed).
 
 One function per backend (`bench_vllm`, `bench_sglang`), each returning its timings; the
-model, the raw transport and the report are shared.
+model, the raw transport (a receiver child beside the engine: `receiver_beside`) and the
+report are shared.
 
 Run in the engine's environment (scripts/env.sh vllm):
     python bench/bench_weight_sync.py --backend vllm [--repeats 3] [--layers 12]
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 from common import prepare_engine
@@ -94,6 +96,34 @@ def start_receiver() -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
+PROBE = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "max_tokens": 8}}
+
+
+def greedy_tokens(backend):
+    return backend.generate([PROBE])[0].unwrap()[0].token_ids
+
+
+@contextmanager
+def receiver_beside(backend, transport: str):
+    """A receiver child for the raw `transport` ("shm", or "gloo" in a fresh group) beside
+    `backend`: yields (child, group), group None for shm. The same weights go in every
+    round, so the backend's greedy output must come out unchanged at the end. The child,
+    the group and the backend are all closed on the way out."""
+    from rollout.kit.transfer import collective
+
+    with closing(backend):
+        child, group = (start_receiver(), None) if transport == "shm" else start_gloo_receiver()
+        try:
+            before = greedy_tokens(backend)
+            yield child, group
+            assert greedy_tokens(backend) == before
+        finally:
+            child.stdin.close()
+            child.wait(30)
+            if group is not None:
+                collective.close(group)
+
+
 # --- vLLM ----------------------------------------------------------------------------------
 
 # The old path needs its receiving end in vLLM's worker: this module, as its extension.
@@ -144,15 +174,12 @@ def bench_vllm(model: Path, repeats: int) -> dict[str, list[float]]:
     backend = rollout.load_backend(
         "vllm", model=str(model), mode="server", max_model_len=512,
         engine_args={"worker_extension_cls": "bench_weight_sync.OldPathExtension"}, **SETTINGS)
-    child = start_receiver()
-    try:
+    with receiver_beside(backend, "shm") as (child, _):
         inner = backend._backend
         state = load_state(model)
         buckets = list(iter_buckets(state.items(), DEFAULT_BUCKET_BYTES))
         groups = list(layer_groups(buckets, inner.shapes, inner.weight_group_bytes))
         group_buckets = [next(iter_buckets(g.items(), 2**62)) for g in groups]
-        probe = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "max_tokens": 8}}
-        before = backend.generate([probe])[0].unwrap()[0].token_ids
         times: dict[str, list[float]] = {"raw": [], "new (hook)": [], "new (Rollout)": [],
                                           "old": []}
         for _ in range(repeats):
@@ -160,12 +187,6 @@ def bench_vllm(model: Path, repeats: int) -> dict[str, list[float]]:
             times["new (hook)"].append(_timed(lambda: inner.update_weights(buckets=buckets)))
             times["new (Rollout)"].append(_timed(lambda: backend.update_weights(state.items())))
             times["old"].append(_timed(lambda: old_vllm_update(inner.engine.url, groups)))
-        # The same weights went in: the same greedy output comes out.
-        assert backend.generate([probe])[0].unwrap()[0].token_ids == before
-    finally:
-        child.stdin.close()
-        child.wait(30)
-        backend.close()
     times.update(bench_vllm_gloo(model, repeats, state, group_buckets))
     return times
 
@@ -175,26 +196,16 @@ def bench_vllm_gloo(model: Path, repeats: int, state: dict, group_buckets: list)
     the raw gloo broadcast of the same groups into a child process, into fresh buffers as
     our engine receives (started after the first server is gone: one vLLM server at a time)."""
     import rollout
-    from rollout.kit.transfer import collective
 
     backend = rollout.load_backend("vllm", model=str(model), mode="server", max_model_len=512,
                                    weight_transport="gloo", **SETTINGS)
-    child, group = start_gloo_receiver()
-    try:
-        probe = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "max_tokens": 8}}
-        before = backend.generate([probe])[0].unwrap()[0].token_ids
+    with receiver_beside(backend, "gloo") as (child, group):
         backend.update_weights(state.items())  # opens the group, once per backend
         times: dict[str, list[float]] = {"raw (gloo)": [], "new (gloo)": []}
         for _ in range(repeats):
             times["raw (gloo)"].append(raw_gloo(group_buckets, child, group, fresh=True))
             times["new (gloo)"].append(_timed(lambda: backend.update_weights(state.items())))
-        assert backend.generate([probe])[0].unwrap()[0].token_ids == before
-        return times
-    finally:
-        child.stdin.close()
-        child.wait(30)
-        collective.close(group)
-        backend.close()
+    return times
 
 
 # --- a rollout serve (HF backend) ----------------------------------------------------------
@@ -208,20 +219,13 @@ def bench_hf(model: Path, repeats: int) -> dict[str, list[float]]:
 
     state = load_state(model)
     buckets = list(iter_buckets(state.items(), DEFAULT_BUCKET_BYTES))
-    child = start_receiver()
-    try:
-        with ServedRollout.start("hf", str(model)) as served:
-            probe = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "max_tokens": 8}}
-            before = served.generate([probe])[0].unwrap()[0].token_ids
-            times: dict[str, list[float]] = {"raw": [], "new (served)": []}
-            for _ in range(repeats):
-                times["raw"].append(raw_shm(buckets, child))
-                times["new (served)"].append(_timed(lambda: served.update_weights(state.items())))
-            assert served.generate([probe])[0].unwrap()[0].token_ids == before
-        return times
-    finally:
-        child.stdin.close()
-        child.wait(30)
+    served = ServedRollout.start("hf", str(model))
+    with receiver_beside(served, "shm") as (child, _):
+        times: dict[str, list[float]] = {"raw": [], "new (served)": []}
+        for _ in range(repeats):
+            times["raw"].append(raw_shm(buckets, child))
+            times["new (served)"].append(_timed(lambda: served.update_weights(state.items())))
+    return times
 
 
 # --- SGLang --------------------------------------------------------------------------------
@@ -276,15 +280,13 @@ def bench_sglang(model: Path, repeats: int) -> dict[str, list[float]]:
     server, against the raw gloo broadcast of the same groups into a child process."""
     import rollout
     from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
-    from rollout.kit.transfer import collective
     from rollout_sglang.transport import make_sender
     from rollout_sglang.weights import checked_groups
 
     backend = rollout.load_backend("sglang", model=str(model), mode="server",
                                    dtype="float32", max_total_tokens=4096,
                                    weight_transport="gloo")
-    child, group = start_gloo_receiver()
-    try:
+    with receiver_beside(backend, "gloo") as (child, group):
         inner = backend._backend
         senders = {"gloo": inner.weights,
                    "tensor": make_sender("tensor", inner.engine, inner.request_timeout, 60)}
@@ -292,8 +294,6 @@ def bench_sglang(model: Path, repeats: int) -> dict[str, list[float]]:
         buckets = list(iter_buckets(state.items(), DEFAULT_BUCKET_BYTES))
         groups = checked_groups(buckets, inner.shapes, inner.weight_group_bytes)
         group_buckets = [next(iter_buckets(g, 2**62)) for g in groups]
-        probe = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "max_tokens": 8}}
-        before = backend.generate([probe])[0].unwrap()[0].token_ids
         inner.update_weights(buckets=buckets)  # opens the update group, once per backend
         times: dict[str, list[float]] = {"raw": [], "raw (fresh)": [], "new (hook)": [],
                                           "new (Rollout)": [], "old": []}
@@ -312,14 +312,7 @@ def bench_sglang(model: Path, repeats: int) -> dict[str, list[float]]:
             times["new (Rollout)"].append(_timed(lambda: backend.update_weights(state.items())))
             times["old"].append(hook("tensor"))
             inner.weights = senders["gloo"]
-        # The same weights went in: the same greedy output comes out.
-        assert backend.generate([probe])[0].unwrap()[0].token_ids == before
-        return times
-    finally:
-        child.stdin.close()
-        child.wait(30)
-        collective.close(group)
-        backend.close()
+    return times
 
 
 BACKENDS = {"hf": bench_hf, "vllm": bench_vllm, "sglang": bench_sglang}

@@ -30,6 +30,7 @@ from rollout import (BackendReleasedError, Capabilities, InvalidRequestError, Ro
 from rollout.testing.models import load_weights, perturbed_copy, tiny_model_dir
 from rollout.testing.sampling import SamplingContract
 from rollout.testing.strategies import invalid_requests, requests
+from rollout.testing.weights import trainer_that_dies
 
 EXAMPLES = int(os.environ.get("ROLLOUT_CONTRACT_EXAMPLES", "8"))
 # One backend often runs the suite in several classes (an in-process and a server mode),
@@ -416,14 +417,10 @@ class BackendContract(SamplingContract):
 
     def test_a_failed_update_leaves_the_weights_dirty_until_a_full_one(self, harness):
         skip_unless(harness.caps, "update_weights")
-        other = list(load_weights(harness.other_dir).items())
-
-        def dies_halfway():  # a trainer that stops sending after half the tensors
-            yield from other[: len(other) // 2]
-            raise ConnectionResetError("the trainer went away")
-
+        other = load_weights(harness.other_dir)
         with pytest.raises(ConnectionResetError):
-            harness.rollout.update_weights(dies_halfway(), bucket_bytes=4096, version=1)
+            harness.rollout.update_weights(trainer_that_dies(other), bucket_bytes=4096,
+                                           version=1)
         with pytest.raises(WeightsDirtyError, match="failed midway"):
             harness.rollout.generate(probe_requests())
         assert harness.rollout.weight_version is None  # the old version is not claimed

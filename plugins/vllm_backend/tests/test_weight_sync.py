@@ -15,6 +15,7 @@ from rollout import GenerationError, WeightsDirtyError
 from rollout.kit.transfer import shm
 from rollout.testing.contract import probe
 from rollout.testing.models import load_weights, perturbed_copy
+from rollout.testing.weights import trainer_that_dies
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +42,8 @@ def repaired(backend, base, baseline) -> None:
 def test_a_trainer_that_stops_after_some_layers(server):
     backend, base, other, baseline = server
     before = shm_files()
-    names = list(other)
-
-    def dies_after_some_layers():
-        yield from ((n, other[n]) for n in names[: len(names) // 2])
-        raise ConnectionResetError("the trainer went away")
-
     with pytest.raises(ConnectionResetError):
-        backend.update_weights(dies_after_some_layers(), bucket_bytes=4096)
+        backend.update_weights(trainer_that_dies(other), bucket_bytes=4096)
     assert shm_files() == before
     repaired(backend, base, baseline)
 
@@ -96,10 +91,5 @@ def test_a_load_that_fails_inside_a_layer(server):
     # The core did not see this (sent by hand): mark the weights dirty as a failed update
     # would, then repair with a full update.
     with pytest.raises(ConnectionResetError):
-        backend.update_weights(_failing(base))
+        backend.update_weights(trainer_that_dies(base, sent=1))
     repaired(backend, base, baseline)
-
-
-def _failing(weights: dict):
-    yield next(iter(weights.items()))
-    raise ConnectionResetError("the trainer went away")

@@ -15,6 +15,7 @@ import rollout
 from rollout import GenerationError, WeightsDirtyError
 from rollout.testing.contract import probe
 from rollout.testing.models import load_weights, perturbed_copy
+from rollout.testing.weights import trainer_that_dies
 
 from rollout_vllm import transport
 
@@ -56,14 +57,8 @@ def test_updates_go_through_the_group_and_stamp_vllms_version(server):
 def test_a_trainer_that_stops_after_some_layers(server):
     backend, base, other, baseline = server
     group = backend._backend.gloo.group
-    names = list(other)
-
-    def dies_after_some_layers():
-        yield from ((n, other[n]) for n in names[: len(names) // 2])
-        raise ConnectionResetError("the trainer went away")
-
     with pytest.raises(ConnectionResetError):
-        backend.update_weights(dies_after_some_layers(), bucket_bytes=4096)
+        backend.update_weights(trainer_that_dies(other), bucket_bytes=4096)
     assert backend._backend.gloo.group is group  # nothing was mid-broadcast: group kept
     repaired(backend, base, baseline)
 
