@@ -155,5 +155,5 @@ def test_backends_command_lists_hf_with_capabilities():
     result = rollout_cli("backends")
     assert "hf  (rollout-hf" in result.stdout
     lines = [line.split(None, 1) for line in result.stdout.splitlines()[1:]]
-    assert ["images", "no: the HF backend serves text-only models"] in lines
+    assert ["images", "yes"] in lines  # with a vision-language model
     assert ["structured_outputs.grammar", "yes"] in lines and ["tools", "yes"] in lines

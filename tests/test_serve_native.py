@@ -130,3 +130,18 @@ def test_a_stream_body_of_another_shape_is_a_400(server):
 
     status, answer = asyncio.run(call())
     assert status == 400 and answer["error"]["param"] == "request"
+
+
+@pytest.mark.parametrize("image", ["/etc/hostname", "file:///etc/hostname"])
+def test_a_server_reads_no_image_file_for_a_client(server, image):
+    """Over HTTP an image comes with the request (a data: URL); a path would make the
+    server read its own disk for whoever asks."""
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}]}]
+    status, body = post(server, {"requests": [{"id": "a", "messages": messages},
+                                              {"id": "b", "prompt": "x",
+                                               "sampling": {"max_tokens": 2}}]})
+    path, other = [convert.structure(c, Completion) for c in body["completions"]]
+    assert status == 200 and path.error.field == "messages[0].content[0]"
+    assert "data: URL" in path.error.message and other.unwrap()
+    error = remote_stream(server, {"messages": messages})
+    assert isinstance(error, InvalidRequestError) and error.field == "messages[0].content[0]"

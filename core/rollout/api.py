@@ -34,6 +34,7 @@ from rollout.contract.errors import (
 )
 from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result
 from rollout.kit.aio import Relay, engine_loop, on_loop
+from rollout.kit.images import image_sources, load_images
 from rollout.kit.text import TextStream, final_text
 
 # A supported capability needs these hooks implemented.
@@ -168,6 +169,8 @@ class Rollout:
             needs.append(("logprobs", "sampling.logprobs"))
         if request.sampling.seed is not None:
             needs.append(("seed", "sampling.seed"))
+        if request.images:
+            needs.append(("images", "images"))
         if request.messages is not None:
             needs.append(("chat", "messages"))
             if any(m.images for m in request.messages):
@@ -230,11 +233,14 @@ class Rollout:
         request, s = flight.request, flight.request.sampling
         try:
             prompt = self.encoder.encode(request)
+            # Decoding images takes a while: not on the loop.
+            images = await asyncio.to_thread(load_images, request) \
+                if image_sources(request) else ()
         except InvalidRequestError as exc:
             return Completion(request.id, error=exc)
         samples = [_Sample(self.encoder.decode, s, sink is not None) for _ in range(s.n)]
         chunks = self._pm.hook.generate(request=request, prompt_token_ids=prompt,
-                                        streaming=sink is not None)
+                                        streaming=sink is not None, images=images)
         try:
             async for chunk in chunks:
                 if not 0 <= chunk.index < s.n or samples[chunk.index].finish:

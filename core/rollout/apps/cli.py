@@ -65,8 +65,15 @@ def backends() -> None:
 @main.command("tiny-model")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
-def tiny_model(out_dir: str, seed: int) -> None:
+@click.option("--vision", is_flag=True,
+              help="A tiny Qwen2-VL (images in prompts) and its processor instead.")
+def tiny_model(out_dir: str, seed: int, vision: bool) -> None:
     """Write a tiny random Llama and its tokenizer to OUT_DIR (offline, for tests and demos)."""
+    if vision:
+        from rollout.kit.tiny_vlm import build_tiny_vlm
+
+        click.echo(str(build_tiny_vlm(out_dir, seed=seed)))
+        return
     from rollout.kit.tiny_model import build_tiny_model
 
     click.echo(str(build_tiny_model(out_dir, seed=seed)))

@@ -18,7 +18,7 @@ from cattrs.errors import (
 )
 
 from rollout.contract import errors
-from rollout.contract.schemas import PART_TYPES, Content, ContentPart
+from rollout.contract.schemas import PART_TYPES, Content, ContentPart, ImageSource
 
 T = TypeVar("T")
 
@@ -59,9 +59,10 @@ def _structure_content(value, _):
     for i, part in enumerate(value):
         try:
             parts.append(converter.structure(part, ContentPart))
-        except errors.InvalidRequestError as exc:
+        except Exception as exc:  # a part's own check comes wrapped by cattrs
+            inner = _as_invalid(exc, [])
             raise errors.InvalidRequestError(
-                f"[{i}].{exc.field}", exc.detail, exc.allowed) from None
+                f"[{i}].{inner.field}", inner.detail, inner.allowed) from None
     return tuple(parts)
 
 
@@ -80,7 +81,20 @@ def _structure_logit_bias(value, _) -> dict[int, float]:
     return out
 
 
+def _unstructure_image(value) -> str:
+    """Bytes and PIL images travel (to a server, in JSON) as data: URLs; text as it is."""
+    if isinstance(value, str):
+        return value
+    from rollout.kit.images import data_url
+
+    return data_url(value)
+
+
 converter.register_structure_hook(ContentPart, _structure_part)
+# Checked by the schemas (`is_image_source`): a string from JSON, or bytes or a PIL image
+# from Python.
+converter.register_structure_hook(ImageSource, lambda value, _: value)
+converter.register_unstructure_hook(ImageSource, _unstructure_image)
 converter.register_structure_hook_func(lambda t: t == dict[int, float], _structure_logit_bias)
 converter.register_structure_hook_func(lambda t: t == Content, _structure_content)
 converter.register_unstructure_hook(errors.RolloutError, lambda e: e.to_dict())

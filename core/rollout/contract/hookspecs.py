@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from rollout.contract.schemas import Capabilities, Chunk, Request
     from rollout.kit.buckets import Bucket
+    from rollout.kit.images import PromptImage
     from rollout.kit.prompts import PromptEncoder
 
 PROJECT = "rollout"
@@ -58,8 +59,8 @@ def prompt_encoder() -> PromptEncoder:
 
 
 @hookspec(firstresult=True)
-def generate(request: Request, prompt_token_ids: list[int],
-             streaming: bool) -> AsyncIterator[Chunk]:
+def generate(request: Request, prompt_token_ids: list[int], streaming: bool,
+             images: tuple[PromptImage, ...]) -> AsyncIterator[Chunk]:
     """Generate the `request.sampling.n` samples of one valid request.
 
     Called on the engine loop; returns an async iterator (an `async def` with `yield`) that
@@ -76,6 +77,10 @@ def generate(request: Request, prompt_token_ids: list[int],
     :param streaming: whether the caller reads chunks as they come (`Rollout.stream`, the
         server). When False, a backend may hand tokens over a few at a time if that is
         cheaper; an abort then returns what was handed over.
+    :param images: the prompt's images, loaded (RGB PIL images with a content hash id), one
+        per image placeholder token of `prompt_token_ids`, in order; empty for a text
+        prompt. Only a backend that supports `images` gets any, and only a backend that
+        supports them needs to take this argument.
     """
 
 

@@ -6,8 +6,9 @@ and tool-calling turns fit without a schema change.
 
 from __future__ import annotations
 
+import sys
 import uuid
-from typing import Literal, Union
+from typing import Literal, NewType, Union
 
 import attrs
 
@@ -180,12 +181,29 @@ class TextPart:
     type: Literal["text"] = "text"
 
 
+# An image as the caller gives it: a file path, a `data:` URL (base64), its encoded bytes
+# (PNG, JPEG, ...) or a PIL image. Other URLs are refused: nothing is fetched.
+# `rollout.kit.images` loads it when a request runs.
+ImageSource = NewType("ImageSource", object)
+IMAGE_SOURCES = "a file path, a data: URL (base64), the image's bytes, or a PIL image"
+
+
+def is_image_source(value) -> bool:
+    pil = sys.modules.get("PIL.Image")  # a PIL image implies PIL is imported already
+    return (isinstance(value, (bytes, bytearray)) or (isinstance(value, str) and value != "")
+            or (pil is not None and isinstance(value, pil.Image)))
+
+
 @attrs.frozen
 class ImagePart:
-    """An image as a URL, a file path or a `data:` URI."""
+    """An image in a message (see `ImageSource`)."""
 
-    image: str
+    image: ImageSource
     type: Literal["image"] = "image"
+
+    def __attrs_post_init__(self):
+        _check("image", is_image_source(self.image), f"got {type(self.image).__name__}",
+               IMAGE_SOURCES)
 
 
 ContentPart = Union[TextPart, ImagePart]
@@ -263,13 +281,16 @@ def _new_id() -> str:
 @attrs.frozen
 class Request:
     """One prompt: exactly one of `prompt` (text), `prompt_token_ids` or `messages`.
-    `tools` go to the chat template with the messages."""
+    `tools` go to the chat template with the messages. `images` go with `prompt_token_ids`
+    (a later turn sent as tokens): one image per image placeholder token, in order
+    (messages carry theirs in their content)."""
 
     id: str = attrs.field(factory=_new_id)
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_tuple)
     messages: tuple[Message, ...] | None = attrs.field(default=None, converter=_tuple)
     tools: tuple[Tool, ...] | None = attrs.field(default=None, converter=_tuple)
+    images: tuple[ImageSource, ...] = attrs.field(default=(), converter=_tuple)
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     metadata: dict = attrs.field(factory=dict)
     # Requests of one session (the turns of one trajectory) go to the same replica while
@@ -307,6 +328,14 @@ class Request:
             names = [t.name for t in self.tools]
             _check("tools", len(set(names)) == len(names), f"tool names repeat: {names}",
                    "unique names")
+        _check("images", isinstance(self.images, tuple), f"got {type(self.images).__name__}",
+               "a list of images")
+        if self.images:
+            _check("images", self.prompt_token_ids is not None, "images need prompt_token_ids",
+                   "images with prompt_token_ids; messages carry theirs in their content")
+        for k, image in enumerate(self.images):
+            _check(f"images[{k}]", is_image_source(image), f"got {type(image).__name__}",
+                   IMAGE_SOURCES)
         _check("sampling", isinstance(self.sampling, SamplingParams),
                f"got {type(self.sampling).__name__}", "a SamplingParams")
         _check("metadata", isinstance(self.metadata, dict), f"got {self.metadata!r}",

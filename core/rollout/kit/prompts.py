@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from rollout.contract.errors import InvalidRequestError
-from rollout.contract.schemas import Message, Request
+from rollout.contract.schemas import ImagePart, Message, Request
 
 
 def prompt_field(request: Request) -> str:
@@ -20,10 +20,16 @@ def prompt_field(request: Request) -> str:
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+    """`image_token_id`: a vision-language model's image placeholder. A prompt holds it once
+    per image (the collapsed form, which every engine takes: each backend expands it to the
+    image's run of tokens for its model), and must hold exactly as many as it has images."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
+                 image_token_id: int | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.image_token_id = image_token_id
 
     def encode(self, request: Request) -> list[int]:
         """The prompt's token ids; InvalidRequestError if the model cannot take them."""
@@ -44,7 +50,19 @@ class PromptEncoder:
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(prompt_field(request), f"{len(ids)} tokens is too long",
                                       f"at most {self.max_model_len - 1} tokens")
+        if self.image_token_id is not None:
+            self._check_placeholders(request, ids)
         return ids
+
+    def _check_placeholders(self, request: Request, ids: list[int]) -> None:
+        images = len(request.images) if request.messages is None else sum(
+            len(m.images) for m in request.messages)
+        placeholders = ids.count(self.image_token_id)
+        if placeholders != images:
+            field = "messages" if request.messages is not None else prompt_field(request)
+            raise InvalidRequestError(
+                field, f"{placeholders} image placeholders (token {self.image_token_id}) for "
+                f"{images} images", "one placeholder token per image, in order")
 
     def _chat(self, request: Request) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -79,9 +97,13 @@ class PromptEncoder:
 
 
 def template_message(message: Message) -> dict:
-    """A message as chat templates take it (transformers' convention): tool calls in
-    OpenAI's shape with their arguments as an object where they parse as one."""
+    """A message as chat templates take it (transformers' convention): content as text, or
+    as parts where it has images; tool calls in OpenAI's shape with their arguments as an
+    object where they parse as one."""
     out = {"role": message.role, "content": message.text}
+    if message.images:  # parts, where the template places each image
+        out["content"] = [{"type": "image"} if isinstance(p, ImagePart)
+                          else {"type": "text", "text": p.text} for p in message.content]
     if message.tool_calls:
         out["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": c.name, "arguments": _arguments(c.arguments)}}

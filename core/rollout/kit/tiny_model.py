@@ -37,7 +37,10 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
     return [" ".join(rng.choices(words, k=rng.randint(4, 16))) + rng.choice(".!?:\n") for _ in range(lines)]
 
 
-def build_tokenizer(seed: int = 0):
+def build_tokenizer(seed: int = 0, special: list[str] = SPECIAL,
+                    chat_template: str = CHAT_TEMPLATE, **names: str | None):
+    """A byte-level BPE trained on made-up text. `special`: its special tokens (the first
+    three are pad, bos and eos unless `names` say otherwise, e.g. `bos_token=None`)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,14 +48,17 @@ def build_tokenizer(seed: int = 0):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL,
+        vocab_size=VOCAB_SIZE, special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    names = {"pad_token": special[0], "bos_token": special[1], "eos_token": special[2],
+             **names}
+    named = set(names.values())
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        additional_special_tokens=SPECIAL[3:], chat_template=CHAT_TEMPLATE,
+        tokenizer_object=tok, **names, chat_template=chat_template,
+        additional_special_tokens=[t for t in special if t not in named],
     )
 
 

@@ -365,7 +365,7 @@ class ServerContract:
          "messages[0].content[0].type"),
         ({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
-         "messages"),  # the HF backend serves text-only models
+         "messages"),  # the tiny model is text-only: images are unsupported
     ])
     def test_a_bad_chat_field_is_a_400_naming_it(self, client, extra, param):
         with pytest.raises(openai.BadRequestError) as caught:  # extra_body: sent as it is

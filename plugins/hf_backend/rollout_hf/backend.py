@@ -19,16 +19,17 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import rollout
 from rollout import Capabilities, InvalidRequestError, Request
 from rollout.kit.buckets import unpack
-from rollout.kit.prompts import PromptEncoder
+from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.sampler import Grammars, Row, rows_for
 
 from rollout_hf.engine import Engine
 from rollout_hf.job import Job, chunks
+from rollout_hf import vision
 
 POLL_S = 5.0  # a request that waits this long for tokens asks whether the engine lives
 
@@ -41,10 +42,19 @@ class HFBackend:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+        model_type = AutoConfig.from_pretrained(model).model_type
+        if model_type in vision.MODEL_TYPES:
+            from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+            self.model = AutoModelForImageTextToText.from_pretrained(model, dtype=torch_dtype)
+            self.vision = vision.Vision(self.model, AutoImageProcessor.from_pretrained(model),
+                                        self.device)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+            self.vision = None
         self.model.to(self.device).eval()
         self.batch_size = batch_size
-        config = self.model.config
+        config = self.model.config.get_text_config()
         self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", 2048)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         eos = self.model.generation_config.eos_token_id
@@ -52,7 +62,9 @@ class HFBackend:
         if self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        self.prompts = PromptEncoder(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.prompts = PromptEncoder(
+            self.tokenizer, self.vocab_size, self.max_model_len,
+            image_token_id=None if self.vision is None else self.vision.image_token_id)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)  # compiles lazily
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -63,11 +75,15 @@ class HFBackend:
                              grammar_vocab=self.vocab_size)
 
     @classmethod
-    def describe_capabilities(cls) -> Capabilities:
-        return Capabilities(unsupported={"images": "the HF backend serves text-only models"})
+    def describe_capabilities(cls) -> Capabilities:  # images: with a Qwen2-VL model
+        return Capabilities()
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
+        if self.vision is None:
+            return Capabilities(unsupported={"images": (
+                f"a text-only model here (model type {self.model.config.model_type!r}); "
+                f"images need a vision-language model of type {', '.join(vision.MODEL_TYPES)}")})
         return self.describe_capabilities()
 
     @rollout.hookimpl
@@ -77,13 +93,14 @@ class HFBackend:
     # --- generation ---------------------------------------------------------------------
 
     @rollout.hookimpl
-    async def generate(self, request: Request, prompt_token_ids: list[int]):
+    async def generate(self, request: Request, prompt_token_ids: list[int], images):
         s = request.sampling
         job = Job(asyncio.get_running_loop())
-        if s.structured_outputs is None:
+        if s.structured_outputs is None and not images:
             job.rows = self._rows(job, request, prompt_token_ids)
-        else:  # compiling a grammar takes a while: not on the loop
-            job.rows = await asyncio.to_thread(self._rows, job, request, prompt_token_ids)
+        else:  # compiling a grammar, processing images take a while: not on the loop
+            job.rows = await asyncio.to_thread(self._rows, job, request, prompt_token_ids,
+                                               images)
         self.engine.submit(job)
         try:
             unfinished = s.n
@@ -98,7 +115,10 @@ class HFBackend:
         finally:
             job.cancelled = True  # the engine drops whatever is left at its next step
 
-    def _rows(self, job: Job, request: Request, prompt: list[int]) -> list[Row]:
+    def _rows(self, job: Job, request: Request, prompt: list[int], images=()) -> list[Row]:
+        if images:  # the rows see each image's run of tokens; the job holds its pixels
+            prompt, job.vision = self.vision.prepare(prompt, images, self.max_model_len,
+                                                     prompt_field(request))
         return rows_for(request, prompt, owner=job, eos_ids=self.eos_ids,
                         max_model_len=self.max_model_len, device=self.device,
                         grammars=self.grammars)

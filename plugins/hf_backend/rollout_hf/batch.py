@@ -18,13 +18,17 @@ from transformers import DynamicCache
 
 from rollout.kit.sampler import Row
 
+from rollout_hf.vision import prefill_inputs
+
 
 class Batch:
     def __init__(self, rows: list[Row] | None = None, cache: DynamicCache | None = None,
-                 mask: torch.Tensor | None = None):
+                 mask: torch.Tensor | None = None, deltas: torch.Tensor | None = None):
         self.rows: list[Row] = rows or []
         self.cache = cache
         self.mask = mask  # [rows, width]: 1 where the cache holds one of the row's tokens
+        # [rows, 1]: a position offset per row (M-RoPE after images, vision.py); None: all 0
+        self.deltas = deltas
         self.next_ids: torch.Tensor | None = None  # [rows]: chosen, not yet in the cache
 
     def __len__(self) -> int:
@@ -34,6 +38,8 @@ class Batch:
         """Feed each row its last chosen token; the next-token logits [rows, vocab]."""
         mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=-1)
         positions = self.mask.sum(dim=-1, keepdim=True)  # tokens the row has so far
+        if self.deltas is not None:
+            positions = positions + self.deltas
         out = model(input_ids=self.next_ids[:, None], attention_mask=mask,
                     position_ids=positions, past_key_values=self.cache, use_cache=True,
                     logits_to_keep=1)
@@ -44,7 +50,10 @@ class Batch:
         """Take `other`'s rows (after this batch's own) and their cache."""
         if not self.rows:
             self.rows, self.cache, self.mask = other.rows, other.cache, other.mask
+            self.deltas = other.deltas
             return
+        if self.deltas is not None or other.deltas is not None:
+            self.deltas = torch.cat([_deltas(self), _deltas(other)])
         width = max(self.mask.shape[1], other.mask.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
             if mine.keys is None or mine.keys.numel() == 0:
@@ -62,6 +71,7 @@ class Batch:
             return
         if not keep:
             self.rows, self.cache, self.mask, self.next_ids = [], None, None, None
+            self.deltas = None
             return
         index = torch.tensor(keep, device=self.mask.device)
         used = self.mask[index].any(dim=0)
@@ -73,6 +83,8 @@ class Batch:
         self.mask = self.mask[index, start:]
         if self.next_ids is not None:
             self.next_ids = self.next_ids[index]
+        if self.deltas is not None:
+            self.deltas = self.deltas[index]
         self.rows = [self.rows[i] for i in keep]
 
 
@@ -85,10 +97,19 @@ def prefill(model, rows: list[Row], pad_id: int, device: torch.device,
     mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in rows],
                         device=device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    deltas, images = None, {}
+    if any(getattr(r.owner, "vision", None) is not None for r in rows):
+        positions, deltas, images = prefill_inputs(model, rows, input_ids, mask)
     cache = DynamicCache()
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return Batch(list(rows), cache, mask), out.logits[:, -1, :].float()
+                past_key_values=cache, use_cache=True, logits_to_keep=1, **images)
+    return Batch(list(rows), cache, mask, deltas), out.logits[:, -1, :].float()
+
+
+def _deltas(batch: Batch) -> torch.Tensor:
+    if batch.deltas is not None:
+        return batch.deltas
+    return torch.zeros(len(batch.rows), 1, dtype=torch.long, device=batch.mask.device)
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:

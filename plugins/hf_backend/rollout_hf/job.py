@@ -29,6 +29,7 @@ class Job:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.rows: list = []  # its samples' Rows
+        self.vision = None  # its images' VisionInputs (vision.py), for its rows' prefill
         # Set on the loop when the consumer is gone (an abort, a timeout, a dropped
         # client); the engine drops the rows at its next step, admitted or not.
         self.cancelled = False

@@ -24,6 +24,7 @@ from rollout.api import _raw_id
 from rollout.contract.errors import EngineDeadError, InvalidRequestError, NoReplicaError, \
     RolloutError, RolloutTimeoutError
 from rollout.contract.schemas import Completion, Request
+from rollout.kit.images import refuse_paths
 from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
     model_not_found
 from rollout.apps.serving.service import Service
@@ -115,7 +116,7 @@ class _Routes:
         valid: list[tuple[int, Request]] = []
         for i, item in enumerate(items):
             try:
-                valid.append((i, convert.structure(item, Request)))
+                valid.append((i, refuse_paths(convert.structure(item, Request))))
             except InvalidRequestError as exc:
                 completions[i] = Completion(_raw_id(item, i), error=exc)
         done = await asyncio.gather(*(self.service.generate(r) for _, r in valid))
@@ -132,7 +133,7 @@ class _Routes:
         body = await _json(request)
         if not isinstance(body, dict) or set(body) != {"request"}:
             raise ApiError(400, 'the body must be {"request": request}', param="request")
-        one = convert.structure(body["request"], Request)
+        one = refuse_paths(convert.structure(body["request"], Request))
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
 
         async def send(item: dict) -> None:

@@ -135,9 +135,11 @@ class RemoteStream:
             with self.service._reaching():
                 self._response = response = await self.service._post(
                     "/rollout/stream", {"request": convert.unstructure(self.request)})
-                if response.status != 200:
-                    raise _refusal(url, response.status,
-                                   await response.json(content_type=None))
+                refused = None if response.status == 200 else (
+                    response.status, await response.json(content_type=None))
+            if refused is not None:  # a 400 is the request's own error, raised as itself
+                raise (_typed_refusal if refused[0] == 400 else _refusal)(url, *refused)
+            with self.service._reaching():
                 async for line in _lines(response.content):
                     item = json.loads(line)
                     if "chunk" in item:

@@ -1,0 +1,144 @@
+"""Loading the images of a request: PIL images in RGB, each with a content hash.
+
+An image comes as a file path, a `data:` URL (base64), its encoded bytes or a PIL image
+(`rollout.contract.schemas.ImageSource`); URLs of any other scheme are refused, nothing is
+fetched. Limits are checked before anything is decoded where they can be. A bad image
+fails its own request with an `InvalidRequestError` naming where it sits in the request.
+
+PIL is imported on the first image, never by `import rollout`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+import re
+from typing import Any
+
+import attrs
+
+from rollout.contract.errors import InvalidRequestError
+from rollout.contract.schemas import ImagePart, Request
+
+MAX_IMAGE_BYTES = 20 * 2**20  # an encoded image (a file, decoded data: URL, bytes)
+MAX_IMAGE_PIXELS = 4096 * 4096  # width x height, checked before decoding
+ALLOWED = (f"a PNG, JPEG, WebP, GIF or BMP image of at most {MAX_IMAGE_BYTES // 2**20} MiB "
+           f"and {MAX_IMAGE_PIXELS} pixels, as a file path, a data: URL (base64), bytes, or "
+           "a PIL image; other URLs are not fetched")
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+
+@attrs.frozen
+class PromptImage:
+    """One loaded image of a prompt, as a backend gets it (the `images` of `generate`)."""
+
+    image: Any = attrs.field(repr=False)  # a PIL.Image.Image in RGB
+    # sha256 of its pixels: the same picture from a file, a data: URL or bytes has the same
+    # id, for engines that cache images by id (vLLM's multi_modal_uuids, SGLang's radix cache).
+    id: str
+
+
+def image_sources(request: Request) -> list[tuple[str, Any]]:
+    """(field, source) of every image of a request, in prompt order."""
+    if request.messages is None:
+        return [(f"images[{k}]", source) for k, source in enumerate(request.images)]
+    return [(f"messages[{i}].content[{j}]", part.image)
+            for i, message in enumerate(request.messages)
+            if not isinstance(message.content, str)
+            for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
+
+
+def refuse_paths(request: Request) -> Request:
+    """A request from a client over HTTP: its images must come with it (`data:` URLs); a
+    server reads no file of its own disk for a client."""
+    for field, source in image_sources(request):
+        if isinstance(source, str) and not source.startswith("data:"):
+            raise InvalidRequestError(field, "a file path or URL; a server reads no files "
+                                      "for its clients", "a data: URL (base64)")
+    return request
+
+
+def load_images(request: Request) -> tuple[PromptImage, ...]:
+    """Every image of the request, loaded (this decodes: call it off the event loop)."""
+    return tuple(load_image(source, field) for field, source in image_sources(request))
+
+
+def load_image(source: Any, field: str) -> PromptImage:
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        _check_pixels(source.size, field)
+        image = source.convert("RGB")
+    else:
+        data = _read(source, field)
+        try:
+            with Image.open(io.BytesIO(data)) as opened:
+                _check_pixels(opened.size, field)  # from the header, before decoding
+                image = opened.convert("RGB")
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - PIL raises many kinds on a bad file
+            raise InvalidRequestError(field, f"not a readable image ({exc})", ALLOWED) from None
+    digest = hashlib.sha256(f"{image.mode}{image.size}".encode())
+    digest.update(image.tobytes())
+    return PromptImage(image, digest.hexdigest())
+
+
+def data_url(source: Any) -> str:
+    """An image's bytes or a PIL image as a data: URL (PNG for a PIL image)."""
+    if isinstance(source, (bytes, bytearray)):
+        return "data:application/octet-stream;base64," + base64.b64encode(source).decode()
+    buffer = io.BytesIO()
+    source.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _read(source: Any, field: str) -> bytes:
+    if isinstance(source, (bytes, bytearray)):
+        data = bytes(source)
+    elif source.startswith("data:"):
+        data = _from_data_url(source, field)
+    elif match := _SCHEME.match(source):
+        raise InvalidRequestError(field, f"a {match.group(1)}:// URL; images are not fetched",
+                                  ALLOWED)
+    else:
+        data = _from_file(source, field)
+    if len(data) > MAX_IMAGE_BYTES:
+        raise InvalidRequestError(field, f"{len(data)} bytes is too large", ALLOWED)
+    return data
+
+
+def _from_data_url(url: str, field: str) -> bytes:
+    header, comma, payload = url[len("data:"):].partition(",")
+    if not comma or not header.endswith(";base64"):
+        raise InvalidRequestError(field, "a data: URL that is not base64", ALLOWED)
+    payload = "".join(payload.split())
+    if len(payload) * 3 // 4 > MAX_IMAGE_BYTES + 2:  # too large, without decoding it
+        raise InvalidRequestError(field, f"about {len(payload) * 3 // 4} bytes is too large",
+                                  ALLOWED)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequestError(field, f"bad base64 in the data: URL ({exc})",
+                                  ALLOWED) from None
+
+
+def _from_file(path: str, field: str) -> bytes:
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_IMAGE_BYTES:
+            raise InvalidRequestError(field, f"{size} bytes is too large", ALLOWED)
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise InvalidRequestError(field, f"cannot read the file {path!r} "
+                                  f"({exc.strerror or exc})", ALLOWED) from None
+
+
+def _check_pixels(size: tuple[int, int], field: str) -> None:
+    width, height = size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise InvalidRequestError(field, f"{width}x{height} pixels is too large", ALLOWED)
