@@ -115,6 +115,18 @@ def test_serve_stops_on_sigterm_and_closes_the_service(tiny_model):
         process.wait()
 
 
+def test_serve_on_a_taken_port_fails_at_once_before_loading_the_model(tmp_path):
+    """The port is bound first: a taken one is said at once, and replicas started after
+    it cannot be handed the same port as a free one."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "rollout", "serve", "--backend", "hf",
+                               "--model", str(tmp_path / "no-model-here"), "--port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
 
 def test_serve_without_aiohttp_says_how_to_install_it(tiny_model):

@@ -215,6 +215,7 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
           backend_option, tool_call_parser, replica_restarts, watch_parent) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
     _require_serving("rollout serve")
+    from rollout.apps.serving.app import listen
     from rollout.apps.serving.app import serve as serve_http
     from rollout.apps.serving.connect import connect
     from rollout.apps.tool_parsers import load_tool_parser
@@ -227,12 +228,17 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
     except RolloutError as exc:
         _fail(exc)
 
+    try:
+        sock = listen(host, port)
+    except OSError as exc:
+        _fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+
     async def run():
         service = await connect(backend, model, options,
                                 replicas if replicas > 1 or placement == "ray" else None,
                                 placement, mode=mode, restarts=replica_restarts)
-        await serve_http(service, model_name=served_model_name or model, host=host, port=port,
-                         api_key=api_key, tool_parser=tool_call_parser)
+        await serve_http(service, model_name=served_model_name or model,
+                         api_key=api_key, tool_parser=tool_call_parser, sock=sock)
 
     try:
         _run_on_engine_loop(run())

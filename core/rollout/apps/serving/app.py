@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -326,14 +327,23 @@ def _auth_middleware(api_key: str | None):
 # --- running it ---------------------------------------------------------------------------
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything else starts: a port that is
+    taken fails at once (not after a model has loaded), and replicas started afterwards
+    cannot be handed this port as a free one."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)
+
+
 async def serve(service: Service, host: str = "127.0.0.1", port: int = 8000,
                 api_key: str | None = None, model_name: str | None = None,
                 on_started: Callable[[str], None] | None = None,
-                tool_parser: str = DEFAULT_PARSER) -> None:
+                tool_parser: str = DEFAULT_PARSER, sock: socket.socket | None = None) -> None:
     """Serve until cancelled or SIGTERM, then stop taking calls, let running ones finish
-    (a few seconds at most) and close the service. `port=0` picks a free port;
-    `on_started` gets the server's URL once it listens; `tool_parser` reads tool calls
-    out of chat answers (an entry point of `rollout.tool_parsers`)."""
+    (a few seconds at most) and close the service. `port=0` picks a free port; `sock`, a
+    socket from `listen`, is used instead of host and port; `on_started` gets the
+    server's URL once it listens; `tool_parser` reads tool calls out of chat answers (an
+    entry point of `rollout.tool_parsers`)."""
     app = make_app(service, model_name or service.name, api_key, tool_parser)
     # handler_cancellation: a client that disconnects cancels its call (and requests).
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
@@ -342,7 +352,8 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 8000,
     loop = asyncio.get_running_loop()
     try:
         await runner.setup()
-        site = web.TCPSite(runner, host, port, backlog=1024)
+        site = web.SockSite(runner, sock) if sock is not None else \
+            web.TCPSite(runner, host, port, backlog=1024)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
