@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -141,6 +142,7 @@ class AgentRunner:
         self.parser = load_tool_parser(config.tool_parser)
         self._running: dict[str, _Running] = {}
         self._slots: asyncio.Semaphore | None = None
+        self._changes: dict[str, SamplingParams] = {}  # _changed's, by the changes' JSON
 
     # --- running ------------------------------------------------------------------------
 
@@ -200,7 +202,10 @@ class AgentRunner:
         cfg = self.config
         messages = [_message(m) for m in await self._step(running, _maybe(self.env.start(row)))]
         t.messages = messages
-        context = self.chat.prompt(messages)
+        # On a worker thread: run_many's trajectories reach this in the same loop
+        # iteration, and rendered here one after another, no first turn would go out (the
+        # engine idles) until the last first prompt is rendered.
+        context = await self._step(running, asyncio.to_thread(self.chat.prompt, messages))
         t.prompt_ids = list(context)
         if len(context) >= self.max_model_len:
             raise _Stop("context_length", f"the first prompt has {len(context)} tokens; "
@@ -269,7 +274,7 @@ class AgentRunner:
         changes = self.env.sampling(row, index, messages) if hasattr(self.env, "sampling") \
             else None
         if changes:
-            base = convert.structure({**convert.unstructure(base), **changes}, SamplingParams)
+            base = self._changed(changes)
         limit = min(base.max_tokens, self.max_model_len - context)
         if self.config.max_tokens is not None:
             limit = min(limit, self.config.max_tokens - used)
@@ -277,6 +282,21 @@ class AgentRunner:
             raise _Stop(*self._out_of_room(used))
         return attrs.evolve(base, max_tokens=limit, n=1,
                             logprobs=base.logprobs if base.logprobs is not None else 0)
+
+    def _changed(self, changes: dict) -> SamplingParams:
+        """The runner's sampling with an environment's changes, structured once per
+        distinct changes (an environment has a few; this was a fair part of a turn's work)."""
+        try:
+            key = json.dumps(changes, sort_keys=True)
+        except (TypeError, ValueError):
+            key = None
+        changed = self._changes.get(key) if key is not None else None
+        if changed is None:
+            changed = convert.structure({**convert.unstructure(self.config.sampling),
+                                         **changes}, SamplingParams)
+            if key is not None and len(self._changes) < 256:
+                self._changes[key] = changed
+        return changed
 
     def _out_of_room(self, used: int) -> tuple[str, str]:
         if self.config.max_tokens is not None and used >= self.config.max_tokens:
