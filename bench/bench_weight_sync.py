@@ -61,9 +61,11 @@ def build_model(out: Path, layers: int, hidden: int = 768) -> Path:
 
 
 def load_state(model: Path) -> dict:
+    """The weights in this process's memory, as a trainer holds them (and as the raw path's
+    buckets are): safetensors maps the file, and reading its pages cost up to 0.5 s more."""
     from safetensors.torch import load_file
 
-    return load_file(str(model / "model.safetensors"))
+    return {name: t.clone() for name, t in load_file(str(model / "model.safetensors")).items()}
 
 
 # --- the raw transport: shared memory between two processes, no engine ---------------------
@@ -172,7 +174,7 @@ def bench_vllm(model: Path, repeats: int) -> dict[str, list[float]]:
     here = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     backend = rollout.load_backend(
-        "vllm", model=str(model), mode="server", max_model_len=512,
+        "vllm", model=str(model), mode="server", max_model_len=512, weight_transport="shm",
         engine_args={"worker_extension_cls": "bench_weight_sync.OldPathExtension"}, **SETTINGS)
     with receiver_beside(backend, "shm") as (child, _):
         inner = backend._backend

@@ -11,6 +11,7 @@ per chunk (names, dtypes and shapes as JSON; the bytes by broadcast, one per ten
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -95,14 +96,28 @@ class GlooTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         # Fresh tensors every chunk: the reload keeps them until their layer is complete.
         tensors = [torch.empty(shape, dtype=DTYPES[dtype])
                    for dtype, shape in zip(update_info.dtype_names, update_info.shapes)]
-        works = collective.start_broadcast(self.group, tensors)
+        group = self.group
+        works = collective.start_broadcast(group, tensors)
+        deadline = time.monotonic() + group.timeout_s
+
+        def arrived():
+            # Each tensor goes to vLLM as soon as it is here: a layer is rebuilt (its CPU
+            # weights prepacked) while gloo's threads receive the next ones.
+            for i, named in enumerate(zip(update_info.names, tensors)):
+                collective.wait_all(group, works[i:i + 1], max(deadline - time.monotonic(), 0))
+                works[i] = None  # done: drop it
+                yield named
+
         try:
-            collective.wait_all(self.group, works)
+            self.model.load_weights(arrived())
         except BaseException:
             works.clear()
-            self.shutdown()  # unusable after a failed broadcast: the trainer opens a new one
+            # Unusable after a failure: the trainer opens a new one. Left on a thread of its
+            # own: with receives still pending (vLLM refused a tensor before the last came),
+            # leaving waits for the trainer, which leaves once this call has failed.
+            self.group = None
+            collective.close_soon(group)
             raise
-        self.model.load_weights(list(zip(update_info.names, tensors)))
 
     def shutdown(self) -> None:
         from rollout.kit.transfer import collective

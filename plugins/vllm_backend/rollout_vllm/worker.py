@@ -25,12 +25,21 @@ _register_engines()
 class WeightUpdateExtension:
     def rollout_receive_shm(self, message: dict) -> int:
         from rollout.kit.buckets import unpack
-        from rollout.kit.transfer.shm import receive_shm
+        from rollout.kit.transfer.shm import map_shm
 
-        # Copied out before vLLM sees it: the sender reuses its file for the next group.
-        tensors = unpack(receive_shm(message))
-        self.reload_weights(weights_iterator=tensors)
-        return len(tensors)
+        # Loaded from views into the sender's file, not copied out first (a copy of the
+        # whole model, as long as vLLM's reload itself). Safe because the sender reuses
+        # its file only once we answer, and by then vLLM holds no view: each call is one
+        # whole reload (vLLM's layer-wise reload ends in it, its buffered views dropped),
+        # and carries whole layers (`weights.layer_groups`), so every layer it touches is
+        # rebuilt and copied into the engine's own tensors before it returns.
+        tensors = unpack(map_shm(message))
+        count = len(tensors)
+        try:
+            self.reload_weights(weights_iterator=tensors)
+        finally:
+            del tensors  # the last views (the mapping goes with them)
+        return count
 
     def rollout_load_tensors(self, tensors: list) -> int:
         self.reload_weights(weights_iterator=tensors)

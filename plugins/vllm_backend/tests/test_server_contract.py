@@ -14,11 +14,12 @@ class TestVLLMServer(BackendContract):
         return lambda model: rollout.load_backend("vllm", model=str(model), mode="server", **ENGINE)
 
 
-class TestVLLMServerGloo(WeightTestsOnly, BackendContract):
-    """The same server, weights through vLLM's weight-transfer routes and a gloo group."""
+class TestVLLMServerShm(WeightTestsOnly, BackendContract):
+    """The same server, weights through shared memory and `/collective_rpc` (the default,
+    `weight_transport="gloo"`, goes through vLLM's weight-transfer routes)."""
 
     @pytest.fixture(scope="class")
     @classmethod
     def make_backend(cls):
         return lambda model: rollout.load_backend("vllm", model=str(model), mode="server",
-                                                  weight_transport="gloo", **ENGINE)
+                                                  weight_transport="shm", **ENGINE)

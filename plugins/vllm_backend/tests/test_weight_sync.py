@@ -23,7 +23,8 @@ def server(tiny_model, tmp_path_factory):
     other = perturbed_copy(tiny_model, tmp_path_factory.mktemp("other"))
     # One group per layer: a failure can come after some layers were loaded.
     with rollout.load_backend("vllm", model=str(tiny_model), mode="server",
-                              weight_group_bytes=1, **ENGINE) as backend:
+                              weight_transport="shm", weight_group_bytes=1,
+                              **ENGINE) as backend:
         baseline = probe(backend)
         yield backend, load_weights(tiny_model), load_weights(other), baseline
 

@@ -1,6 +1,7 @@
 """Shared memory on one host: the sender writes a bucket into a file under /dev/shm, the
-receiver copies it out before it answers, so the sender may reuse the file at once (an
-engine that kept views into a reused buffer would load the next bucket's bytes)."""
+receiver copies it out (`receive_shm`), or loads it from views it drops (`map_shm`), before
+it answers, so the sender may reuse the file at once (an engine that kept views into a
+reused buffer would load the next bucket's bytes)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,19 @@ def receive_shm(message: dict) -> Bucket:
     """The bucket a `ShmSender.put` message names, copied into this process's memory."""
     import torch
 
+    mapped = map_shm(message)
+    data = torch.empty(mapped.nbytes, dtype=torch.uint8)
+    if mapped.nbytes:
+        data.copy_(mapped.data)
+    return Bucket(mapped.tensors, data)
+
+
+def map_shm(message: dict) -> Bucket:
+    """The bucket a `ShmSender.put` message names, as views into the sender's file (no
+    copy, checked as `receive_shm` checks). The sender reuses its file once the receiver
+    answers: a receiver must be done with every view before it answers (and keep none)."""
+    import torch
+
     nbytes, metas = metas_from_layout(message)
     name = str(message.get("name", ""))
     if not NAME.match(name):
@@ -101,7 +115,6 @@ def receive_shm(message: dict) -> Bucket:
     if size < nbytes:
         raise InvalidRequestError("nbytes", f"{nbytes} announced, {size} in {name!r}",
                                   "at most the file's size")
-    data = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes:
-        data.copy_(torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8))
+    data = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8) \
+        if nbytes else torch.empty(0, dtype=torch.uint8)
     return Bucket(metas, data)
