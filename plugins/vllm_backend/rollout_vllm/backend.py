@@ -23,6 +23,14 @@ from rollout_vllm.transport import ENGINE_NAME, TRANSPORTS, GlooSender
 from rollout_vllm.weights import layer_groups
 
 MODES = ("engine", "async", "server")
+# Vision-language model types whose prompts take images here: vLLM expands each image's one
+# placeholder (the collapsed form the core sends) to its run of tokens, and greedy tokens
+# were checked against the HF backend's (tests/test_images.py).
+VISION_MODEL_TYPES = ("qwen2_vl",)
+# Server mode sends token ids to /v1/completions, which takes no images with them (vLLM's
+# /inference/v1/generate, behind --enable-scale-out, would: not used yet).
+SERVER_IMAGES = ("in server mode: vLLM's /v1/completions takes token ids without images; "
+                 "use mode='engine' or mode='async'")
 
 
 def sleep_unsupported_reason() -> str | None:
@@ -78,10 +86,14 @@ class VLLMBackend:
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  engine_args: dict | None = None, startup_timeout: float = 600.0,
                  request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES,
-                 stream_interval: int = 16, weight_transport: str = "shm",
+                 stream_interval: int = 16, weight_transport: str | None = None,
                  weight_group_timeout: float = 300.0):
         if mode not in MODES:
             raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
+        if weight_transport is None:
+            # gloo in server mode: 1.3-2.5x faster than shm for a 327 MiB model on this
+            # machine (no copy into a fresh /dev/shm file; bench/bench_weight_sync.py).
+            weight_transport = "gloo" if mode == "server" else "shm"
         if weight_transport not in TRANSPORTS or (weight_transport != "shm" and mode != "server"):
             raise InvalidRequestError("weight_transport", f"got {weight_transport!r}",
                                       "'shm', or in server mode 'gloo'")
@@ -91,13 +103,18 @@ class VLLMBackend:
         from transformers import AutoConfig, AutoTokenizer
 
         config = AutoConfig.from_pretrained(model)
-        self.max_model_len = max_model_len or config.max_position_embeddings
+        text_config = config.get_text_config()  # a vision-language model's language part
+        self.max_model_len = max_model_len or text_config.max_position_embeddings
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.prompts = PromptEncoder(self.tokenizer, config.vocab_size, self.max_model_len)
         self.shapes = checkpoint_shapes(model)
         self.weight_group_bytes = weight_group_bytes
         self.sleep_reason = sleep_unsupported_reason()
         engine_args = dict(engine_args or {})
+        vision = config.model_type in VISION_MODEL_TYPES
+        if vision:
+            # Images only (the contract has no video): vLLM then profiles and budgets no video
+            # item, and never loads the video processor.
+            engine_args.setdefault("limit_mm_per_prompt", {"video": 0})
         if weight_transport == "gloo":  # vLLM's weight-transfer routes, into our engine
             engine_args.setdefault("weight_transfer_config", {"backend": ENGINE_NAME})
         structured = engine_args.pop("structured_outputs_config", None)
@@ -122,10 +139,16 @@ class VLLMBackend:
         except BaseException:
             self.loop.run(self.engine.close(), 60, "stopping vLLM")
             raise
+        self.images_reason = _images_reason(config, mode, self.engine.model_config())
+        self.prompts = PromptEncoder(
+            self.tokenizer, text_config.vocab_size, self.max_model_len,
+            image_token_id=None if self.images_reason else config.image_token_id)
 
     @classmethod
-    def describe_capabilities(cls, sleep_reason: str | None = None) -> Capabilities:
-        unsupported = {"images": "this backend sends text and token prompts only (for now)"}
+    def describe_capabilities(cls, sleep_reason: str | None = None,
+                              images_reason: str | None = None) -> Capabilities:
+        # images: with a Qwen2-VL model in engine or async mode (the instance says).
+        unsupported = {"images": images_reason} if images_reason else {}
         reason = sleep_reason or sleep_unsupported_reason()
         if reason:
             unsupported["release"] = reason
@@ -133,7 +156,7 @@ class VLLMBackend:
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
-        return self.describe_capabilities(self.sleep_reason)
+        return self.describe_capabilities(self.sleep_reason, self.images_reason)
 
     @rollout.hookimpl
     def prompt_encoder(self) -> PromptEncoder:
@@ -142,7 +165,7 @@ class VLLMBackend:
     # --- generation ---------------------------------------------------------------------
 
     @rollout.hookimpl
-    async def generate(self, request, prompt_token_ids, streaming):
+    async def generate(self, request, prompt_token_ids, streaming, images):
         s = request.sampling
         # Unique per call: two calls may share our id, and vLLM takes a duplicate silently.
         rid = f"{request.id}-{uuid.uuid4().hex[:12]}"
@@ -151,7 +174,8 @@ class VLLMBackend:
             # which costs vLLM less per token.
             params = {**vllm_sampling(s), "stream_interval": 1 if streaming
                       else self.stream_interval}
-            async with aclosing(self.engine.generate(rid, prompt_token_ids, params)) as chunks:
+            prompt = _prompt(prompt_token_ids, images)
+            async with aclosing(self.engine.generate(rid, prompt, params)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except EngineDeadError:
@@ -198,6 +222,29 @@ class VLLMBackend:
         if self.gloo is not None:
             self.gloo.close()  # the server leaves the group too, bounded
         self.loop.run(self.engine.close(), 120, "stopping vLLM")
+
+
+def _images_reason(config, mode: str, model_config) -> str | None:
+    """Why this backend's prompts cannot take images; None where they can."""
+    if config.model_type not in VISION_MODEL_TYPES:
+        return (f"a text-only model here (model type {config.model_type!r}); images need a "
+                f"vision-language model of type {', '.join(VISION_MODEL_TYPES)}")
+    if mode == "server":
+        return SERVER_IMAGES
+    if model_config is None or not model_config.is_multimodal_model:
+        return "vLLM did not load this model as a vision-language model"
+    return None
+
+
+def _prompt(prompt_token_ids: list[int], images) -> dict:
+    """vLLM's prompt: token ids with one placeholder per image (vLLM expands each to the
+    image's run), and the images with their content hashes (vLLM caches processed images,
+    and their encoder outputs, under these ids)."""
+    prompt = {"prompt_token_ids": prompt_token_ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": [im.image for im in images]}
+        prompt["multi_modal_uuids"] = {"image": [im.id for im in images]}
+    return prompt
 
 
 def _extension() -> str:

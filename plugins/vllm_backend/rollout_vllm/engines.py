@@ -175,7 +175,8 @@ class InProcessEngine:
         refused = []
         for rid, prompt, sampling in adds:
             try:
-                engine.add_request(rid, {"prompt_token_ids": prompt}, sampling)
+                # vLLM's renderer runs here, on this thread (for images: its processor).
+                engine.add_request(rid, prompt, sampling)
             except Exception as exc:  # noqa: BLE001 - handed to that request's generator
                 refused.append((rid, _refusal(exc)))
         if refused:
@@ -209,7 +210,11 @@ class InProcessEngine:
         if adds:
             self.commands.put(lambda engine: self._add_all(engine, adds))
 
-    async def generate(self, rid: str, prompt: list[int], params: dict) -> AsyncIterator[Chunk]:
+    def model_config(self):
+        return self.engine.model_config
+
+    async def generate(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
+        """`prompt`: vLLM's prompt dict (`prompt_token_ids`, and any images)."""
         if self.dead:
             raise EngineDeadError(self.dead)
         sampling = sampling_params(params, self.stream_interval)
@@ -422,15 +427,20 @@ class AsyncEngine:
         if self.engine.errored:
             raise self._dead()
 
-    async def generate(self, rid: str, prompt: list[int], params: dict) -> AsyncIterator[Chunk]:
+    def model_config(self):
+        return self.engine.model_config
+
+    async def generate(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
         from vllm.inputs import tokens_input
 
         self._check()
         sampling = sampling_params(params, self.stream_interval)
         k = params.get("logprobs")
-        # A rendered token input: vLLM takes it on this thread, where a raw prompt would go
-        # through its renderer's thread pool.
-        outputs = self.engine.generate(tokens_input(prompt), sampling, rid)
+        # Tokens alone as a rendered token input: vLLM takes it on this thread. A prompt with
+        # images goes through vLLM's renderer (its thread pool), which processes them.
+        rendered = prompt if "multi_modal_data" in prompt else \
+            tokens_input(prompt["prompt_token_ids"])
+        outputs = self.engine.generate(rendered, sampling, rid)
         finished = False
         try:
             # Closing vLLM's generator (GeneratorExit) or cancelling it aborts the request.
@@ -574,15 +584,19 @@ class ServerEngine:
         except (aiohttp.ClientError, OSError, RuntimeError) as exc:  # RuntimeError: closed
             raise await self._failure(exc, path) from None
 
-    async def generate(self, rid: str, prompt: list[int], params: dict) -> AsyncIterator[Chunk]:
-        """Streamed as the server makes tokens. Cancelling closes the connection, which
-        makes the server abort the request (an abort sent by id could reach a busy server
-        after the request has finished, or before it has started)."""
+    def model_config(self):
+        return None  # in the server's process
+
+    async def generate(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
+        """Streamed as the server makes tokens (token ids only: the backend sends no images
+        in server mode). Cancelling closes the connection, which makes the server abort the
+        request (an abort sent by id could reach a busy server after the request has
+        finished, or before it has started)."""
         import aiohttp
 
         path = "/v1/completions"
         self.process.check()
-        body = {"model": SERVED_NAME, "prompt": prompt, "request_id": rid,
+        body = {"model": SERVED_NAME, "prompt": prompt["prompt_token_ids"], "request_id": rid,
                 "return_token_ids": True, "return_tokens_as_token_ids": True,
                 "stream": True, "stream_interval": self.stream_interval,
                 # The last event's usage says how many prompt tokens were cached.

@@ -2,6 +2,7 @@
 
 pytest_plugins = ["rollout.testing.fixtures"]
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -15,6 +16,15 @@ for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                    "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
                    "TORCHINDUCTOR_CACHE_DIR": str(CACHE / "inductor")}.items():
     os.environ.setdefault(key, value)
+
+# Test-only: vLLM's Qwen2-VL module imports torchvision, absent from the CPU build
+# (cpu/sitecustomize.py says how it stands in). Here, and on PYTHONPATH for vLLM's child
+# processes (its engine core, its server).
+CPU = Path(__file__).parent / "cpu"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CPU),
+                                                        os.environ.get("PYTHONPATH")]))
+_spec = importlib.util.spec_from_file_location("_rollout_vllm_cpu_site", CPU / "sitecustomize.py")
+_spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 
 # float32 and eager mode: the tiny model's outputs then match the HF backend's.
 ENGINE = {"dtype": "float32", "enforce_eager": True}
