@@ -31,6 +31,9 @@ from rollout_sglang.transport import TRANSPORTS, make_sender
 from rollout_sglang.weights import checked_groups
 
 MODES = ("engine", "server")
+# Model types SGLang loads as vision-language models whose images this backend sends (and
+# the tests check against the HF backend): Qwen2-VL.
+VISION_MODEL_TYPES = ("qwen2_vl",)
 
 
 # Structured outputs through xgrammar (the grammar dialect every backend reads), compact
@@ -56,6 +59,18 @@ def cpu_reasons(device: str) -> dict[str, str]:
         "release": "SGLang's memory saver is CUDA-only: on CPU release/resume free nothing, "
                    "and a release while a request runs crashes the scheduler",
     }
+
+
+def vision_args(model: str) -> dict:
+    """SGLang replaces a Qwen2-VL processor's pixel limits with its own (its get_processor
+    sets `size` to 3136..1003520 pixels), so an image would become another grid, and
+    another number of tokens, than the model's own image processor makes (the HF backend's,
+    a trainer's). The model's limits go back to SGLang's processor with every image."""
+    from transformers import AutoImageProcessor
+
+    size = AutoImageProcessor.from_pretrained(model).size
+    return {"mm_process_config": {"image": {"size": {
+        "shortest_edge": size.shortest_edge, "longest_edge": size.longest_edge}}}}
 
 
 class SGLangBackend:
@@ -88,10 +103,15 @@ class SGLangBackend:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
         config = AutoConfig.from_pretrained(model)
+        text_config = config.get_text_config()  # the config itself for a text model
         self.device = device
-        self.max_model_len = config.max_position_embeddings
+        self.model_type = config.model_type
+        self.vision = config.model_type in VISION_MODEL_TYPES
+        self.max_model_len = text_config.max_position_embeddings
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.prompts = PromptEncoder(self.tokenizer, config.vocab_size, self.max_model_len)
+        self.prompts = PromptEncoder(
+            self.tokenizer, text_config.vocab_size, self.max_model_len,
+            image_token_id=config.image_token_id if self.vision else None)
         self.shapes = checkpoint_shapes(model)
         self.weight_group_bytes = weight_group_bytes
         self.request_timeout = request_timeout
@@ -99,7 +119,7 @@ class SGLangBackend:
                 "max_total_tokens": max_total_tokens, "random_seed": random_seed,
                 "sleep_on_idle": True, "log_level": "error",
                 "enable_memory_saver": device != "cpu", **ENGINE_DEFAULTS,
-                **(engine_args or {})}
+                **(vision_args(model) if self.vision else {}), **(engine_args or {})}
         self.penalties = args["enable_custom_logit_processor"] and \
             args["disable_overlap_schedule"]
         self.engine = InProcessEngine(args, startup_timeout) if mode == "engine" else \
@@ -119,13 +139,17 @@ class SGLangBackend:
 
     @classmethod
     def describe_capabilities(cls, device: str = "cpu") -> Capabilities:
-        unsupported = {"images": "this backend sends text and token prompts only (for now)",
-                       **cpu_reasons(device)}
-        return Capabilities(unsupported=unsupported)
+        # images: with a vision-language model (VISION_MODEL_TYPES), in both modes
+        return Capabilities(unsupported=cpu_reasons(device))
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
-        return self.describe_capabilities(self.device)
+        caps = self.describe_capabilities(self.device)
+        if not self.vision:
+            caps = Capabilities(unsupported={**caps.unsupported, "images": (
+                f"a text-only model here (model type {self.model_type!r}); images need a "
+                f"vision-language model of type {', '.join(VISION_MODEL_TYPES)}")})
+        return caps
 
     @rollout.hookimpl
     def prompt_encoder(self) -> PromptEncoder:
@@ -134,7 +158,7 @@ class SGLangBackend:
     # --- generation ---------------------------------------------------------------------
 
     @rollout.hookimpl
-    async def generate(self, request, prompt_token_ids):
+    async def generate(self, request, prompt_token_ids, images):
         s = request.sampling
         self._check_sampling(s)
         # Like the other backends, generation stops at the context length (reason "length");
@@ -146,9 +170,14 @@ class SGLangBackend:
         # and is rescored, then given out in one chunk; SGLang is not asked for its own.
         rescored = s.logprobs is not None and protocol.reshapes_logprobs(s)
         sent = attrs.evolve(s, logprobs=None) if rescored else s
+        # One placeholder per image (the core's collapsed form), which SGLang's processor
+        # expands; the images as the engine takes them (PIL in process, data: URLs by HTTP,
+        # encoded off the event loop).
+        image_data = await asyncio.to_thread(self.engine.image_data, images) if images else None
         # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
         samples = [self._sample(i, protocol.generate_body(uuid.uuid4().hex, prompt_token_ids,
-                                                          sent), s, prompt_token_ids, rescored)
+                                                          sent, image_data),
+                                s, prompt_token_ids, rescored, image_data)
                    for i in range(s.n)]
         # One sample is read on the request's own task; several, on a task each.
         chunks = samples[0] if len(samples) == 1 else _merged(samples)
@@ -163,12 +192,15 @@ class SGLangBackend:
                 raise
             raise constraint_error(exc, s.structured_outputs) from None
 
-    async def _sample(self, index: int, body: dict, s, prompt: list[int], rescored: bool):
+    async def _sample(self, index: int, body: dict, s, prompt: list[int], rescored: bool,
+                      image_data):
         """The chunks of one sample, SGLang request `body`."""
         sample = _Sample(s, self.prompts.decode, rescored)
         cached = None  # SGLang's last word on prefix-cache hits, for the final chunk
+        expanded = None  # the prompt's length in SGLang, each image's run of tokens included
         async with contextlib.aclosing(self.engine.stream(body)) as outputs:
             async for out in outputs:
+                expanded = (out.get("meta_info") or {}).get("prompt_tokens", expanded)
                 delta = protocol.parse_delta(out, None if rescored else s.logprobs)
                 if delta.cached_tokens is not None:
                     cached = delta.cached_tokens
@@ -180,7 +212,8 @@ class SGLangBackend:
             else:
                 raise GenerationError("SGLang ended a sample's stream unfinished")
         if rescored:
-            logprobs, top = await self._raw_logprobs(prompt, ids, s.logprobs)
+            logprobs, top = await self._raw_logprobs(prompt, ids, s.logprobs, image_data,
+                                                     expanded)
         yield Chunk(index, ids, logprobs, top, finish, cached_tokens=cached)
 
     def _check_sampling(self, s) -> None:
@@ -197,14 +230,16 @@ class SGLangBackend:
                 "processor and no overlap scheduler, which engine_args changed",
                 "no penalties, or the backend's default engine_args")
 
-    async def _raw_logprobs(self, prompt: list[int], tokens: list[int], logprobs: int):
+    async def _raw_logprobs(self, prompt: list[int], tokens: list[int], logprobs: int,
+                            image_data=None, expanded: int | None = None):
         """The sample's logprobs from a scoring prefill: the raw model's, as the contract
         wants, where SGLang's own are after penalties, bias and the min_tokens ban. (A
         prefill knows no constraint: _check_sampling refuses that case.)"""
         if not tokens:
             return [], [] if logprobs else None
         out = await self.engine.generate(
-            protocol.score_body(uuid.uuid4().hex, prompt, tokens, logprobs))
+            protocol.score_body(uuid.uuid4().hex, prompt, tokens, logprobs, image_data,
+                                expanded))
         return protocol.parse_scores(out, len(tokens), logprobs)
 
     # --- weights and memory -------------------------------------------------------------

@@ -173,6 +173,12 @@ class InProcessEngine:
     async def max_input_tokens(self) -> int:
         return int(self._tm.max_req_input_len)
 
+    @staticmethod
+    def image_data(images) -> list:
+        """A prompt's images (rollout.kit.images.PromptImage) as `image_data`: SGLang takes
+        PIL images in process, with no copy or encoding."""
+        return [im.image for im in images]
+
     async def stream(self, body: dict):
         """The sample's outputs. Cancelled or closed, SGLang's generator aborts the request
         itself, whether the scheduler has it yet or not (it is handed over synchronously,
@@ -276,7 +282,9 @@ class ServerEngine:
         args = dict(self.engine_args)
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path",
                 args.pop("model_path"), "--host", HOST, "--port", str(self.port)]
-        return argv + cli_flags(args)
+        # Dict-valued arguments (mm_process_config) are JSON on SGLang's command line.
+        return argv + cli_flags({key: json.dumps(value) if isinstance(value, dict) else value
+                                 for key, value in args.items()})
 
     def start(self) -> None:
         async def spawn():  # from the engine loop's thread, which lives as long as the process
@@ -327,6 +335,14 @@ class ServerEngine:
                     raise await self._dead_or(exc) from None
                 await asyncio.sleep(0.25 * 2**attempt)
         return _answer(path, status, data)
+
+    @staticmethod
+    def image_data(images) -> list:
+        """A prompt's images as `image_data` over HTTP: PNG data: URLs (lossless, so SGLang
+        decodes the very pixels the core loaded)."""
+        from rollout.kit.images import data_url
+
+        return [data_url(im.image) for im in images]
 
     async def max_input_tokens(self) -> int:
         import aiohttp

@@ -107,11 +107,15 @@ def json_grammar(schema: dict) -> str:
     return str(grammar)
 
 
-def generate_body(rid: str, prompt: list[int], s: SamplingParams) -> dict:
+def generate_body(rid: str, prompt: list[int], s: SamplingParams,
+                  image_data: list | None = None) -> dict:
     """One sample of one request, streamed. `n` samples are `n` bodies with their own rids
-    (SGLang's own `n` replaces the rids), so that one can be aborted alone."""
+    (SGLang's own `n` replaces the rids), so that one can be aborted alone. `image_data`:
+    one image per placeholder of `prompt`, in order (SGLang expands each placeholder)."""
     body = {"rid": rid, "input_ids": prompt, "sampling_params": sampling_body(s),
             "stream": True}
+    if image_data:
+        body["image_data"] = image_data
     if penalized(s):
         from rollout_sglang.processors import penalty_fields
 
@@ -134,14 +138,23 @@ def reshapes_logprobs(s: SamplingParams) -> bool:
     return penalized(s) or bool(s.logit_bias) or s.min_tokens > 0
 
 
-def score_body(rid: str, prompt: list[int], tokens: list[int], logprobs: int) -> dict:
+def score_body(rid: str, prompt: list[int], tokens: list[int], logprobs: int,
+               image_data: list | None = None, expanded: int | None = None) -> dict:
     """A prefill of prompt + sample that generates nothing and returns the sample's raw
     logprobs as input logprobs (the logits processor's, with no penalty, bias or
-    temperature). It starts one token early: SGLang gives the first position None."""
-    return {"rid": rid, "input_ids": list(prompt) + list(tokens),
+    temperature). It starts one token early: SGLang gives the first position None. With
+    images, SGLang counts that start in the prompt it expanded (each image's run of
+    tokens): `expanded` is that prompt's length (SGLang's `prompt_tokens`)."""
+    if image_data and expanded is None:
+        raise GenerationError("SGLang did not say how long the image prompt it scored is")
+    body = {"rid": rid, "input_ids": list(prompt) + list(tokens),
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True, "logprob_start_len": len(prompt) - 1,
+            "return_logprob": True,
+            "logprob_start_len": (expanded if image_data else len(prompt)) - 1,
             "top_logprobs_num": logprobs, "stream": False}
+    if image_data:
+        body["image_data"] = image_data
+    return body
 
 
 def parse_scores(out: dict, tokens: int, logprobs: int):

@@ -3,6 +3,7 @@ installed version: a field SGLang renames or drops fails here, not in a user's r
 
 import dataclasses
 import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,37 @@ def test_generate_body_fits_generate_req_input(sampling):
 
     accepted = set(inspect.signature(Engine.async_generate).parameters)
     assert set(body) - {"stream"} <= accepted
+
+
+def test_image_bodies_fit_generate_req_input():
+    """Images go as `image_data`, one per placeholder, in generation and scoring bodies."""
+    from PIL import Image
+
+    from rollout_sglang.engines import InProcessEngine, ServerEngine
+    from rollout.kit.images import PromptImage
+
+    images = (PromptImage(Image.new("RGB", (30, 20)), "a"),
+              PromptImage(Image.new("RGB", (20, 30)), "b"))
+    cls = protocol.struct("generate")
+    for image_data in (InProcessEngine.image_data(images), ServerEngine.image_data(images)):
+        assert len(image_data) == 2
+        for body in (protocol.generate_body("0" * 32, [5, 6, 5], SamplingParams(), image_data),
+                     protocol.score_body("0" * 32, [5, 6, 5], [7], 0, image_data, 40)):
+            assert body["image_data"] == image_data
+            request = cls(**body)
+            request.normalize_batch_and_arguments()
+    # The scoring prefill starts where SGLang's expanded prompt (40 tokens) ends.
+    assert protocol.score_body("0" * 32, [5, 6, 5], [7], 0, ["x"], 40)["logprob_start_len"] == 39
+    assert ServerEngine.image_data(images)[0].startswith("data:image/png;base64,")
+
+
+def test_dict_engine_args_are_json_on_the_server_command_line():
+    from rollout_sglang.engines import ServerEngine
+
+    argv = ServerEngine({"model_path": "m", "mm_process_config": {"image": {"size": {
+        "shortest_edge": 1, "longest_edge": 2}}}}, 1, 1).argv()
+    config = argv[argv.index("--mm-process-config") + 1]
+    assert json.loads(config) == {"image": {"size": {"shortest_edge": 1, "longest_edge": 2}}}
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
