@@ -7,47 +7,14 @@ collapsed prompt ids (one `<|image_pad|>` per image), must be the same.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from PIL import Image
 
 import rollout
 from rollout.kit.tiny_vlm import build_tiny_vlm
+from rollout.testing.images import CASES, ask, greedy, picture
 
 from conftest import ENGINE
 
-TOOLS = [{"name": "look", "description": "Look at a picture.",
-          "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}]
-
-
-def picture(seed: int, size=(100, 80)) -> Image.Image:
-    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def ask(*parts, role="user") -> dict:
-    return {"role": role, "content": [{"type": "text", "text": p} if isinstance(p, str)
-                                      else {"type": "image", "image": p} for p in parts]}
-
-
-def greedy(max_tokens=12, **fields) -> dict:
-    return {**fields, "sampling": {"temperature": 0, "max_tokens": max_tokens,
-                                   "ignore_eos": True}}
-
-
-CASES = {
-    "one image": greedy(messages=[ask(picture(0), "what is this?")]),
-    "two images": greedy(9, messages=[ask("compare", picture(1, (112, 112)), "and",
-                                          picture(2, (60, 140)))]),
-    "big image, system": greedy(15, messages=[{"role": "system", "content": "be brief"},
-                                              ask(picture(3, (300, 200)), "then?")]),
-    "text": greedy(20, messages=[{"role": "user", "content": "hello there"}]),
-    "tool message": greedy(tools=TOOLS, messages=[
-        {"role": "user", "content": "look at it"},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"id": "c1", "name": "look", "arguments": "{\"x\": 1}"}]},
-        {**ask(picture(5), "here it is", role="tool"), "tool_call_id": "c1"}]),
-}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +40,7 @@ def test_a_text_model_refuses_images(tiny_model):
     # First in this file: its engine is closed before the vision model's starts.
     with rollout.load_backend("vllm", model=str(tiny_model), **ENGINE) as text_only:
         assert "text-only" in text_only.capabilities.unsupported["images"]
-        completion = text_only.generate([greedy(messages=[ask(picture(0), "what?")])])[0]
+        completion = text_only.generate([greedy([ask(picture(0), "what?")])])[0]
         assert completion.error.field == "messages"
         assert "does not support images" in completion.error.detail
 
@@ -109,8 +76,8 @@ def test_token_ids_with_images_continue_a_turn(ro, hf):
 
 
 def test_a_bad_image_fails_its_own_request(ro):
-    bad, ok = ro.generate([greedy(4, messages=[ask(b"not an image", "what?")]),
-                           greedy(4, messages=[ask(picture(8), "fine")])])
+    bad, ok = ro.generate([greedy([ask(b"not an image", "what?")], 4),
+                           greedy([ask(picture(8), "fine")], 4)])
     assert ok.ok
     assert isinstance(bad.error, rollout.InvalidRequestError)
     assert bad.error.field == "messages[0].content[0]"
@@ -123,10 +90,10 @@ def test_a_repeated_image_is_processed_once(ro):
     # Cumulative (vLLM reads the deltas itself, per request): (hits, images looked up).
     before = cache.make_stats()
     history = [ask(picture(20), "first"), {"role": "assistant", "content": "ok"}]
-    ro.generate([greedy(4, messages=history)])[0].unwrap()
+    ro.generate([greedy(history, 4)])[0].unwrap()
     middle = cache.make_stats()
     assert (middle.hits - before.hits, middle.total - before.total) == (0, 1)
-    ro.generate([greedy(4, messages=history + [ask(picture(21), "second")])])[0].unwrap()
+    ro.generate([greedy(history + [ask(picture(21), "second")], 4)])[0].unwrap()
     after = cache.make_stats()
     assert (after.hits - middle.hits, after.total - middle.total) == (1, 2)
 
@@ -143,7 +110,7 @@ def ro_async(vlm_dir, ro):
 def test_async_mode_equals_the_hf_backend(ro_async, hf):
     """AsyncLLM renders image prompts in this process and runs the model in its core's."""
     assert ro_async.capabilities.supports("images")
-    requests = [CASES["two images"], CASES["tool message"], CASES["text"]]
+    requests = [CASES["two images"], CASES["an image in a tool message"], CASES["text only"]]
     for a, b in zip(ro_async.generate(requests), hf.generate(requests), strict=True):
         a, b = a.unwrap()[0], b.unwrap()[0]
         assert (a.prompt_token_ids, a.token_ids) == (b.prompt_token_ids, b.token_ids)
