@@ -75,10 +75,14 @@ def test_sources_in_prompt_order():
         {"role": "tool", "content": [{"type": "image", "image": "data:;base64,Yw=="}],
          "tool_call_id": "c1"}]}, Request)
     assert images.image_sources(request) == [
-        ("messages[0].content[0]", "a.png"), ("messages[0].content[2]", b"b"),
-        ("messages[2].content[0]", "data:;base64,Yw==")]
+        ("messages[0].content[0]", "a.png", None), ("messages[0].content[2]", b"b", None),
+        ("messages[2].content[0]", "data:;base64,Yw==", None)]
     tokens = Request(prompt_token_ids=[1, 2], images=[b"x", PICTURE])
-    assert images.image_sources(tokens) == [("images[0]", b"x"), ("images[1]", PICTURE)]
+    assert images.image_sources(tokens) == [("images[0]", b"x", None),
+                                            ("images[1]", PICTURE, None)]
+    named = Request(prompt_token_ids=[1, 2], images=[None, PICTURE], image_uuids=["a", None])
+    assert images.image_sources(named) == [("images[0]", None, "a"),
+                                           ("images[1]", PICTURE, None)]
 
 
 def test_schemas_check_images():
@@ -111,10 +115,69 @@ def test_openai_image_url_parts_take_data_urls_only():
     message = openai_api._message({"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what?"}]},
         "messages[0]")
-    assert message["content"][0] == {"type": "image", "image": url}
+    assert message["content"][0] == {"type": "image", "image": url, "uuid": None}
     for refused in ("http://example.com/cat.png", "/etc/hosts"):
         with pytest.raises(openai_api.ApiError) as info:
             openai_api._message({"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": refused}}]}, "messages[0]")
         assert info.value.param == "messages[0].content[0].image_url"
         assert "data: URL" in info.value.message
+
+
+def test_openai_image_parts_take_vllms_uuid():
+    url = images.data_url(png(PICTURE))
+    sent = openai_api._message({"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}, "uuid": "cat"},
+        {"type": "image_url", "uuid": "dog"}]}, "messages[0]")["content"]
+    assert sent == [{"type": "image", "image": url, "uuid": "cat"},
+                    {"type": "image", "image": None, "uuid": "dog"}]
+    for part, param in (({"type": "image_url", "uuid": ""}, "uuid"),
+                        ({"type": "image_url"}, "image_url"),
+                        ({"type": "image_url", "image_url": {"url": url}, "detail": "x"},
+                         "detail")):
+        with pytest.raises(openai_api.ApiError) as info:
+            openai_api._message({"role": "user", "content": [part]}, "messages[0]")
+        assert info.value.param == f"messages[0].content[0].{param}"
+
+
+def test_an_image_sent_once_is_named_by_its_uuid_later():
+    store = images.ImageStore()
+    first = Request(prompt_token_ids=[1, 2], images=[png(PICTURE)], image_uuids=["cat"])
+    (loaded,) = store.load(first)
+    assert loaded.id == "cat"  # the caller's uuid names it, as in vLLM
+    later = Request(prompt_token_ids=[1, 2, 3], images=[None, PICTURE],
+                    image_uuids=["cat", None])
+    again, new = store.load(later)
+    assert again is loaded and new.id == images.load_image(PICTURE, "x").id
+    # By its content hash as well, in messages.
+    message = Request(messages=[Message("user", [ImagePart(None, uuid=new.id)])])
+    assert store.load(message)[0] is new
+    with pytest.raises(images.UnknownImageError) as info:
+        store.load(Request(prompt_token_ids=[1], images=[None], image_uuids=["dog"]))
+    assert info.value.field == "images[0]" and "dog" in info.value.detail
+    assert isinstance(info.value, InvalidRequestError)
+
+
+def test_the_image_store_forgets_the_least_recently_used_first():
+    size = PICTURE.size[0] * PICTURE.size[1] * 3
+    store = images.ImageStore(max_bytes=2 * size)
+    pictures = [Image.new("RGB", PICTURE.size, (k, 0, 0)) for k in range(3)]
+    for k, picture in enumerate(pictures):
+        store.load(Request(prompt_token_ids=[1], images=[picture], image_uuids=[f"p{k}"]))
+        if k == 1:  # p0 used again: p1 is now the oldest
+            store.load(Request(prompt_token_ids=[1], images=[None], image_uuids=["p0"]))
+    store.load(Request(prompt_token_ids=[1], images=[None], image_uuids=["p0"]))
+    with pytest.raises(images.UnknownImageError):
+        store.load(Request(prompt_token_ids=[1], images=[None], image_uuids=["p1"]))
+    assert store.held_bytes <= 2 * size
+
+
+def test_unknown_image_errors_keep_their_kind_over_http():
+    from rollout.apps.serving.client import _typed_refusal
+    from rollout.contract.errors import from_dict
+
+    error = images.UnknownImageError("images[1]", "no image with uuid 'x'", "send it")
+    assert type(from_dict(error.to_dict())) is images.UnknownImageError
+    body = openai_api.api_error(error).body()
+    again = _typed_refusal("http://replica", 400, body)
+    assert type(again) is images.UnknownImageError and again.field == "images[1]"

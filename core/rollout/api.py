@@ -34,7 +34,7 @@ from rollout.contract.errors import (
 )
 from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result
 from rollout.kit.aio import Relay, engine_loop, on_loop
-from rollout.kit.images import image_sources, load_images
+from rollout.kit.images import ImageStore, image_sources
 from rollout.kit.text import TextStream, final_text
 
 # A supported capability needs these hooks implemented.
@@ -74,6 +74,8 @@ class Rollout:
         self._engine = engine_loop()
         self._loop = self._engine.loop
         self._released: set[str] = set()
+        # Images loaded here, so that later turns can name them by uuid alone.
+        self.images = ImageStore()
         self._closed = False
         self._dead: EngineDeadError | None = None
         self._dirty: str | None = None  # why the weights may be half-updated
@@ -234,7 +236,7 @@ class Rollout:
         try:
             prompt = self.encoder.encode(request)
             # Decoding images takes a while: not on the loop.
-            images = await asyncio.to_thread(load_images, request) \
+            images = await asyncio.to_thread(self.images.load, request) \
                 if image_sources(request) else ()
         except InvalidRequestError as exc:
             return Completion(request.id, error=exc)

@@ -81,9 +81,10 @@ def _structure_logit_bias(value, _) -> dict[int, float]:
     return out
 
 
-def _unstructure_image(value) -> str:
-    """Bytes and PIL images travel (to a server, in JSON) as data: URLs; text as it is."""
-    if isinstance(value, str):
+def _unstructure_image(value) -> str | None:
+    """Bytes and PIL images travel (to a server, in JSON) as data: URLs; text as it is;
+    None (an image sent before, named by its uuid) as null."""
+    if value is None or isinstance(value, str):
         return value
     from rollout.kit.images import data_url
 

@@ -36,6 +36,13 @@ class InvalidRequestError(RolloutError, ValueError):
                 "allowed": self.allowed}
 
 
+class UnknownImageError(InvalidRequestError):
+    """An image named by its uuid alone that the engine's side does not hold (never sent
+    there, or evicted since): send it again with its pixels."""
+
+    kind = "unknown_image"
+
+
 class UnknownBackendError(RolloutError, LookupError):
     kind = "unknown_backend"
 
@@ -96,14 +103,18 @@ class GenerationError(RolloutError, RuntimeError):
     kind = "generation"
 
 
+def error_class(kind: str | None) -> type[RolloutError]:
+    """The error class of a kind (RolloutError for one not known here)."""
+    return next((cls for cls in _subclasses(RolloutError) if cls.kind == kind), RolloutError)
+
+
 def from_dict(data: dict) -> RolloutError:
     """Rebuild an error sent as `to_dict()` (over HTTP or in a results file)."""
-    kinds = {cls.kind: cls for cls in _subclasses(RolloutError)}
-    cls = kinds.get(data.get("kind"), RolloutError)
+    cls = error_class(data.get("kind"))
     message = data.get("message", "")
-    if cls is InvalidRequestError:
-        error = InvalidRequestError(data.get("field") or "request", data.get("detail") or "",
-                                    data.get("allowed"))
+    if issubclass(cls, InvalidRequestError):
+        error = cls(data.get("field") or "request", data.get("detail") or "",
+                    data.get("allowed"))
     elif cls is UnsupportedError:
         error = UnsupportedError.__new__(cls)
         RolloutError.__init__(error, message)

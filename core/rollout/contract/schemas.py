@@ -188,6 +188,10 @@ ImageSource = NewType("ImageSource", object)
 IMAGE_SOURCES = "a file path, a data: URL (base64), the image's bytes, or a PIL image"
 
 
+IMAGE_UUIDS = ("a non-empty string naming the image (as vLLM's uuid); alone, without the "
+               "image, only for an image sent before with it")
+
+
 def is_image_source(value) -> bool:
     pil = sys.modules.get("PIL.Image")  # a PIL image implies PIL is imported already
     return (isinstance(value, (bytes, bytearray)) or (isinstance(value, str) and value != "")
@@ -196,14 +200,20 @@ def is_image_source(value) -> bool:
 
 @attrs.frozen
 class ImagePart:
-    """An image in a message (see `ImageSource`)."""
+    """An image in a message (see `ImageSource`). `uuid` names it for the engines' caches
+    (by default its content hash); given alone (`image` None), it stands for the image sent
+    before under that uuid."""
 
-    image: ImageSource
+    image: ImageSource | None
     type: Literal["image"] = "image"
+    uuid: str | None = None
 
     def __attrs_post_init__(self):
-        _check("image", is_image_source(self.image), f"got {type(self.image).__name__}",
-               IMAGE_SOURCES)
+        _check("uuid", self.uuid is None or (isinstance(self.uuid, str) and self.uuid != ""),
+               f"got {self.uuid!r}", IMAGE_UUIDS)
+        if not (self.image is None and self.uuid is not None):
+            _check("image", is_image_source(self.image), f"got {type(self.image).__name__}",
+                   IMAGE_SOURCES + ", or null with the uuid of an image sent before")
 
 
 ContentPart = Union[TextPart, ImagePart]
@@ -283,14 +293,17 @@ class Request:
     """One prompt: exactly one of `prompt` (text), `prompt_token_ids` or `messages`.
     `tools` go to the chat template with the messages. `images` go with `prompt_token_ids`
     (a later turn sent as tokens): one image per image placeholder token, in order
-    (messages carry theirs in their content)."""
+    (messages carry theirs in their content). `image_uuids`, if given, names each of them
+    (vLLM's `multi_modal_uuids`); an image may then be None where it was sent before under
+    its uuid, so that a later turn sends only its new images' pixels."""
 
     id: str = attrs.field(factory=_new_id)
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_tuple)
     messages: tuple[Message, ...] | None = attrs.field(default=None, converter=_tuple)
     tools: tuple[Tool, ...] | None = attrs.field(default=None, converter=_tuple)
-    images: tuple[ImageSource, ...] = attrs.field(default=(), converter=_tuple)
+    images: tuple[ImageSource | None, ...] = attrs.field(default=(), converter=_tuple)
+    image_uuids: tuple[str | None, ...] = attrs.field(default=(), converter=_tuple)
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     metadata: dict = attrs.field(factory=dict)
     # Requests of one session (the turns of one trajectory) go to the same replica while
@@ -333,9 +346,18 @@ class Request:
         if self.images:
             _check("images", self.prompt_token_ids is not None, "images need prompt_token_ids",
                    "images with prompt_token_ids; messages carry theirs in their content")
+        _check("image_uuids", isinstance(self.image_uuids, tuple) and (
+            not self.image_uuids or len(self.image_uuids) == len(self.images)),
+            f"got {len(self.image_uuids) if isinstance(self.image_uuids, tuple) else 'no'} "
+            f"uuids for {len(self.images)} images", "one uuid (or null) per image, or none")
+        for k, uuid in enumerate(self.image_uuids):
+            _check(f"image_uuids[{k}]", uuid is None or (isinstance(uuid, str) and uuid != ""),
+                   f"got {uuid!r}", IMAGE_UUIDS)
         for k, image in enumerate(self.images):
+            if image is None and self.image_uuids and self.image_uuids[k] is not None:
+                continue  # an image sent before, named by its uuid
             _check(f"images[{k}]", is_image_source(image), f"got {type(image).__name__}",
-                   IMAGE_SOURCES)
+                   IMAGE_SOURCES + ", or null where image_uuids names an image sent before")
         _check("sampling", isinstance(self.sampling, SamplingParams),
                f"got {type(self.sampling).__name__}", "a SamplingParams")
         _check("metadata", isinstance(self.metadata, dict), f"got {self.metadata!r}",

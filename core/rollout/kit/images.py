@@ -16,11 +16,13 @@ import hashlib
 import io
 import os
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import attrs
 
-from rollout.contract.errors import InvalidRequestError
+from rollout.contract.errors import InvalidRequestError, UnknownImageError
 from rollout.contract.schemas import ImagePart, Request
 
 MAX_IMAGE_BYTES = 20 * 2**20  # an encoded image (a file, decoded data: URL, bytes)
@@ -41,11 +43,14 @@ class PromptImage:
     id: str
 
 
-def image_sources(request: Request) -> list[tuple[str, Any]]:
-    """(field, source) of every image of a request, in prompt order."""
+def image_sources(request: Request) -> list[tuple[str, Any, str | None]]:
+    """(field, source, uuid) of every image of a request, in prompt order; the source is
+    None for an image sent before under its uuid."""
     if request.messages is None:
-        return [(f"images[{k}]", source) for k, source in enumerate(request.images)]
-    return [(f"messages[{i}].content[{j}]", part.image)
+        uuids = request.image_uuids or (None,) * len(request.images)
+        return [(f"images[{k}]", source, uuid)
+                for k, (source, uuid) in enumerate(zip(request.images, uuids))]
+    return [(f"messages[{i}].content[{j}]", part.image, part.uuid)
             for i, message in enumerate(request.messages)
             if not isinstance(message.content, str)
             for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
@@ -54,19 +59,79 @@ def image_sources(request: Request) -> list[tuple[str, Any]]:
 def refuse_paths(request: Request) -> Request:
     """A request from a client over HTTP: its images must come with it (`data:` URLs); a
     server reads no file of its own disk for a client."""
-    for field, source in image_sources(request):
+    for field, source, _ in image_sources(request):
         if isinstance(source, str) and not source.startswith("data:"):
             raise InvalidRequestError(field, "a file path or URL; a server reads no files "
                                       "for its clients", "a data: URL (base64)")
     return request
 
 
+class ImageStore:
+    """The images recently loaded here, by uuid, so that a later turn may name an earlier
+    image by its uuid instead of sending its pixels again. Least recently used first out,
+    bounded by the decoded size (RGB bytes)."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = max_bytes
+        self._images: OrderedDict[str, PromptImage] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # loads run on worker threads
+
+    def load(self, request: Request) -> tuple[PromptImage, ...]:
+        """Every image of the request, loaded or found by its uuid (this decodes: call it
+        off the event loop)."""
+        loaded = []
+        for field, source, uuid in image_sources(request):
+            if source is None:
+                loaded.append(self._get(uuid, field))
+            else:
+                image = load_image(source, field, uuid)
+                self._put(image)
+                loaded.append(image)
+        return tuple(loaded)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    def _get(self, uuid: str, field: str) -> PromptImage:
+        with self._lock:
+            image = self._images.get(uuid)
+            if image is not None:
+                self._images.move_to_end(uuid)
+                return image
+        raise UnknownImageError(field, f"no image with uuid {uuid!r} is held here (never "
+                                "sent here, or evicted)", "the image itself with its uuid; "
+                                "the uuid alone only for an image sent before")
+
+    def _put(self, image: PromptImage) -> None:
+        size = _size(image)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._images.pop(image.id, None)
+            if old is not None:
+                self._bytes -= _size(old)
+            self._images[image.id] = image
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                self._bytes -= _size(self._images.popitem(last=False)[1])
+
+
+def _size(image: PromptImage) -> int:
+    width, height = image.image.size
+    return width * height * 3
+
+
 def load_images(request: Request) -> tuple[PromptImage, ...]:
-    """Every image of the request, loaded (this decodes: call it off the event loop)."""
-    return tuple(load_image(source, field) for field, source in image_sources(request))
+    """Every image of the request, loaded (this decodes: call it off the event loop). An
+    image named by its uuid alone needs an `ImageStore`."""
+    return ImageStore(0).load(request)
 
 
-def load_image(source: Any, field: str) -> PromptImage:
+def load_image(source: Any, field: str, uuid: str | None = None) -> PromptImage:
+    """One image; its id is `uuid` if given (the caller vouches that it names this
+    picture, as vLLM's uuids), else the sha256 of its pixels."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
@@ -82,6 +147,8 @@ def load_image(source: Any, field: str) -> PromptImage:
             raise
         except Exception as exc:  # noqa: BLE001 - PIL raises many kinds on a bad file
             raise InvalidRequestError(field, f"not a readable image ({exc})", ALLOWED) from None
+    if uuid is not None:
+        return PromptImage(image, uuid)
     digest = hashlib.sha256(f"{image.mode}{image.size}".encode())
     digest.update(image.tobytes())
     return PromptImage(image, digest.hexdigest())

@@ -6,6 +6,11 @@ rendered by the chat template, then at every turn the previous prompt, the token
 sampled, and the tokens appended after them (tokens.py). The engine's echo of the prompt is
 checked against that at every turn. Every request of a trajectory carries its id as the
 session, so a replica pool keeps it on one replica and its prefix cache.
+
+Images (in the first messages, or returned by tools) are sent with their uuids (content
+hashes), and each only once: later turns name earlier images by uuid alone, so only a
+turn's new images travel and are processed. Where the service no longer holds one (another
+replica, evicted), the turn is sent again with every image's pixels.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ import attrs
 
 from rollout.api import Rollout
 from rollout.contract import convert
-from rollout.contract.errors import InvalidRequestError, RolloutError
-from rollout.contract.schemas import Message, Request, SamplingParams, ToolCall
+from rollout.contract.errors import InvalidRequestError, RolloutError, UnknownImageError
+from rollout.contract.schemas import ImagePart, Message, Request, SamplingParams, ToolCall
 from rollout.apps.agents.environment import Environment, Reply
 from rollout.apps.agents.tokens import ChatTokens, first_difference
 from rollout.apps.agents.tools import ToolResult, call_tool
 from rollout.apps.agents.trajectory import ToolCallRecord, Trajectory, Turn
 from rollout.apps.tool_parsers import ParsedMessage, load_tool_parser, new_call_id
+from rollout.kit.images import PromptImage, load_image
 
 ON_TOOL_ERROR = ("message", "end")
 
@@ -129,8 +135,10 @@ class AgentRunner:
             from transformers import AutoConfig, AutoTokenizer
 
             model, tokenizer = tokenizer, AutoTokenizer.from_pretrained(tokenizer)
+            # (A vision-language model's is its text model's.)
             max_model_len = max_model_len or getattr(
-                AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+                AutoConfig.from_pretrained(model).get_text_config(), "max_position_embeddings",
+                None)
         self.tokenizer = tokenizer or encoder.tokenizer
         self.max_model_len = max_model_len
         if self.max_model_len is None:
@@ -207,6 +215,8 @@ class AgentRunner:
         # engine idles) until the last first prompt is rendered.
         context = await self._step(running, asyncio.to_thread(self.chat.prompt, messages))
         t.prompt_ids = list(context)
+        new_images = await self._step(running, asyncio.to_thread(_load_images, messages))
+        sent: set[str] = set()  # the uuids the service holds (it answered a turn with them)
         if len(context) >= self.max_model_len:
             raise _Stop("context_length", f"the first prompt has {len(context)} tokens; "
                         f"the context holds {self.max_model_len}")
@@ -219,13 +229,17 @@ class AgentRunner:
             t.turns.append(turn)
             if cfg.check_render:
                 turn.render, turn.render_differs_at = self.chat.check_render(messages, context)
+            t.images += new_images
+            turn.images_added = [image.id for image in new_images]
             request = Request(id=f"{t.id}:{index}", prompt_token_ids=tuple(context),
-                              sampling=sampling,
+                              images=[None if i.id in sent else i.image for i in t.images],
+                              image_uuids=[i.id for i in t.images], sampling=sampling,
                               session_id=t.id if cfg.sessions else None)
             partial: list = []  # (token ids, logprobs) so far, kept if the turn is cut short
             started = time.monotonic()
             try:
-                completion = await self._step(running, self._sample(request, partial, running))
+                completion = await self._step(running, self._sample_with_images(
+                    request, t.images, partial, running))
             except _Stop:
                 tokens = [i for ids, _ in partial for i in ids]
                 t.add(tokens, True, [x for ids, lps in partial
@@ -235,6 +249,7 @@ class AgentRunner:
             finally:
                 turn.engine_s = time.monotonic() - started
             result = completion.unwrap()[0]
+            sent.update(image.id for image in t.images)
             if list(result.prompt_token_ids) != context:
                 raise PrefixMismatchError(index, context, result.prompt_token_ids)
             sampled = list(result.token_ids)
@@ -258,6 +273,7 @@ class AgentRunner:
                 if reply.done:
                     raise _Stop("done")
                 new = [_message(m) for m in reply.messages]
+            new_images = await self._step(running, asyncio.to_thread(_load_images, new))
             appended = self.chat.continuation(sampled, new)
             self._check_limits(t, len(context) + len(sampled) + len(appended),
                                appended=len(appended))
@@ -343,6 +359,19 @@ class AgentRunner:
             raise _Stop("timeout", f"over {self.config.timeout:g} s")
         return step.result()
 
+    async def _sample_with_images(self, request: Request, images: list[PromptImage],
+                                  partial: list, running: _Running):
+        """One turn; sent again with every image's pixels if the service lacks one that the
+        turn named by its uuid alone."""
+        try:
+            completion = await self._sample(request, partial, running)
+            if not isinstance(completion.error, UnknownImageError):
+                return completion
+        except UnknownImageError:
+            pass
+        request = attrs.evolve(request, images=[image.image for image in images])
+        return await self._sample(request, partial, running)
+
     async def _sample(self, request: Request, partial: list, running: _Running):
         """One turn in the engine. `partial` gets its tokens and logprobs as they come (a
         turn cut short keeps them)."""
@@ -396,3 +425,19 @@ def _close(work) -> None:
 
 def _message(value) -> Message:
     return value if isinstance(value, Message) else convert.structure(value, Message)
+
+
+def _load_images(messages: list[Message]) -> list[PromptImage]:
+    """The images of new messages, loaded, with their uuids (content hashes unless the
+    message names them)."""
+    loaded = []
+    for i, message in enumerate(messages):
+        parts = () if isinstance(message.content, str) else message.content
+        for j, part in enumerate(parts):
+            if not isinstance(part, ImagePart):
+                continue
+            if part.image is None:
+                raise InvalidRequestError(f"messages[{i}].content[{j}].image", "null",
+                                          "the image itself: the trajectory holds its pixels")
+            loaded.append(load_image(part.image, f"messages[{i}].content[{j}]", part.uuid))
+    return loaded

@@ -3,6 +3,10 @@ arguments checked against it, each call bounded by a timeout and its result by a
 
 A call never raises: every way it can go wrong is an outcome (`OUTCOMES`) with a message the
 model can read, and the runner decides whether the trajectory goes on.
+
+A tool returns text, any JSON value, or images: an image (a PIL image, `ImagePart`, or any
+image source in an `ImagePart`) or a list of parts (text, images) becomes a tool message
+with those parts, which a vision-language model sees.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import functools
 import inspect
 import json
 import re
+import sys
 import time
 import types
 import typing
@@ -19,7 +24,7 @@ from collections.abc import Callable
 
 import attrs
 
-from rollout.contract.schemas import Tool, ToolCall
+from rollout.contract.schemas import Content, ImagePart, TextPart, Tool, ToolCall
 
 OUTCOMES = ("ok", "error", "timeout", "unknown_tool", "bad_arguments", "invalid_arguments")
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean",
@@ -102,11 +107,11 @@ def _json_type(hint) -> dict:
 
 @attrs.frozen
 class ToolResult:
-    """What one call came to: the tool message's text, and how it went."""
+    """What one call came to: the tool message's content, and how it went."""
 
     call: ToolCall
     outcome: str  # one of OUTCOMES
-    content: str
+    content: Content  # text, or parts when the tool returned images
     detail: str = ""
     seconds: float = 0.0
     truncated: bool = False
@@ -117,12 +122,9 @@ async def call_tool(tools: dict[str, FunctionTool], call: ToolCall, timeout: flo
     """Run one tool call; never raises (a cancellation excepted)."""
     started = time.monotonic()
 
-    def done(outcome: str, content: str, detail: str = "") -> ToolResult:
-        truncated = max_chars is not None and len(content) > max_chars
-        if truncated:
-            content = (content[:max_chars]
-                       + f"\n[truncated: {len(content) - max_chars} more characters]")
-        return ToolResult(call, outcome, content, detail or content,
+    def done(outcome: str, content: Content, detail: str = "") -> ToolResult:
+        content, truncated = _truncated(content, max_chars)
+        return ToolResult(call, outcome, content, detail or _describe(content),
                           time.monotonic() - started, truncated)
 
     tool = tools.get(call.name)
@@ -145,7 +147,53 @@ async def call_tool(tools: dict[str, FunctionTool], call: ToolCall, timeout: flo
         return done("timeout", f"error: {call.name} did not finish within {timeout:g} s")
     except Exception as exc:  # noqa: BLE001 - the tool's failure is the model's to read
         return done("error", f"error: {call.name} raised {type(exc).__name__}: {exc}")
-    return done("ok", value if isinstance(value, str) else json.dumps(value, default=str))
+    return done("ok", _content(value))
+
+
+def _is_image(value) -> bool:
+    pil = sys.modules.get("PIL.Image")
+    return isinstance(value, ImagePart) or (pil is not None and isinstance(value, pil.Image))
+
+
+def _content(value) -> Content:
+    """A tool's return value as message content: text, or parts where it gave images."""
+    if isinstance(value, str):
+        return value
+    if _is_image(value):
+        value = [value]
+    if isinstance(value, (list, tuple)) and any(_is_image(v) for v in value):
+        return tuple(v if isinstance(v, (ImagePart, TextPart)) else
+                     ImagePart(v) if _is_image(v) else
+                     TextPart(v if isinstance(v, str) else json.dumps(v, default=str))
+                     for v in value)
+    return json.dumps(value, default=str)
+
+
+def _truncated(content: Content, max_chars: int | None) -> tuple[Content, bool]:
+    """The content with its text cut to `max_chars` in all (images are kept), and whether
+    anything was cut."""
+    if max_chars is None:
+        return content, False
+    if isinstance(content, str):
+        if len(content) <= max_chars:
+            return content, False
+        return (content[:max_chars]
+                + f"\n[truncated: {len(content) - max_chars} more characters]"), True
+    left, parts, cut = max_chars, [], False
+    for part in content:
+        if isinstance(part, TextPart):
+            text, over = _truncated(part.text, left)
+            left, cut = max(0, left - len(part.text)), cut or over
+            part = TextPart(text)
+        parts.append(part)
+    return tuple(parts), cut
+
+
+def _describe(content: Content) -> str:
+    if isinstance(content, str):
+        return content
+    images = sum(isinstance(p, ImagePart) for p in content)
+    return "".join(p.text for p in content if isinstance(p, TextPart)) + f" [{images} image(s)]"
 
 
 def _invalid(arguments, schema: dict) -> str | None:

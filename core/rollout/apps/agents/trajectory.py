@@ -38,6 +38,7 @@ class Turn:
     # with the tokens sent (RENDER_RULES), and the first token where it differs.
     render: str | None = None
     render_differs_at: int | None = None
+    images_added: list[str] = attrs.field(factory=list)  # uuids of the images first sent here
 
 
 @attrs.define
@@ -50,6 +51,9 @@ class Trajectory:
     mask: list[int] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
     messages: list[Message] = attrs.field(factory=list)
+    # The images of the conversation, one per image placeholder in the tokens, in order
+    # (`rollout.kit.images.PromptImage`: the RGB picture and its uuid).
+    images: list = attrs.field(factory=list)
     turns: list[Turn] = attrs.field(factory=list)
     reward: float | None = None
     end_reason: str = "error"

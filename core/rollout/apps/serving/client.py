@@ -217,14 +217,16 @@ def _refusal(url: str, status: int, data) -> Exception:
 def _typed_refusal(url: str, status: int, data) -> Exception:
     """The replica's own error, rebuilt with its type (an OpenAI error body whose code is
     the rollout error kind)."""
-    from rollout.contract.errors import InvalidRequestError, from_dict
+    from rollout.contract.errors import InvalidRequestError, error_class, from_dict
 
     error = data.get("error") if isinstance(data, dict) else None
     if not isinstance(error, dict) or status == 401:
         return _refusal(url, status, data)
     if status == 400:  # the message names the field and what it may be
         field = error.get("param") or "body"
-        return InvalidRequestError(field, str(error.get("message")).removeprefix(f"{field}: "))
+        cls = error_class(error.get("code"))
+        cls = cls if issubclass(cls, InvalidRequestError) else InvalidRequestError
+        return cls(field, str(error.get("message")).removeprefix(f"{field}: "))
     return from_dict({"kind": error.get("code"), "message": f"{url}: {error.get('message')}"})
 
 

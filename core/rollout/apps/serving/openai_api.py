@@ -99,7 +99,8 @@ def api_error(exc: RolloutError, param: str | None = None) -> ApiError:
     if isinstance(exc, InvalidRequestError):
         param = param or exc.field
         message = exc.message.removeprefix(f"{exc.field}: ")
-        return ApiError(400, f"{param}: {message}", param=param)
+        code = None if type(exc) is InvalidRequestError else exc.kind  # a narrower kind
+        return ApiError(400, f"{param}: {message}", param=param, code=code)
     if isinstance(exc, (NoReplicaError, EngineDeadError, WeightsDirtyError)):
         status = 503
     elif isinstance(exc, RolloutTimeoutError):
@@ -524,16 +525,26 @@ def _part(part: Any, where: str) -> Any:
     if kind == "text":
         return part
     if kind == "image_url":
-        image = part.get("image_url")
+        # vLLM's form: `uuid` names the image; given alone, an image sent before.
+        unknown = set(part) - {"type", "image_url", "uuid"}
+        if unknown:
+            raise bad_field(f"{where}.{sorted(unknown)[0]}", "unknown field",
+                            "type, image_url, uuid")
+        image, uuid = part.get("image_url"), part.get("uuid")
+        if uuid is not None and not (isinstance(uuid, str) and uuid):
+            raise bad_field(f"{where}.uuid", f"got {_short(uuid)}", "a non-empty string")
+        if image is None and uuid is not None:
+            return {"type": "image", "image": None, "uuid": uuid}
         url = image.get("url") if isinstance(image, dict) else image
-        if set(part) != {"type", "image_url"} or not isinstance(url, str):
+        if not isinstance(url, str):
             raise bad_field(f"{where}.image_url", f"got {_short(image)}",
-                            'a URL, or {"url": URL}')
+                            'a URL, or {"url": URL}; or null with the uuid of an image sent '
+                            "before")
         # A server neither fetches URLs nor reads its own files for a client.
         if not url.startswith("data:"):
             raise bad_field(f"{where}.image_url", f"got {_short(url)}",
                             "a data: URL (base64); images are not fetched")
-        return {"type": "image", "image": url}
+        return {"type": "image", "image": url, "uuid": uuid}
     raise bad_field(f"{where}.type", f"got {_short(kind)}", "text, image_url")
 
 
