@@ -30,20 +30,24 @@ def workload_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def prepare_engine(backend: str) -> None:
+def prepare_engine(backend: str, images: bool = False) -> None:
     """What an engine needs on this machine before it loads: vLLM a KV cache that fits a
-    small machine, SGLang without a GPU the test-only CPU scaffolding (its conftest)."""
+    small machine (and for images the test-only stand-in for torchvision), SGLang without a
+    GPU the test-only CPU scaffolding (each from its tests' conftest)."""
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent.parent / "plugins" / f"{backend}_backend" / "tests"
     if backend == "vllm":
         from bench_vllm import use_cpu_defaults
 
         use_cpu_defaults()
+        if images:
+            sys.path.insert(0, str(tests))
+            import conftest  # noqa: F401 - the torchvision stand-in, on import
     elif backend == "sglang":
-        import sys
-        from pathlib import Path
-
         import torch
 
         if not torch.cuda.is_available():
-            tests = Path(__file__).resolve().parent.parent / "plugins" / "sglang_backend" / "tests"
             sys.path.insert(0, str(tests))
             import conftest  # noqa: F401 - sets up the CPU scaffolding on import

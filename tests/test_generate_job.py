@@ -91,6 +91,36 @@ def test_a_bad_row_fails_alone(tiny_model, tmp_path):
     assert "role" in table[1]["error"] and table[1]["responses"] is None
 
 
+def test_image_prompts_from_parquet(tmp_path):
+    """Image parts as Arrow structs (the image as bytes); a bad image fails its row alone."""
+    import io
+
+    from PIL import Image
+
+    import rollout
+    from rollout.kit.tiny_vlm import build_tiny_vlm
+
+    model = build_tiny_vlm(tmp_path / "vlm")
+    png = io.BytesIO()
+    Image.new("RGB", (60, 40), (200, 10, 90)).save(png, format="PNG")
+
+    def ask(image):
+        return [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "what is it?"}]}]
+
+    prompts = write_prompts(tmp_path / "in.parquet",
+                            [ask(png.getvalue()), ask(b"not an image")])
+    rollout_cli("generate", "--backend", "hf", "--model", model, "--input", prompts,
+                "--output", tmp_path / "out.parquet", "--max-tokens", 4, "--temperature", 0)
+    good, bad = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert "messages[0].content[0]" in bad["error"] and "not a readable image" in bad["error"]
+    with rollout.load_backend("hf", model=str(model)) as ro:
+        alone = ro.generate([{"messages": ask(png.getvalue()),
+                              "sampling": {"temperature": 0, "max_tokens": 4}}])[0]
+    assert good["error"] is None
+    assert good["response_token_ids"] == [list(alone.unwrap()[0].token_ids)]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "-1"], "sampling.temperature"),
     (["--n", "2", "--temperature", "0"], "sampling.n"),

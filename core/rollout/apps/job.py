@@ -120,12 +120,20 @@ def to_request(row: int, prompt: Any, sampling: SamplingParams) -> Request:
     if isinstance(prompt, str):
         return Request(id=rid, prompt=prompt, sampling=sampling)
     if isinstance(prompt, (list, tuple)):
-        messages = convert.structure(
-            [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-             for m in prompt], tuple[Message, ...])
+        messages = convert.structure(_without_nulls(list(prompt)), tuple[Message, ...])
         return Request(id=rid, messages=messages, sampling=sampling)
     raise InvalidRequestError(PROMPT_COLUMN, f"got {type(prompt).__name__}",
                               "text or a list of chat messages")
+
+
+def _without_nulls(value):
+    """A parquet cell's messages without the null fields that Arrow gives every struct of a
+    column (a text part's `image`, an image part's `text`)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def output_row(completion: Completion) -> dict:
