@@ -73,3 +73,25 @@ def test_a_restarted_replica_is_brought_to_the_pool_version_before_it_serves(tin
                  "the restarted replica to be brought to version 2")
         served_equal(2, fresh_base)
         assert {r.weight_version for c in trainer.generate(many) for r in c.unwrap()} == {2}
+
+
+def test_without_kept_weights_a_restarted_replica_waits_for_the_next_update(tiny_model,
+                                                                           tmp_path):
+    other = perturbed_copy(tiny_model, tmp_path / "other")
+    weights = load_weights(other)
+    with load_backend("hf", str(other)) as engine:
+        fresh = [c.unwrap()[0].token_ids for c in engine.generate(probe_requests())]
+    with ServedRollout.start("hf", str(tiny_model), replicas=2, keep_weights=False) as trainer:
+        assert trainer.service.kept is None  # no copy of the model in this process
+        trainer.update_weights(weights.items(), version=1)
+        victim = trainer.service.replicas[0]
+        kill_and_wait_for_restart(trainer, victim)
+        # Back on its checkpoint, it answers health checks but serves nothing...
+        wait_for(lambda: victim.healthy, 120, "the restarted replica to answer")
+        time.sleep(1.0)  # (a pool that kept weights would have brought it back by now)
+        assert list(served_by(trainer)) == [trainer.service.replicas[1].service.url]
+        for completion, expected in zip(trainer.generate(probe_requests() * 4), fresh * 4):
+            assert completion.unwrap()[0].token_ids == expected
+        # ... until the next update reaches it.
+        trainer.update_weights(weights.items(), version=2)
+        assert list(served_by(trainer).values()) == [2, 2]

@@ -209,10 +209,16 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
                    "entry-point group rollout.tool_parsers.")
 @click.option("--replica-restarts", type=click.IntRange(min=0), default=3, show_default=True,
               help="How many times a local replica whose process dies is started again.")
+@click.option("--replica-keep-weights/--no-replica-keep-weights", default=True,
+              show_default=True,
+              help="Keep the last weight update in this process (a model's size of memory) "
+                   "to bring a restarted replica to the current version before it serves; "
+                   "without it a restarted replica serves nothing until the next update.")
 @click.option("--watch-parent", type=int, hidden=True,
               help="Exit when this process is gone (for replicas started by a pool).")
 def serve(backend, model, mode, replicas, placement, host, port, served_model_name, api_key,
-          backend_option, tool_call_parser, replica_restarts, watch_parent) -> None:
+          backend_option, tool_call_parser, replica_restarts, replica_keep_weights,
+          watch_parent) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
     _require_serving("rollout serve")
     from rollout.apps.serving.app import listen
@@ -236,7 +242,8 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
     async def run():
         service = await connect(backend, model, options,
                                 replicas if replicas > 1 or placement == "ray" else None,
-                                placement, mode=mode, restarts=replica_restarts)
+                                placement, mode=mode, restarts=replica_restarts,
+                                keep_weights=replica_keep_weights)
         await serve_http(service, model_name=served_model_name or model,
                          api_key=api_key, tool_parser=tool_call_parser, sock=sock)
 

@@ -39,7 +39,7 @@ async def connect(backend: str | None = None, model: str | None = None,
                   options: Mapping | None = None, replicas: int | None = None,
                   placement: str = "local", server: str | None = None,
                   api_key: str | None = None, mode: str | None = None,
-                  restarts: int = 3) -> Service:
+                  restarts: int = 3, keep_weights: bool = True) -> Service:
     from rollout.apps.serving.pool import Replica, ReplicaPool
 
     mode = resolve_mode(mode, replicas, placement, server)
@@ -52,7 +52,7 @@ async def connect(backend: str | None = None, model: str | None = None,
         from rollout.apps.serving.replicas import start_replicas
 
         return await start_replicas(backend, model, dict(options or {}), replicas or 1,
-                                    placement, restarts=restarts)
+                                    placement, restarts=restarts, keep_weights=keep_weights)
     from rollout.api import load_backend
     from rollout.apps.serving.service import LocalService
 

@@ -29,10 +29,13 @@ class ServedRollout:
 
     @classmethod
     def start(cls, backend: str, model: str, replicas: int = 1,
-              options: Mapping | None = None) -> ServedRollout:
-        """Replica processes of this machine, each serving `backend`, pooled here."""
+              options: Mapping | None = None, restarts: int = 3,
+              keep_weights: bool = True) -> ServedRollout:
+        """Replica processes of this machine, each serving `backend`, pooled here. A dead
+        one is started again up to `restarts` times; `keep_weights` keeps the last update's
+        weights in this process to bring a restarted one to the pool's version at once."""
         return cls._open(backend=backend, model=model, options=options, replicas=replicas,
-                         mode="colocated")
+                         mode="colocated", restarts=restarts, keep_weights=keep_weights)
 
     @classmethod
     def _open(cls, **how) -> ServedRollout:

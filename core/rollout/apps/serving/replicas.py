@@ -37,7 +37,8 @@ def replica_argv(backend: str, model: str, options: Mapping, host: str, port: in
 async def start_replicas(backend: str, model: str, options: Mapping, count: int,
                          placement: str = "local", startup_timeout: float = 900.0,
                          request_timeout: float = 3600.0, max_in_flight: int = 64,
-                         ray_address: str | None = None, restarts: int = 3) -> ReplicaPool:
+                         ray_address: str | None = None, restarts: int = 3,
+                         keep_weights: bool = True) -> ReplicaPool:
     if placement not in PLACEMENTS:
         raise InvalidRequestError("placement", f"got {placement!r}", ", ".join(PLACEMENTS))
     if not isinstance(count, int) or count < 1:
@@ -64,9 +65,10 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
     replicas = [Replica(RemoteService(url, key, request_timeout), process, restart.get(i),
                         restarts) for i, (url, process) in enumerate(started)]
     # Kept weights bring a restarted replica to the pool's version (one copy of the model
-    # in this process).
+    # in this process); without them it waits, serving nothing, for the next update.
     return await ReplicaPool(replicas, name=model, max_in_flight=max_in_flight,
-                             keep_weights=bool(restart) and restarts > 0).start()
+                             keep_weights=keep_weights and bool(restart) and restarts > 0
+                             ).start()
 
 
 def _restarter(name: str, backend: str, model: str, options: Mapping, env: dict,
