@@ -138,6 +138,27 @@ def test_a_dead_engine_fails_every_later_call():
         ro.health()
 
 
+def test_health_carries_the_backends_counters_only_when_it_gives_some():
+    class Counting(Minimal):
+        calls = 0
+
+        @rollout.hookimpl
+        async def generate(self, request, prompt_token_ids):
+            self.calls += 1
+            async for chunk in Minimal.generate(self, request, prompt_token_ids):
+                yield chunk
+
+        @rollout.hookimpl
+        def stats(self):
+            return {"requests": self.calls}
+
+    assert "stats" not in Rollout(Minimal()).health()
+    ro = Rollout(Counting())
+    assert ro.health()["stats"] == {"requests": 0}
+    ro.generate([{"prompt": "x"}, {"prompt": "y"}])
+    assert ro.health()["stats"] == {"requests": 2}
+
+
 def test_release_waits_for_running_requests_and_holds_new_ones_back():
     entered, leave = threading.Event(), threading.Event()
     calls = []

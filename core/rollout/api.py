@@ -333,7 +333,8 @@ class Rollout:
         return frozenset(self._released)
 
     def health(self) -> dict:
-        """What runs now; raises the engine's death, its closing or its dirty weights."""
+        """What runs now, and the backend's counters (`stats`) where it keeps some; raises the
+        engine's death, its closing or its dirty weights."""
         with self._gate:
             if self._dead is not None:
                 raise self._dead
@@ -341,8 +342,12 @@ class Rollout:
                 raise BackendReleasedError(f"backend {self.name!r} is closed")
             if self._dirty is not None:
                 raise WeightsDirtyError(f"backend {self.name!r}: {self._dirty}")
-            return {"backend": self.name, "running": self._running,
-                    "released": sorted(self._released), "weight_version": self.weight_version}
+            health = {"backend": self.name, "running": self._running,
+                      "released": sorted(self._released), "weight_version": self.weight_version}
+        stats = self._pm.hook.stats()  # outside the gate: a backend's own counters
+        if stats is not None:
+            health["stats"] = stats
+        return health
 
     def update_weights(self, named_tensors: Iterable, bucket_bytes: int | None = None,
                        version: int | None = None, pause: str = "wait") -> None:

@@ -85,6 +85,13 @@ def generate(request: Request, prompt_token_ids: list[int], streaming: bool,
 
 
 @hookspec(firstresult=True)
+def stats() -> dict[str, int]:
+    """Optional: the backend's counters, cumulative since it started (the HF backend's
+    `images_processed`, `image_cache_hits`); `Rollout.health()` shows them as `stats`.
+    Called from any thread while requests run: it must be cheap and never block long."""
+
+
+@hookspec(firstresult=True)
 def release(tags: tuple[str, ...]) -> None:
     """Free memory: `weights`, `kv_cache` or both. Called only while no request runs."""
 

@@ -36,9 +36,14 @@ POLL_S = 5.0  # a request that waits this long for tokens asks whether the engin
 
 class HFBackend:
     def __init__(self, model: str, device: str | None = None, dtype: str = "auto",
-                 batch_size: int = 32, max_model_len: int | None = None):
+                 batch_size: int = 32, max_model_len: int | None = None,
+                 image_cache_mb: float = 256):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidRequestError("batch_size", f"got {batch_size!r}", "an integer >= 1")
+        if (isinstance(image_cache_mb, bool) or not isinstance(image_cache_mb, (int, float))
+                or not 0 <= image_cache_mb < float("inf")):
+            raise InvalidRequestError("image_cache_mb", f"got {image_cache_mb!r}",
+                                      "a number of MiB >= 0 (0: no cache)")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
@@ -48,7 +53,7 @@ class HFBackend:
 
             self.model = AutoModelForImageTextToText.from_pretrained(model, dtype=torch_dtype)
             self.vision = vision.Vision(self.model, AutoImageProcessor.from_pretrained(model),
-                                        self.device)
+                                        self.device, int(image_cache_mb * 2**20))
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
             self.vision = None
@@ -89,6 +94,10 @@ class HFBackend:
     @rollout.hookimpl
     def prompt_encoder(self) -> PromptEncoder:
         return self.prompts
+
+    @rollout.hookimpl
+    def stats(self) -> dict[str, int] | None:
+        return None if self.vision is None else self.vision.stats()
 
     # --- generation ---------------------------------------------------------------------
 

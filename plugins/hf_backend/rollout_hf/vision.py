@@ -7,10 +7,15 @@ run behind its token count by a fixed amount, its rope delta. The model keeps th
 for the one batch it last saw; here rows of many requests share one KV cache and join and
 leave at every step, so the engine computes positions itself: 3D ones at the prefill, and
 token count + the row's own delta at every decode step (batch.py).
+
+The image processor's output is cached per image (by `PromptImage.id`): a later turn that
+repeats earlier images processes only its new ones.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -31,19 +36,63 @@ class VisionInputs:
 
 
 class Vision:
-    def __init__(self, model, image_processor, device: torch.device):
+    def __init__(self, model, image_processor, device: torch.device, cache_bytes: int = 0):
         self.model = model
         self.image_processor = image_processor
         self.image_token_id = model.config.image_token_id
         self.merge = image_processor.merge_size
         self.device = device
+        # id -> (pixel rows, grid [1, 3]) on the CPU, least recently used first.
+        self._cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._cache_bytes = cache_bytes  # the bound; 0: no cache
+        self._held = 0  # bytes in the cache
+        self._lock = threading.Lock()  # requests prepare on threads of their own
+        self.processed = 0  # images the processor ran on
+        self.hits = 0  # images taken from the cache
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"images_processed": self.processed, "image_cache_hits": self.hits}
+
+    def _process(self, images) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each image's pixel rows and grid: from the cache, the misses from one processor
+        call (per image, not per request: the processor's output is the same either way)."""
+        with self._lock:
+            found = {}
+            for im in images:
+                if im.id not in found and im.id in self._cache:
+                    self._cache.move_to_end(im.id)
+                    found[im.id] = self._cache[im.id]
+            self.hits += len(found)
+        misses = list({im.id: im for im in images if im.id not in found}.values())
+        if misses:
+            out = self.image_processor(images=[im.image for im in misses], return_tensors="pt")
+            grid = out["image_grid_thw"]
+            rows = out["pixel_values"].split(grid.prod(dim=-1).tolist())
+            with self._lock:
+                self.processed += len(misses)
+                for k, im in enumerate(misses):
+                    # Clones: a slice would keep the whole output's storage alive.
+                    found[im.id] = entry = (rows[k].clone(), grid[k:k + 1].clone())
+                    self._keep(im.id, entry)
+        return [found[im.id] for im in images]
+
+    def _keep(self, key: str, entry: tuple[torch.Tensor, torch.Tensor]) -> None:
+        size = sum(t.nbytes for t in entry)
+        if key in self._cache or size > self._cache_bytes:
+            return
+        self._cache[key] = entry
+        self._held += size
+        while self._held > self._cache_bytes:
+            _, old = self._cache.popitem(last=False)
+            self._held -= sum(t.nbytes for t in old)
 
     def prepare(self, prompt: list[int], images, max_model_len: int, field: str,
                 ) -> tuple[list[int], VisionInputs]:
         """The prompt with each image's placeholder expanded to its run, and the pixels
         (the core has checked that there is one placeholder per image)."""
-        out = self.image_processor(images=[im.image for im in images], return_tensors="pt")
-        grid = out["image_grid_thw"]
+        processed = self._process(images)
+        grid = torch.cat([g for _, g in processed])
         counts = (grid.prod(dim=-1) // self.merge**2).tolist()
         expanded: list[int] = []
         k = 0
@@ -56,7 +105,7 @@ class Vision:
         if len(expanded) >= max_model_len:
             raise InvalidRequestError(field, f"{len(expanded)} tokens with the images' tokens "
                                       "is too long", f"at most {max_model_len - 1} tokens")
-        pixels = out["pixel_values"].to(self.device, self.model.dtype)
+        pixels = torch.cat([p for p, _ in processed]).to(self.device, self.model.dtype)
         return expanded, VisionInputs(pixels, grid.to(self.device))
 
 

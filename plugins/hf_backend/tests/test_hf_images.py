@@ -229,6 +229,7 @@ def test_a_text_model_refuses_images(tiny_model):
         completion = text_only.generate([greedy([ask(picture(0), "what?")])])[0]
         assert completion.error.field == "messages"
         assert "does not support images" in completion.error.detail
+        assert "stats" not in text_only.health()  # no image counters to give
 
 
 def test_cli_builds_a_vision_model_that_loads(tmp_path):
@@ -238,3 +239,66 @@ def test_cli_builds_a_vision_model_that_loads(tmp_path):
     with rollout.load_backend("hf", model=str(out)) as backend:
         assert backend.capabilities.supports("images")
         assert backend.generate([greedy([ask(picture(0), "what?")], 3)])[0].ok
+
+
+# --- the image cache: processor outputs per image id -------------------------------------
+
+def stats_since(ro, before: dict) -> dict:
+    return {k: v - before[k] for k, v in ro.health()["stats"].items()}
+
+
+def two_turns(ro, first_seed: int, second_seed: int) -> tuple[list, list]:
+    """A first turn with one image, then a turn that repeats it and adds one (its counters)."""
+    turn = [ask(picture(first_seed), "what is this?")]
+    before = ro.health()["stats"]
+    answer = ro.generate([greedy(turn)])[0].unwrap()[0]
+    first = stats_since(ro, before)
+    later = turn + [{"role": "assistant", "content": answer.text},
+                    ask(picture(second_seed, (112, 112)), "and this one?")]
+    before = ro.health()["stats"]
+    result = ro.generate([greedy(later)])[0].unwrap()[0]
+    return later, [answer.token_ids, result.token_ids], [first, stats_since(ro, before)]
+
+
+def test_a_later_turn_processes_only_its_new_image(ro, reference):
+    later, (_, tokens), (first, second) = two_turns(ro, 20, 21)
+    assert first == {"images_processed": 1, "image_cache_hits": 0}
+    assert second == {"images_processed": 1, "image_cache_hits": 1}
+    # The cached image's pixels and run are the ones the processor makes.
+    assert list(tokens) == reference(later, [picture(20), picture(21, (112, 112))], 12)[1]
+
+
+def test_greedy_is_the_same_without_the_cache(ro, vlm_dir):
+    _, cached, _ = two_turns(ro, 22, 23)
+    twice = greedy([ask("one", picture(24), "two", picture(24))])  # one image, twice
+    cached.append(ro.generate([twice])[0].unwrap()[0].token_ids)
+    with rollout.load_backend("hf", model=str(vlm_dir), image_cache_mb=0) as uncached:
+        _, plain, counts = two_turns(uncached, 22, 23)
+        before = uncached.health()["stats"]
+        plain.append(uncached.generate([twice])[0].unwrap()[0].token_ids)
+        counts.append(stats_since(uncached, before))
+    assert plain == cached
+    assert counts == [{"images_processed": n, "image_cache_hits": 0} for n in (1, 2, 1)]
+
+
+def test_the_cache_evicts_within_its_bound(vlm_dir):
+    # A 100x80 picture is 48 rows of 1176 float32 values (226 kB), a 112x112 one 64 rows
+    # (301 kB): 0.25 MiB holds one of the first kind, none of the second.
+    with rollout.load_backend("hf", model=str(vlm_dir), image_cache_mb=0.25) as ro:
+        vision = ro._backend.vision
+        seen = []
+        for seed, size in [(30, (100, 80)), (31, (100, 80)), (30, (100, 80)),
+                           (32, (112, 112)), (30, (100, 80))]:
+            before = ro.health()["stats"]
+            assert ro.generate([greedy([ask(picture(seed, size), "?")], 2)])[0].ok
+            seen.append(stats_since(ro, before)["image_cache_hits"])
+            assert 0 < vision._held <= 0.25 * 2**20 and len(vision._cache) == 1
+        assert seen == [0, 0, 0, 0, 1]  # 31 pushed 30 out; the big one pushed nothing out
+        assert ro.health()["stats"] == {"images_processed": 4, "image_cache_hits": 1}
+
+
+@pytest.mark.parametrize("value", [-1, "big", True, float("nan"), float("inf")])
+def test_a_bad_image_cache_size_is_refused(vlm_dir, value):
+    with pytest.raises(rollout.InvalidRequestError) as info:
+        rollout.load_backend("hf", model=str(vlm_dir), image_cache_mb=value)
+    assert info.value.field == "image_cache_mb" and "MiB" in info.value.allowed
