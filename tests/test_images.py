@@ -181,3 +181,15 @@ def test_unknown_image_errors_keep_their_kind_over_http():
     body = openai_api.api_error(error).body()
     again = _typed_refusal("http://replica", 400, body)
     assert type(again) is images.UnknownImageError and again.field == "images[1]"
+
+
+def test_encoded_images_are_kept_by_id_within_their_bound():
+    pictures = [images.load_image(Image.new("RGB", (30, 20), (k, 9, 9)), "x") for k in range(3)]
+    one = len(images.data_url(pictures[0].image))
+    encoded = images.EncodedImages(max_bytes=2 * one)
+    first = encoded.url(pictures[0])
+    assert encoded.url(pictures[0]) is first  # encoded once
+    assert images.load_image(first, "x").id == pictures[0].id  # lossless
+    encoded.url(pictures[1])
+    encoded.url(pictures[2])  # the oldest goes
+    assert encoded.url(pictures[0]) is not first

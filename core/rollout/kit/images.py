@@ -118,6 +118,32 @@ class ImageStore:
                 self._bytes -= _size(self._images.popitem(last=False)[1])
 
 
+class EncodedImages:
+    """Images as PNG data: URLs, kept by id (least recently used out, bounded in bytes):
+    an engine behind HTTP that needs every image of every turn encodes each one once."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self._urls: OrderedDict[str, str] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # encodings run on worker threads
+
+    def url(self, image: PromptImage) -> str:
+        with self._lock:
+            url = self._urls.get(image.id)
+            if url is not None:
+                self._urls.move_to_end(image.id)
+                return url
+        url = data_url(image.image)  # outside the lock: encoding takes a while
+        with self._lock:
+            if image.id not in self._urls and len(url) <= self.max_bytes:
+                self._urls[image.id] = url
+                self._bytes += len(url)
+                while self._bytes > self.max_bytes:
+                    self._bytes -= len(self._urls.popitem(last=False)[1])
+        return url
+
+
 def _size(image: PromptImage) -> int:
     width, height = image.image.size
     return width * height * 3

@@ -27,6 +27,7 @@ import weakref
 
 from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
 from rollout.kit.aio import client_session, engine_loop
+from rollout.kit.images import EncodedImages
 from rollout.kit.process import HOST, ServerProcess, cli_flags, free_port
 
 from rollout_sglang import protocol
@@ -179,6 +180,21 @@ class InProcessEngine:
         PIL images in process, with no copy or encoding."""
         return [im.image for im in images]
 
+    def image_stats(self) -> dict[str, int] | None:
+        """SGLang's image preprocessing cache counters, read from its tokenizer manager in
+        this process (cumulative; a cache flush keeps them); None with the cache off, where
+        SGLang processes every image and counts none."""
+        llm = self.llm  # None once closed, from another thread
+        processor = getattr(llm.tokenizer_manager, "mm_processor", None) if llm else None
+        cache = getattr(processor, "mm_preprocess_cache", None)
+        if cache is None or not cache.enabled:
+            return None
+        counts = cache.stats()
+        # A miss that joins another request's run on the same image waits for its result.
+        joined = counts["singleflight_joins"]
+        return {"images_processed": counts["misses"] - joined,
+                "image_cache_hits": counts["hits"] + joined}
+
     async def stream(self, body: dict):
         """The sample's outputs. Cancelled or closed, SGLang's generator aborts the request
         itself, whether the scheduler has it yet or not (it is handed over synchronously,
@@ -277,6 +293,7 @@ class ServerEngine:
         self.process: ServerProcess | None = None
         self.session = None
         self.loop = engine_loop().loop
+        self.encoded = EncodedImages()  # each image's data: URL, for every later turn
 
     def argv(self) -> list[str]:
         args = dict(self.engine_args)
@@ -336,13 +353,14 @@ class ServerEngine:
                 await asyncio.sleep(0.25 * 2**attempt)
         return _answer(path, status, data)
 
-    @staticmethod
-    def image_data(images) -> list:
+    def image_data(self, images) -> list:
         """A prompt's images as `image_data` over HTTP: PNG data: URLs (lossless, so SGLang
-        decodes the very pixels the core loaded)."""
-        from rollout.kit.images import data_url
+        decodes the very pixels the core loaded), each encoded once for all later turns."""
+        return [self.encoded.url(im) for im in images]
 
-        return [data_url(im.image) for im in images]
+    @staticmethod
+    def image_stats() -> None:
+        """The server's image cache counters are not exposed over HTTP (SGLang 0.5.23)."""
 
     async def max_input_tokens(self) -> int:
         import aiohttp

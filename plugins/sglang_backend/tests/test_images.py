@@ -6,6 +6,10 @@ SGLang expands each image's one placeholder to its run of tokens itself; a later
 repeats an earlier image finds the whole earlier prompt, image included, in SGLang's radix
 cache (`cached_tokens`).
 
+Agent trajectories with an image in each tool result (`rollout.testing.images.run_look`)
+give HF's tokens, and SGLang's image preprocessing cache (the backend sizes it) runs the
+image processor once per image, not on every earlier image again on each turn.
+
 Test-only CPU scaffolding (tests/cpu/sitecustomize.py): placeholder kernel ops, without which
 SGLang's Qwen-VL processor does not import on CPU. TORCHDYNAMO_DISABLE=1 for this module's
 engines (their processes read it when they start) spares a compile of about 40 s on the first
@@ -14,13 +18,17 @@ image request.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import urllib.request
 
 import pytest
 
 import rollout
 from rollout.kit.tiny_vlm import build_tiny_vlm
-from rollout.testing.images import CASES, ask, greedy, picture
+from rollout.testing.images import CASES, ask, check_against_the_processor, greedy, picture, \
+    run_look
 
 from conftest import ENGINE
 
@@ -137,3 +145,80 @@ def test_rescored_logprobs_of_an_image_prompt(sglang):
     plain, scored = (c.unwrap()[0] for c in sglang.generate([base, rescored]))
     assert scored.token_ids == plain.token_ids
     assert scored.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
+
+
+@pytest.fixture(scope="session")
+def hf_looked(vlm_dir):
+    """The HF backend's greedy look_task trajectories (checked in its own tests)."""
+    with rollout.load_backend("hf", model=str(vlm_dir), dtype="float32") as backend:
+        return run_look(backend)
+
+
+@pytest.fixture(scope="module")
+def looked(sglang):
+    """look_task's trajectories on this engine; the engine's counters around the run; and,
+    in process, the images SGLang's image processor ran on per call (a spy on it): through
+    the cache, and on the cache's fallback path, which the counters would not see."""
+    llm = getattr(sglang._backend.engine, "llm", None)  # in process only
+    processor = llm.tokenizer_manager.mm_processor if llm else None
+    runs, uncached = [], []
+    if processor is not None:
+        prepare, fallback = processor.prepare_artifact_batch, processor._process_mm_data_uncached
+
+        def spy(entries, **kwargs):
+            runs.append(len(entries))
+            return prepare(entries, **kwargs)
+
+        async def spy_fallback(image_data, *args, **kwargs):
+            uncached.append(len(image_data))
+            return await fallback(image_data, *args, **kwargs)
+
+        processor.prepare_artifact_batch, processor._process_mm_data_uncached = \
+            spy, spy_fallback
+    before = sglang.health().get("stats")
+    try:
+        done = run_look(sglang)
+    finally:
+        if processor is not None:
+            del processor.prepare_artifact_batch, processor._process_mm_data_uncached
+    after = sglang.health().get("stats")
+    counted = after and {k: after[k] - before[k] for k in after}
+    return done, counted, runs, uncached
+
+
+def test_look_trajectories_equal_hf(looked, hf_looked, vlm_dir):
+    done = looked[0]
+    assert len(done) == len(hf_looked)
+    for t, expected in zip(done, hf_looked):
+        assert t.end_reason == "done", t.end_detail
+        assert t.response_ids == expected.response_ids
+        assert [turn.images_added for turn in t.turns] == \
+            [turn.images_added for turn in expected.turns]
+        check_against_the_processor(t, vlm_dir)
+
+
+def test_later_turns_find_the_earlier_images_in_the_radix_cache(looked):
+    """A turn's prompt is the last turn's prompt and sample, then the tool's message: cached
+    at least up to the last turn's prompt (a cache stopped at an image would stop before the
+    earlier turn's end: SGLang counts each image as its run of tokens, we as one)."""
+    for t in looked[0]:
+        for before, turn in zip(t.turns, t.turns[1:]):
+            assert turn.cached_tokens >= before.prompt_tokens, (before, turn)
+
+
+def test_each_image_is_processed_once(sglang, looked):
+    done, counted, runs, uncached = looked
+    new = {i.id for t in done for i in t.images}
+    # Every turn sends all of its images; SGLang runs its processor on each image once, the
+    # first time any trajectory sends it, and finds it in its cache after that.
+    sent = sum(sum(itertools.accumulate(len(turn.images_added) for turn in t.turns))
+               for t in done)
+    assert sent > len(new)
+    engine = sglang._backend.engine
+    if not hasattr(engine, "llm"):  # server mode: no counter is exposed over HTTP
+        assert counted is None
+        with urllib.request.urlopen(engine.url + "/server_info", timeout=30) as answer:
+            assert json.load(answer)["mm_preprocess_cache_size_mb"] == 256  # but it is on
+        return
+    assert counted == {"images_processed": len(new), "image_cache_hits": sent - len(new)}
+    assert runs == [1] * len(new) and uncached == []  # each run: one request's new image

@@ -11,6 +11,9 @@ import rollout
      "engine_args.incremental_streaming_output"),
     ({"weight_transport": "nccl"}, "weight_transport"),
     ({"mode": "engine", "weight_transport": "gloo"}, "weight_transport"),
+    ({"image_cache_mb": -1}, "image_cache_mb"),
+    ({"image_cache_mb": 1.5}, "image_cache_mb"),
+    ({"image_cache_mb": True}, "image_cache_mb"),
 ])
 def test_a_bad_option_is_refused_naming_it(tiny_model, options, field):
     with pytest.raises(rollout.InvalidRequestError) as caught:

@@ -63,7 +63,8 @@ class LocalService:
         return self.rollout.stream(request)
 
     async def health(self) -> dict:
-        return self.rollout.health()
+        # Off the loop: a backend's stats may ask its engine (vLLM's server: its /metrics).
+        return await asyncio.to_thread(self.rollout.health)
 
     async def release(self, tags: list[str] | None) -> None:
         await asyncio.to_thread(self.rollout.release, tags)
