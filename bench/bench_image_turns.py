@@ -6,12 +6,14 @@ Side by side in one process, on any backend with the `images` capability.
 `--trajectories` conversations of `--turns` turns run at once; turn k of all of them is one
 step, timed. Each step gives a user message with a new picture (`--size`, sent as PNG bytes,
 as a client sends a screenshot) and samples `--tokens` tokens. The two ways use pictures of
-their own (no cache serves one with the other's work), and take turns each round. Prints
-the median seconds per turn for both, their ratio, and each way's growth (last turn / first
-turn): the later turns must not grow with the number of earlier images.
+their own (no cache serves one with the other's work), and take turns each round. A third
+way, the same conversation with no pictures, shows what the context alone costs. Prints the
+median seconds per turn of each, and each way's growth (last turn / first turn): the later
+turns must not grow with the number of earlier images, that is, no more than text alone.
 
     python bench/bench_image_turns.py --backend hf
-    python bench/bench_image_turns.py --backend vllm -o dtype=float32 -o enforce_eager=true
+    python bench/bench_image_turns.py --backend vllm -o dtype=float32 -o enforce_eager=true \
+        -o 'engine_args={"block_size": 32}'   # blocks that short prompts fill (docs/images.md)
     python bench/bench_image_turns.py --backend sglang -o mode=engine -o dtype=float32
 """
 
@@ -30,7 +32,8 @@ import numpy as np
 from bench_concurrency import backend_option
 from common import prepare_engine
 
-GROWTH_TARGET = 1.25  # last turn / first turn, sending only new images
+# Growth over the turns of sending only new images, against text alone.
+GROWTH_TARGET = 1.25
 
 
 def main() -> None:
@@ -57,7 +60,8 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(model)
         with rollout.load_backend(args.backend, model=str(model), **dict(args.options)) as ro:
             assert ro.capabilities.supports("images"), ro.capabilities.unsupported["images"]
-            ways = {"new images only": Delta(tokenizer), "whole conversation": Whole()}
+            ways = {"new images only": Delta(tokenizer), "whole conversation": Whole(),
+                    "text only": Whole(images=False)}
             seconds = {name: [[] for _ in range(args.turns)] for name in ways}
             for round_ in range(args.rounds + 1):  # the first round warms up
                 order = list(ways) if round_ % 2 else list(reversed(ways))
@@ -71,23 +75,27 @@ def main() -> None:
 
     medians = {name: [statistics.median(s) for s in per_turn]
                for name, per_turn in seconds.items()}
-    delta, whole = medians["new images only"], medians["whole conversation"]
+    delta, whole, text = (medians[name] for name in ways)
     print(f"{args.backend}: {args.trajectories} conversations x {args.turns} turns, one "
           f"{args.size} picture more each turn, {args.tokens} tokens sampled per turn; "
           f"median of {args.rounds} rounds")
-    print(f"  {'turn':>4}  {'images':>6}  {'new only s':>10}  {'whole s':>9}  whole/new")
+    print(f"  {'turn':>4}  {'images':>6}  {'new only s':>10}  {'whole s':>9}  {'text s':>8}"
+          "  whole/new")
     for k in range(args.turns):
-        print(f"  {k + 1:>4}  {k + 1:>6}  {delta[k]:10.3f}  {whole[k]:9.3f}  "
-              f"{whole[k] / delta[k]:9.2f}")
-    growth = delta[-1] / delta[0]
-    print(f"  growth, last turn / first: new images only {growth:.2f} (target <= "
-          f"{GROWTH_TARGET}); whole conversation {whole[-1] / whole[0]:.2f}")
+        print(f"  {k + 1:>4}  {k + 1:>6}  {delta[k]:10.3f}  {whole[k]:9.3f}  {text[k]:8.3f}"
+              f"  {whole[k] / delta[k]:9.2f}")
+    growth = [way[-1] / way[0] for way in (delta, whole, text)]
+    print(f"  growth, last turn / first: new images only {growth[0]:.2f}, whole conversation "
+          f"{growth[1]:.2f}, text only {growth[2]:.2f}; new images only / text only "
+          f"{growth[0] / growth[2]:.2f} (target <= {GROWTH_TARGET})")
 
 
 class Delta:
     """Turn k: the conversation as token ids, with turn k's picture as PNG bytes under a
     uuid of the client's and the earlier ones by their uuids alone (the agent runner's
     way: its tokens are built turn by turn; here the template renders them once ahead)."""
+
+    images = True
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -101,7 +109,11 @@ class Delta:
 
 
 class Whole:
-    """Turn k: the whole conversation as messages, every picture in it as PNG bytes."""
+    """Turn k: the whole conversation as messages, every picture in it as PNG bytes (or
+    none: the text-only control)."""
+
+    def __init__(self, images: bool = True):
+        self.images = images
 
     def requests(self, messages: list[dict], pictures: list[bytes], names: list[str]):
         return {"messages": messages}
@@ -119,8 +131,8 @@ async def _run(ro, way, pictures: list[list[bytes]], tokens: int) -> list[float]
     for k in range(len(pictures[0])):
         requests = []
         for t, messages in enumerate(conversations):
-            messages.append({"role": "user", "content": [
-                {"type": "image", "image": pictures[t][k]},
+            image = [{"type": "image", "image": pictures[t][k]}] if way.images else []
+            messages.append({"role": "user", "content": image + [
                 {"type": "text", "text": f"and picture {k}?"}]})
             names[t].append(uuid.uuid4().hex)
             fields = way.requests(messages, pictures[t][:k + 1], names[t])

@@ -350,9 +350,9 @@ class Request:
             not self.image_uuids or len(self.image_uuids) == len(self.images)),
             f"got {len(self.image_uuids) if isinstance(self.image_uuids, tuple) else 'no'} "
             f"uuids for {len(self.images)} images", "one uuid (or null) per image, or none")
-        for k, uuid in enumerate(self.image_uuids):
-            _check(f"image_uuids[{k}]", uuid is None or (isinstance(uuid, str) and uuid != ""),
-                   f"got {uuid!r}", IMAGE_UUIDS)
+        for k, name in enumerate(self.image_uuids):
+            _check(f"image_uuids[{k}]", name is None or (isinstance(name, str) and name != ""),
+                   f"got {name!r}", IMAGE_UUIDS)
         for k, image in enumerate(self.images):
             if image is None and self.image_uuids and self.image_uuids[k] is not None:
                 continue  # an image sent before, named by its uuid

@@ -14,12 +14,11 @@ from rollout.kit.aio import engine_loop
 from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
 from rollout.kit.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
-from rollout.kit.transfer.shm import ShmSender
 from rollout.contract.schemas import SamplingParams, StructuredOutputs
 from rollout.kit.structured import constraint_error
 
 from rollout_vllm.engines import AsyncEngine, InProcessEngine, ServerEngine
-from rollout_vllm.transport import ENGINE_NAME, TRANSPORTS, GlooSender
+from rollout_vllm.transport import ENGINE_NAME, TRANSPORTS, GlooSender, ShmPipeline
 from rollout_vllm.weights import layer_groups
 
 MODES = ("engine", "async", "server")
@@ -27,10 +26,7 @@ MODES = ("engine", "async", "server")
 # placeholder (the collapsed form the core sends) to its run of tokens, and greedy tokens
 # were checked against the HF backend's (tests/test_images.py).
 VISION_MODEL_TYPES = ("qwen2_vl",)
-# Server mode sends token ids to /v1/completions, which takes no images with them (vLLM's
-# /inference/v1/generate, behind --enable-scale-out, would: not used yet).
-SERVER_IMAGES = ("in server mode: vLLM's /v1/completions takes token ids without images; "
-                 "use mode='engine' or mode='async'")
+SHM_GROUP_BYTES = 64 * 2**20  # the default weight_group_bytes through shared memory
 
 
 def sleep_unsupported_reason() -> str | None:
@@ -85,14 +81,14 @@ class VLLMBackend:
     def __init__(self, model: str, mode: str = "engine", dtype: str = "auto",
                  max_model_len: int | None = None, enforce_eager: bool = False,
                  engine_args: dict | None = None, startup_timeout: float = 600.0,
-                 request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES,
+                 request_timeout: float = 3600.0, weight_group_bytes: int | None = None,
                  stream_interval: int = 16, weight_transport: str | None = None,
                  weight_group_timeout: float = 300.0):
         if mode not in MODES:
             raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
         if weight_transport is None:
-            # gloo in server mode: 1.3-2.5x faster than shm for a 327 MiB model on this
-            # machine (no copy into a fresh /dev/shm file; bench/bench_weight_sync.py).
+            # gloo in server mode: it needs no shared host, and it is as fast as shm for a
+            # 327 MiB model on this machine (bench/bench_weight_sync.py).
             weight_transport = "gloo" if mode == "server" else "shm"
         if weight_transport not in TRANSPORTS or (weight_transport != "shm" and mode != "server"):
             raise InvalidRequestError("weight_transport", f"got {weight_transport!r}",
@@ -107,7 +103,11 @@ class VLLMBackend:
         self.max_model_len = max_model_len or text_config.max_position_embeddings
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.shapes = checkpoint_shapes(model)
-        self.weight_group_bytes = weight_group_bytes
+        # Smaller groups through shared memory: packing one overlaps the worker's reload of
+        # the one before (bench/bench_weight_sync.py), and the two files stay small.
+        self.weight_group_bytes = weight_group_bytes or (
+            SHM_GROUP_BYTES if weight_transport == "shm" and mode != "engine"
+            else DEFAULT_BUCKET_BYTES)
         self.sleep_reason = sleep_unsupported_reason()
         engine_args = dict(engine_args or {})
         vision = config.model_type in VISION_MODEL_TYPES
@@ -115,6 +115,11 @@ class VLLMBackend:
             # Images only (the contract has no video): vLLM then profiles and budgets no video
             # item, and never loads the video processor.
             engine_args.setdefault("limit_mm_per_prompt", {"video": 0})
+            if mode == "server":
+                # Image requests go to /inference/v1/generate, one of the scale-out routes,
+                # with one top logprob more than asked (ServerEngine says why).
+                engine_args.setdefault("enable_scale_out", True)
+                engine_args.setdefault("max_logprobs", 21)
         if weight_transport == "gloo":  # vLLM's weight-transfer routes, into our engine
             engine_args.setdefault("weight_transfer_config", {"backend": ENGINE_NAME})
         structured = engine_args.pop("structured_outputs_config", None)
@@ -134,6 +139,8 @@ class VLLMBackend:
         self.loop = engine_loop()
         self.gloo = GlooSender(self.engine, self.loop, request_timeout, weight_group_timeout) \
             if weight_transport == "gloo" else None
+        self.shm = ShmPipeline(self.engine, self.loop, request_timeout) \
+            if weight_transport == "shm" and not self.engine.in_process else None
         try:
             self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
         except BaseException:
@@ -147,7 +154,7 @@ class VLLMBackend:
     @classmethod
     def describe_capabilities(cls, sleep_reason: str | None = None,
                               images_reason: str | None = None) -> Capabilities:
-        # images: with a Qwen2-VL model in engine or async mode (the instance says).
+        # images: with a Qwen2-VL model (the instance says).
         unsupported = {"images": images_reason} if images_reason else {}
         reason = sleep_reason or sleep_unsupported_reason()
         if reason:
@@ -161,6 +168,16 @@ class VLLMBackend:
     @rollout.hookimpl
     def prompt_encoder(self) -> PromptEncoder:
         return self.prompts
+
+    @rollout.hookimpl
+    def stats(self) -> dict[str, int] | None:
+        # vLLM's multimodal processor cache, keyed by our image ids: a lookup that misses
+        # runs the image processor.
+        counts = None if self.images_reason else self.engine.mm_cache_counts()
+        if counts is None:
+            return None
+        hits, lookups = counts
+        return {"images_processed": lookups - hits, "image_cache_hits": hits}
 
     # --- generation ---------------------------------------------------------------------
 
@@ -196,11 +213,7 @@ class VLLMBackend:
             for group in groups:
                 self._run(self.engine.load_weights(group, self.request_timeout))
         else:
-            # One shared-memory file for the whole update, removed however it ends.
-            with ShmSender() as sender:
-                for group in groups:
-                    message = sender.put_tensors(list(group.items()))
-                    self._run(self.engine.load_weights(message, self.request_timeout))
+            self.shm.update(groups)  # shared memory, packing while the worker loads
         self._run(self.engine.reset_prefix_cache())
 
     def _run(self, call) -> None:
@@ -221,6 +234,8 @@ class VLLMBackend:
     def close(self):
         if self.gloo is not None:
             self.gloo.close()  # the server leaves the group too, bounded
+        if self.shm is not None:
+            self.shm.close()
         self.loop.run(self.engine.close(), 120, "stopping vLLM")
 
 
@@ -230,7 +245,7 @@ def _images_reason(config, mode: str, model_config) -> str | None:
         return (f"a text-only model here (model type {config.model_type!r}); images need a "
                 f"vision-language model of type {', '.join(VISION_MODEL_TYPES)}")
     if mode == "server":
-        return SERVER_IMAGES
+        return None  # the server's model config is in its process; a refusal comes per request
     if model_config is None or not model_config.is_multimodal_model:
         return "vLLM did not load this model as a vision-language model"
     return None

@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator
-from contextlib import aclosing, suppress
+from contextlib import aclosing, contextmanager, suppress
 
 import attrs
 
@@ -40,6 +41,7 @@ from rollout import (
     TokenLogprob,
 )
 from rollout.kit.aio import client_session
+from rollout.kit.images import EncodedImages, PromptImage
 from rollout.kit.process import (
     HOST,
     ServerProcess,
@@ -116,6 +118,7 @@ class InProcessEngine:
         self.calls: set[asyncio.Future] = set()  # RPCs waiting for the engine's thread
         self.dead: str | None = None
         self.thread: threading.Thread | None = None
+        self.mm_counts: MMCacheCounts | None = None
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -145,6 +148,7 @@ class InProcessEngine:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller of start()
             self.loop.call_soon_threadsafe(_settle, ready, None, exc)
             return
+        self.mm_counts = MMCacheCounts.of(self.engine.renderer)
         self.loop.call_soon_threadsafe(_settle, ready, None, None)
         engine = self.engine
         try:
@@ -271,7 +275,11 @@ class InProcessEngine:
         _check_reset(await self._call(lambda engine: engine.reset_prefix_cache(True)))
 
     async def release(self, level: int) -> None:
-        await self._call(lambda engine: engine.sleep(level=level))
+        with _counted_across_clear(self.mm_counts):
+            await self._call(lambda engine: engine.sleep(level=level))
+
+    def mm_cache_counts(self) -> tuple[int, int] | None:
+        return self.mm_counts and self.mm_counts.read()
 
     async def resume(self, tags: list[str]) -> None:
         await self._call(lambda engine: engine.wake_up(tags=tags))
@@ -369,6 +377,44 @@ WATCHDOG = """trap 'kill -TERM "$@" 2>/dev/null; exit' TERM
 while kill -0 "$@" 2>/dev/null; do sleep 1 & wait $!; done"""
 
 
+class MMCacheCounts:
+    """(hits, lookups) of vLLM's multimodal processor cache in this process, cumulative since
+    the engine started. Read with `make_stats()` without `delta`, which resets nothing (vLLM's
+    stats logger owns the deltas). vLLM zeroes the counts when it clears the cache (on sleep),
+    so the counts read last before a clear go into `base`; `release` reads around it."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.lock = threading.Lock()  # read from any thread
+        self.base = self.last = (0, 0)
+
+    @classmethod
+    def of(cls, renderer) -> MMCacheCounts | None:
+        cache = renderer.mm_processor_cache  # None: a text model, or the cache turned off
+        return None if cache is None else cls(cache)
+
+    def read(self) -> tuple[int, int]:
+        with self.lock:
+            info = self.cache.make_stats()
+            if info.total < self.last[1]:  # cleared since the last read
+                self.base = (self.base[0] + self.last[0], self.base[1] + self.last[1])
+            self.last = (info.hits, info.total)
+            return self.base[0] + info.hits, self.base[1] + info.total
+
+
+@contextmanager
+def _counted_across_clear(counts: MMCacheCounts | None):
+    """Read just before and after a call that may clear the cache (no request runs then):
+    the counts before it are kept, and the clear is seen before any new lookup."""
+    if counts is not None:
+        counts.read()
+    try:
+        yield
+    finally:
+        if counts is not None:
+            counts.read()
+
+
 class AsyncEngine:
     """vLLM's AsyncLLM, as its own OpenAI server runs it: the engine core (scheduler and
     model) in a child process, spoken to over ZMQ, and only request intake and output
@@ -381,6 +427,7 @@ class AsyncEngine:
         self.engine = None
         self.creating: asyncio.Future | None = None
         self.watchdog: subprocess.Popen | None = None
+        self.mm_counts: MMCacheCounts | None = None
 
     async def start(self) -> None:
         # Built on a worker thread: it blocks while the core process loads (30-75 s on
@@ -388,6 +435,7 @@ class AsyncEngine:
         # outside a running loop starts its tasks on first use, which is on the engine loop.
         self.creating = asyncio.ensure_future(asyncio.to_thread(self._create))
         await asyncio.shield(self.creating)
+        self.mm_counts = MMCacheCounts.of(self.engine.renderer)  # images render here
         pids = [str(p.pid) for p in self._core_processes()]
         if pids:
             # Started from the engine loop's thread, which lives as long as the process (the
@@ -488,7 +536,11 @@ class AsyncEngine:
         _check_reset(await self._call("reset_prefix_cache", True))
 
     async def release(self, level: int) -> None:
-        await self._call("sleep", level)
+        with _counted_across_clear(self.mm_counts):
+            await self._call("sleep", level)
+
+    def mm_cache_counts(self) -> tuple[int, int] | None:
+        return self.mm_counts and self.mm_counts.read()
 
     async def resume(self, tags: list[str]) -> None:
         await self._call("wake_up", tags)
@@ -527,6 +579,7 @@ class ServerEngine:
         self.process: ServerProcess | None = None
         self.session = None
         self.watch: asyncio.Task | None = None
+        self.encoded = EncodedImages()  # each image's data: URL, for every later turn
 
     def argv(self) -> list[str]:
         # Structured settings (e.g. structured_outputs_config) go as JSON, as vLLM's CLI reads them.
@@ -587,21 +640,47 @@ class ServerEngine:
     def model_config(self):
         return None  # in the server's process
 
+    def mm_cache_counts(self) -> tuple[int, int] | None:
+        """(hits, lookups) of the server's multimodal processor cache, from its /metrics
+        (Prometheus counters: cumulative, kept across sleep); None where it has none or
+        does not answer. Blocking: a request on loopback, bounded."""
+        import urllib.request
+
+        if self.engine_args.get("mm_processor_cache_gb", 1) <= 0:
+            return None  # no cache: its counters stay at 0 while every image is processed
+        try:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            return None
+        counts = [re.findall(rf"^vllm:mm_cache_{name}_total\{{[^}}]*\}} (\S+)$", text,
+                             re.MULTILINE) for name in ("hits", "queries")]
+        if not counts[1]:
+            return None  # the server's stats logging turned off
+        hits, lookups = (sum(int(float(v)) for v in found) for found in counts)
+        return hits, lookups
+
     async def generate(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
-        """Streamed as the server makes tokens (token ids only: the backend sends no images
-        in server mode). Cancelling closes the connection, which makes the server abort the
-        request (an abort sent by id could reach a busy server after the request has
-        finished, or before it has started)."""
+        """Streamed as the server makes tokens: token ids alone to /v1/completions, token
+        ids with images to /inference/v1/generate (/v1/completions takes no images with
+        ids). Cancelling closes the connection, which makes the server abort the request
+        (an abort sent by id could reach a busy server after the request has finished, or
+        before it has started)."""
         import aiohttp
 
-        path = "/v1/completions"
         self.process.check()
-        body = {"model": SERVED_NAME, "prompt": prompt["prompt_token_ids"], "request_id": rid,
-                "return_token_ids": True, "return_tokens_as_token_ids": True,
-                "stream": True, "stream_interval": self.stream_interval,
-                # The last event's usage says how many prompt tokens were cached.
-                "stream_options": {"include_usage": True},
-                **{k: v for k, v in params.items() if v is not None}}
+        if "multi_modal_data" in prompt:
+            path, parse = "/inference/v1/generate", _generate_chunks
+            body = await _generate_body(rid, prompt, params, self.encoded)
+        else:
+            path, parse = "/v1/completions", _sse_chunks
+            body = {"model": SERVED_NAME, "prompt": prompt["prompt_token_ids"],
+                    "request_id": rid, "return_token_ids": True,
+                    "return_tokens_as_token_ids": True,
+                    "stream": True, "stream_interval": self.stream_interval,
+                    # The last event's usage says how many prompt tokens were cached.
+                    "stream_options": {"include_usage": True},
+                    **{k: v for k, v in params.items() if v is not None}}
         k = params.get("logprobs")
         try:
             async with self.session.post(
@@ -614,7 +693,7 @@ class ServerEngine:
                 async for line in response.content:
                     if line.startswith(b"data: {"):
                         event = json.loads(line[6:])
-                        for chunk in _sse_chunks(event, k):
+                        for chunk in parse(event, k):
                             if chunk.finish_reason is None:
                                 yield chunk
                             else:
@@ -694,13 +773,18 @@ def _cached_tokens(event: dict) -> int | None:
     return details.get("cached_tokens")
 
 
-def _sse_chunks(event: dict, k: int | None) -> list[Chunk]:
-    """The chunks of one streamed /v1/completions event."""
+def _check_event(event: dict) -> None:
+    """A streamed event's error, raised."""
     if "error" in event:
         error = event["error"] if isinstance(event["error"], dict) else {}
         if error.get("code") == 400:  # refused once streaming began (e.g. a grammar)
             raise request_error(str(error.get("message")), error.get("param"))
         raise GenerationError(f"vLLM server failed mid-stream: {event['error']}")
+
+
+def _sse_chunks(event: dict, k: int | None) -> list[Chunk]:
+    """The chunks of one streamed /v1/completions event."""
+    _check_event(event)
     chunks = []
     for choice in event.get("choices", ()):
         i, tokens = choice["index"], choice.get("token_ids") or ()
@@ -715,6 +799,47 @@ def _sse_chunks(event: dict, k: int | None) -> list[Chunk]:
             top = [tuple(TokenLogprob(t, v) for t, v in sorted(
                 ((_token_id(t), _logprob(v)) for t, v in (step or {}).items()),
                 key=lambda pair: -pair[1])[:k]) for step in lp.get("top_logprobs") or ()]
+        chunks.append(Chunk(i, tokens, logprobs, top, finish))
+    return chunks
+
+
+async def _generate_body(rid: str, prompt: dict, params: dict, encoded: EncodedImages
+                         ) -> dict:
+    """A streamed request to /inference/v1/generate: the collapsed ids (vLLM expands each
+    placeholder), each image as a PNG data: URL (lossless: the pixels the core loaded; encoded
+    off the loop, once per image) with our id as its uuid, the key of vLLM's processor
+    cache."""
+    images = [PromptImage(image, uuid) for image, uuid in zip(
+        prompt["multi_modal_data"]["image"], prompt["multi_modal_uuids"]["image"], strict=True)]
+    urls = await asyncio.to_thread(lambda: [encoded.url(image) for image in images])
+    sampling = {key: v for key, v in params.items() if v is not None}
+    # Text is not used (the core decodes tokens): made only to find stop strings.
+    sampling["detokenize"] = bool(params.get("stop"))
+    if params.get("logprobs"):
+        # The route lists each position's first k entries, the sampled token first: one more
+        # keeps the whole top k when the sampled token is not in it (cut in _generate_chunks).
+        sampling["logprobs"] = params["logprobs"] + 1
+    return {"model": SERVED_NAME, "request_id": rid, "token_ids": prompt["prompt_token_ids"],
+            "content_parts": [{"type": "image_url", "url": url, "uuid": uuid} for url, uuid
+                              in zip(urls, prompt["multi_modal_uuids"]["image"], strict=True)],
+            "sampling_params": sampling, "stream": True,
+            "stream_options": {"include_usage": True}}  # usage: the cached tokens
+
+
+def _generate_chunks(event: dict, k: int | None) -> list[Chunk]:
+    """The chunks of one streamed /inference/v1/generate event (token ids as integers)."""
+    _check_event(event)
+    chunks = []
+    for choice in event.get("choices", ()):
+        i, tokens = choice["index"], choice.get("token_ids") or ()
+        finish = _finish(choice.get("finish_reason"), i)
+        if not tokens and finish is None:
+            continue
+        steps = (choice.get("logprobs") or {}).get("content") or ()
+        logprobs = [_logprob(step["logprob"]) for step in steps] if k is not None else None
+        top = [tuple(TokenLogprob(t["token_id"], _logprob(t["logprob"])) for t in sorted(
+            step["top_logprobs"], key=lambda t: -t["logprob"])[:k]) for step in steps] \
+            if k else None
         chunks.append(Chunk(i, tokens, logprobs, top, finish))
     return chunks
 

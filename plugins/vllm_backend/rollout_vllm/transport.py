@@ -1,5 +1,18 @@
-"""The trainer's side of `weight_transport="gloo"` (server mode): vLLM's weight-transfer
-routes driving our `rollout_gloo` engine (`rollout_vllm.transfer_engine`) in the server.
+"""The trainer's side of the transports into a vLLM in another process (async or server
+mode): shared memory (`ShmPipeline`), and gloo (`GlooSender`, server mode).
+
+shm: each group of whole layers is packed into one of two files under /dev/shm and named to
+the worker in a JSON message (`WeightUpdateExtension.rollout_receive_shm`), which loads
+straight from the file. Packing group k+1 goes on while the worker reloads group k, so an
+update takes about the longer of the two, not their sum. A file is written again only
+after the worker answered for the group it last held (it keeps no view then). Both files,
+and their mappings, are kept from one update to the next: writing into fresh /dev/shm pages
+cost as much as the worker's whole reload (page faults). After a failed update they are
+removed and the next update makes new ones, because a call that timed out may still be
+reading one.
+
+gloo: vLLM's weight-transfer routes driving our `rollout_gloo` engine
+(`rollout_vllm.transfer_engine`) in the server.
 
 One gloo group per backend (this process rank 0, the server's worker rank 1), opened at the
 first update under a name never used before, concurrently with /init_weight_transfer_engine.
@@ -19,6 +32,7 @@ from collections.abc import Iterable
 from rollout import GenerationError
 from rollout.kit.process import HOST, free_port
 from rollout.kit.transfer import collective
+from rollout.kit.transfer.shm import ShmSender
 
 TRANSPORTS = ("shm", "gloo")
 ENGINE_NAME = "rollout_gloo"  # rollout_vllm.transfer_engine.NAME, without importing vLLM
@@ -31,6 +45,41 @@ def update_info(group: dict) -> dict:
     return {"names": list(group),
             "dtype_names": [str(t.dtype).removeprefix("torch.") for t in group.values()],
             "shapes": [list(t.shape) for t in group.values()]}
+
+
+class ShmPipeline:
+    def __init__(self, engine, loop, timeout: float):
+        self.engine, self.loop = engine, loop  # the engine and the engine loop it runs on
+        self.timeout = timeout
+        self.senders: list[ShmSender] = []  # two, made at the first update
+
+    def update(self, groups: Iterable[dict]) -> None:
+        self.senders = self.senders or [ShmSender(), ShmSender()]
+        loading = None  # the call loading the group before, running on the engine loop
+        try:
+            for i, group in enumerate(groups):  # the trainer's iterator: it may raise
+                # This file's last group is i - 2, answered before group i - 1 was sent.
+                message = self.senders[i % 2].put_tensors(list(group.items()))
+                if loading is not None:
+                    self._wait(loading)
+                loading = asyncio.run_coroutine_threadsafe(
+                    self.engine.load_weights(message, self.timeout), self.loop.loop)
+            if loading is not None:
+                self._wait(loading)
+        except BaseException:
+            if loading is not None and not loading.done():
+                with contextlib.suppress(Exception):  # its own answer, bounded
+                    self._wait(loading)
+            self.close()  # new files next time: the worker may still read these
+            raise
+
+    def _wait(self, future) -> None:
+        self.loop.run(_awaiting(future), self.timeout + 60, "vLLM weight update")
+
+    def close(self) -> None:
+        senders, self.senders = self.senders, []
+        for sender in senders:
+            sender.close()
 
 
 class GlooSender:

@@ -1,4 +1,5 @@
-"""Images in prompts on vLLM's engine, on a real tiny Qwen2-VL built offline (float32, eager).
+"""Images in prompts on vLLM (engine, async and server mode), on a real tiny Qwen2-VL built
+offline (float32, eager).
 
 The reference is the HF backend on the same model (tested against transformers' own
 `model.generate` in plugins/hf_backend/tests/test_hf_images.py): greedy tokens, and the
@@ -7,14 +8,20 @@ collapsed prompt ids (one `<|image_pad|>` per image), must be the same.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import re
+import time
+import urllib.request
+
 import pytest
 
 import rollout
 from rollout.kit.tiny_vlm import build_tiny_vlm
-from rollout.testing.images import CASES, ask, greedy, picture
+from rollout.testing.images import CASES, ask, check_against_the_processor, greedy, \
+    picture, run_look
 
 from conftest import ENGINE
-
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +37,12 @@ def hf(vlm_dir):
 
 
 @pytest.fixture(scope="module")
+def hf_looked(hf):
+    """The reference agent trajectories (`run_look`: an image in each tool result)."""
+    return run_look(hf)
+
+
+@pytest.fixture(scope="module")
 def ro(vlm_dir):
     backend = rollout.load_backend("vllm", model=str(vlm_dir), max_model_len=1024, **ENGINE)
     yield backend
@@ -40,6 +53,7 @@ def test_a_text_model_refuses_images(tiny_model):
     # First in this file: its engine is closed before the vision model's starts.
     with rollout.load_backend("vllm", model=str(tiny_model), **ENGINE) as text_only:
         assert "text-only" in text_only.capabilities.unsupported["images"]
+        assert "stats" not in text_only.health()  # no image counters to give
         completion = text_only.generate([greedy([ask(picture(0), "what?")])])[0]
         assert completion.error.field == "messages"
         assert "does not support images" in completion.error.detail
@@ -98,6 +112,30 @@ def test_a_repeated_image_is_processed_once(ro):
     assert (after.hits - middle.hits, after.total - middle.total) == (1, 2)
 
 
+def test_the_cache_counts_go_on_across_a_clear():
+    """vLLM zeroes its cache's counts when it clears the cache (on sleep, which its CPU
+    build lacks); `stats()` keeps those read just before."""
+    from types import SimpleNamespace
+
+    from vllm.utils.cache import LRUCache
+
+    from rollout_vllm.engines import MMCacheCounts, _counted_across_clear
+
+    lru = LRUCache(100)
+    counts = MMCacheCounts(SimpleNamespace(make_stats=lru.stat))
+    lru["a"] = 1
+    lru.get("a"), lru.get("b")  # a hit and a miss
+    with _counted_across_clear(counts):
+        lru.clear()  # as vLLM's sleep clears its processor cache
+    for key in "abc":  # more lookups than before the clear
+        lru.get(key)
+    assert counts.read() == (1, 5)
+
+
+def test_agent_trajectories_equal_the_hf_backend(ro, hf_looked, vlm_dir):
+    check_look(ro, hf_looked, vlm_dir)
+
+
 @pytest.fixture(scope="module")
 def ro_async(vlm_dir, ro):
     ro.close()  # one vLLM engine at a time
@@ -116,11 +154,170 @@ def test_async_mode_equals_the_hf_backend(ro_async, hf):
         assert (a.prompt_token_ids, a.token_ids) == (b.prompt_token_ids, b.token_ids)
 
 
-def test_server_mode_reports_images_unsupported(vlm_dir):
-    """Server mode sends token ids to /v1/completions, which takes none with images."""
-    from transformers import AutoConfig
+def test_async_mode_agent_trajectories_equal_the_hf_backend(ro_async, hf_looked, vlm_dir):
+    check_look(ro_async, hf_looked, vlm_dir)
 
-    from rollout_vllm.backend import _images_reason
 
-    config = AutoConfig.from_pretrained(vlm_dir)
-    assert "/v1/completions" in _images_reason(config, "server", None)
+@pytest.fixture(scope="module")
+def ro_server(vlm_dir, ro_async):
+    ro_async.close()  # one vLLM at a time
+    # Blocks of 32 tokens: a short prompt fills one, so a repeated one is cached.
+    backend = rollout.load_backend("vllm", model=str(vlm_dir), mode="server",
+                                   max_model_len=1024, engine_args={"block_size": 32}, **ENGINE)
+    yield backend
+    backend.close()
+
+
+def test_server_mode_equals_the_hf_backend(ro_server, hf):
+    """Image requests go to the server's /inference/v1/generate, text ones to
+    /v1/completions; the same tokens either way."""
+    assert ro_server.capabilities.supports("images")
+    requests = list(CASES.values())
+    for name, a, b in zip(CASES, ro_server.generate(requests), hf.generate(requests),
+                          strict=True):
+        a, b = a.unwrap()[0], b.unwrap()[0]
+        assert (a.prompt_token_ids, a.token_ids) == (b.prompt_token_ids, b.token_ids), name
+
+
+def test_server_mode_continues_a_turn_from_the_cache(ro_server, hf):
+    """Token ids with images for a later turn, as HF makes them; sent twice, the second
+    finds the prompt's first blocks, image included, in vLLM's prefix cache."""
+    first = ro_server.generate([CASES["one image"]])[0].unwrap()[0]
+    tokenizer = ro_server.encoder.tokenizer
+    turn = tokenizer.apply_chat_template([ask(picture(6), "and now?")], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = (list(first.prompt_token_ids) + list(first.token_ids)
+           + tokenizer("<|im_end|>\n" + turn, add_special_tokens=False).input_ids)
+    request = {"prompt_token_ids": ids, "images": [picture(0), picture(6)],
+               "sampling": {"temperature": 0, "max_tokens": 12, "ignore_eos": True}}
+    ours = ro_server.generate([request])[0].unwrap()[0]
+    assert ours.token_ids == hf.generate([request])[0].unwrap()[0].token_ids
+    again = ro_server.generate([request])[0].unwrap()[0]
+    assert again.token_ids == ours.token_ids
+    assert again.cached_tokens >= 32
+
+
+def test_server_mode_honours_sampling_on_image_requests(ro_server, hf):
+    """Logprobs (against HF's), the whole top k when the sampled token is not in it, seeds,
+    stop tokens and strings, n, and streaming token by token."""
+    messages = [ask(picture(9), "describe")]
+    greedy_lp = {"messages": messages, "sampling": {"temperature": 0, "max_tokens": 6,
+                                                    "logprobs": 3, "ignore_eos": True}}
+    a, b = ro_server.generate([greedy_lp])[0].unwrap()[0], hf.generate([greedy_lp])[0].unwrap()[0]
+    assert a.token_ids == b.token_ids
+    assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
+    assert [[t.token_id for t in top] for top in a.top_logprobs] == \
+        [[t.token_id for t in top] for top in b.top_logprobs]
+
+    def sampled(**sampling):
+        request = {"messages": messages, "sampling": {"temperature": 1.0, "seed": 7,
+                                                      "max_tokens": 12, **sampling}}
+        return ro_server.generate([request])[0].unwrap()
+
+    three, five = sampled(logprobs=3)[0], sampled(logprobs=5)[0]
+    assert three.token_ids == five.token_ids  # the seed
+    assert list(three.top_logprobs) == [top[:3] for top in five.top_logprobs]
+    # Some sampled token lies outside its top 3 (else the check above proves little).
+    assert any(t not in [x.token_id for x in top]
+               for t, top in zip(three.token_ids, three.top_logprobs))
+    stop = three.token_ids[4]
+    stopped = sampled(stop_token_ids=[stop])[0]
+    assert stopped.token_ids[-1] == stop and stopped.finish_reason == "stop"
+    text = three.text[4:7]  # a stop string: the server detokenizes to find it
+    stopped = sampled(stop=[text])[0]
+    assert stopped.finish_reason == "stop" and three.text.startswith(stopped.text)
+    assert text not in stopped.text
+    assert len(sampled(n=2, seed=None)) == 2
+
+    async def stream():
+        return [len(c.token_ids) async for c in ro_server.stream(greedy(messages, 5))]
+
+    assert asyncio.run(stream()) == [1] * 5
+
+
+def test_server_mode_aborts_image_requests(ro_server):
+    """An aborted request closes its connection, and the server stops it."""
+    long = {"messages": [ask(picture(10), "go on")],
+            "sampling": {"temperature": 1.0, "max_tokens": 900, "ignore_eos": True, "n": 2}}
+    ids = [f"long-{i}" for i in range(3)]
+
+    async def run():
+        tasks = [asyncio.ensure_future(ro_server.agenerate({**long, "id": i})) for i in ids]
+        deadline = time.monotonic() + 60
+        while not await asyncio.to_thread(running, ro_server) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        ro_server.abort(ids)
+        return await asyncio.gather(*tasks)
+
+    for completion in asyncio.run(run()):
+        assert [r.finish_reason for r in completion.unwrap()] == ["abort", "abort"]
+    deadline = time.monotonic() + 30
+    while running(ro_server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running(ro_server) == 0
+    made = counter(ro_server, "generation_tokens")
+    time.sleep(1)
+    assert counter(ro_server, "generation_tokens") == made  # nothing runs on
+
+
+def test_server_mode_processes_a_repeated_image_once(ro_server):
+    """vLLM's processor cache, keyed by our image ids, as its server's /metrics counts it:
+    a later turn that repeats an earlier image runs the processor on the new one only."""
+    before = mm_cache(ro_server)
+    history = [ask(picture(30), "first"), {"role": "assistant", "content": "ok"}]
+    ro_server.generate([greedy(history, 4)])[0].unwrap()
+    middle = mm_cache(ro_server)
+    assert (middle[0] - before[0], middle[1] - before[1]) == (0, 1)
+    ro_server.generate([greedy(history + [ask(picture(31), "second")], 4)])[0].unwrap()
+    after = mm_cache(ro_server)
+    assert (after[0] - middle[0], after[1] - middle[1]) == (1, 2)
+
+
+def test_server_mode_agent_trajectories_equal_the_hf_backend(ro_server, hf_looked, vlm_dir):
+    check_look(ro_server, hf_looked, vlm_dir)
+
+
+def check_look(ro, reference, vlm_dir) -> None:
+    """`run_look` on vLLM: the HF backend's trajectories token for token, the same images
+    added per turn, each what the processor makes of the whole conversation; and vLLM's
+    processor ran on each turn's new images only (`health()["stats"]`)."""
+    before = ro.health()["stats"]
+    done = run_look(ro)
+    after = ro.health()["stats"]
+    assert [t.response_ids for t in done] == [t.response_ids for t in reference]
+    for t, ref in zip(done, reference, strict=True):
+        assert t.end_reason == "done", t.end_detail
+        assert [turn.images_added for turn in t.turns] == \
+            [turn.images_added for turn in ref.turns]
+        check_against_the_processor(t, vlm_dir)
+    # Every turn sends all of its images (by uuid where sent before); each is processed once,
+    # the first time any trajectory sends it, and found in vLLM's processor cache after that
+    # (no image of `run_look` was sent to this engine before).
+    new = {i.id for t in done for i in t.images}
+    sent = sum(sum(itertools.accumulate(len(turn.images_added) for turn in t.turns))
+               for t in done)
+    assert sent > len(new)
+    assert {k: after[k] - before[k] for k in after} == \
+        {"images_processed": len(new), "image_cache_hits": sent - len(new)}
+
+
+def metrics(ro) -> str:
+    with urllib.request.urlopen(ro._backend.engine.url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def counter(ro, name: str) -> float:
+    """One of the server's counters, summed over its labels."""
+    return sum(float(v) for v in re.findall(rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$",
+                                            metrics(ro), re.MULTILINE))
+
+
+def mm_cache(ro) -> tuple[float, float]:
+    """The server's multimodal processor cache counters: (hits, images looked up)."""
+    return counter(ro, "mm_cache_hits"), counter(ro, "mm_cache_queries")
+
+
+def running(ro) -> float:
+    """The server's own count of requests running or waiting."""
+    return sum(float(v) for v in re.findall(
+        r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", metrics(ro), re.MULTILINE))

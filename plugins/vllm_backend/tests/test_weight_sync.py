@@ -1,9 +1,12 @@
-"""Weight updates into a vLLM server through shared memory, where they fail midway: after
-some groups of whole layers were loaded, when the worker cannot read a message, and after
-vLLM took a layer with a misshapen tensor. Each leaves the weights dirty (the core refuses
-requests), no shared-memory file behind, and a following full update brings back the
-model's own outputs."""
+"""Weight updates into a vLLM server through shared memory: two files that alternate, each
+written again only after the worker answered for it, kept from one update to the next; and
+updates that fail midway: after some groups of whole layers were loaded, when the worker
+cannot read a message, and after vLLM took a layer with a misshapen tensor. Each failure
+leaves the weights dirty (the core refuses requests), no shared-memory file behind, and a
+following full update brings back the model's own outputs."""
 
+import asyncio
+import itertools
 import os
 from contextlib import suppress
 
@@ -33,6 +36,61 @@ def shm_files() -> set[str]:
     return {p.name for p in shm.SHM_DIR.glob("rollout-weights-*")}
 
 
+def kept(backend) -> set[str]:
+    """The files the backend keeps for its next update."""
+    return {s.path.name for s in backend._backend.shm.senders}
+
+
+def left_behind(backend, before: set[str], held: set[str]) -> bool:
+    """Whether a failed update left a file: a new one, or one the backend held before."""
+    assert not kept(backend)
+    return bool(shm_files() - before or shm_files() & held)
+
+
+def test_packing_overlaps_loading_and_a_file_waits_for_its_answer(server, monkeypatch):
+    """Group i+1 is packed while the worker loads group i, into the other file; a file is
+    written again only after the worker answered for its last group. Output equals a fresh
+    load, and the same two files serve the next update."""
+    backend, base, other, baseline = server
+    inner = backend._backend
+    events = []
+    put, load = shm.ShmSender.put_tensors, inner.engine.load_weights
+
+    def put_tensors(self, named):
+        events.append(("packed", self.path.name))
+        return put(self, named)
+
+    async def load_weights(message, timeout):
+        events.append(("sent", message["name"]))
+        await asyncio.sleep(0.2)  # a slow reload: the next group is packed meanwhile
+        await load(message, timeout)
+        events.append(("answered", message["name"]))
+
+    monkeypatch.setattr(shm.ShmSender, "put_tensors", put_tensors)
+    monkeypatch.setattr(inner.engine, "load_weights", load_weights)
+    backend.update_weights(other.items(), version=1)
+    assert probe(backend) != baseline
+    names = [name for what, name in events if what == "sent"]
+    assert len(names) >= 4 and len(set(names)) == 2
+    assert all(a != b for a, b in itertools.pairwise(names))  # they alternate
+    for i, (what, name) in enumerate(events):
+        if what == "packed":  # every earlier send of this file was answered first
+            assert events[:i].count(("sent", name)) == events[:i].count(("answered", name))
+    # Group i+1 packed before group i's answer: the two overlapped.
+    sends = [i for i, e in enumerate(events) if e[0] == "sent"]
+    answers = [i for i, e in enumerate(events) if e[0] == "answered"]
+    packs = [i for i, e in enumerate(events) if e[0] == "packed"]
+    assert all(p < a for p, a in zip(packs[1:], answers))
+    assert len(sends) == len(answers) == len(packs)
+
+    files = kept(backend)
+    assert files == set(names) and files <= shm_files()
+    events.clear()
+    backend.update_weights(base.items(), version=2)
+    assert {name for _, name in events} == files  # the same files again
+    assert probe(backend) == baseline
+
+
 def repaired(backend, base, baseline) -> None:
     with pytest.raises(WeightsDirtyError):
         backend.generate([{"prompt": "the", "sampling": {"max_tokens": 1}}])
@@ -42,16 +100,16 @@ def repaired(backend, base, baseline) -> None:
 
 def test_a_trainer_that_stops_after_some_layers(server):
     backend, base, other, baseline = server
-    before = shm_files()
+    before, held = shm_files(), kept(backend)
     with pytest.raises(ConnectionResetError):
         backend.update_weights(trainer_that_dies(other), bucket_bytes=4096)
-    assert shm_files() == before
+    assert not left_behind(backend, before, held)
     repaired(backend, base, baseline)
 
 
 def test_a_message_the_worker_cannot_read(server, monkeypatch):
     backend, base, other, baseline = server
-    before = shm_files()
+    before, held = shm_files(), kept(backend)
     sent = []
 
     class LosesTheSecond(shm.ShmSender):
@@ -62,10 +120,12 @@ def test_a_message_the_worker_cannot_read(server, monkeypatch):
                 message = {**message, "name": f"rollout-weights-{os.getpid()}-" + "0" * 32}
             return message
 
-    monkeypatch.setattr("rollout_vllm.backend.ShmSender", LosesTheSecond)
+    monkeypatch.setattr("rollout_vllm.transport.ShmSender", LosesTheSecond)
+    backend._backend.shm.close()  # new senders, of the class above
     with pytest.raises(GenerationError, match="does not exist"):
         backend.update_weights(other.items())
-    assert len(sent) == 2 and shm_files() == before
+    # The third group was packed (into the other file) while the second one failed.
+    assert len(sent) == 3 and not left_behind(backend, before, held)
     monkeypatch.undo()
     repaired(backend, base, baseline)
 
