@@ -215,7 +215,7 @@ class AgentRunner:
         # engine idles) until the last first prompt is rendered.
         context = await self._step(running, asyncio.to_thread(self.chat.prompt, messages))
         t.prompt_ids = list(context)
-        new_images = await self._step(running, asyncio.to_thread(_load_images, messages))
+        new_images = await self._load_images(running, messages)
         sent: set[str] = set()  # the uuids the service holds (it answered a turn with them)
         if len(context) >= self.max_model_len:
             raise _Stop("context_length", f"the first prompt has {len(context)} tokens; "
@@ -273,7 +273,7 @@ class AgentRunner:
                 if reply.done:
                     raise _Stop("done")
                 new = [_message(m) for m in reply.messages]
-            new_images = await self._step(running, asyncio.to_thread(_load_images, new))
+            new_images = await self._load_images(running, new)
             appended = self.chat.continuation(sampled, new)
             self._check_limits(t, len(context) + len(sampled) + len(appended),
                                appended=len(appended))
@@ -358,6 +358,13 @@ class AgentRunner:
         if running.timed_out:
             raise _Stop("timeout", f"over {self.config.timeout:g} s")
         return step.result()
+
+    async def _load_images(self, running: _Running, messages: list[Message]
+                           ) -> list[PromptImage]:
+        """The images of new messages (decoded on a worker thread; most turns have none)."""
+        if not any(m.images for m in messages):
+            return []
+        return await self._step(running, asyncio.to_thread(_load_images, messages))
 
     async def _sample_with_images(self, request: Request, images: list[PromptImage],
                                   partial: list, running: _Running):
