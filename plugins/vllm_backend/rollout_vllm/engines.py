@@ -782,15 +782,21 @@ def _check_event(event: dict) -> None:
         raise GenerationError(f"vLLM server failed mid-stream: {event['error']}")
 
 
-def _sse_chunks(event: dict, k: int | None) -> list[Chunk]:
-    """The chunks of one streamed /v1/completions event."""
+def _choices(event: dict):
+    """(choice, index, token ids, finish reason) of a streamed event's choices that carry
+    tokens or an end (either route's events)."""
     _check_event(event)
-    chunks = []
     for choice in event.get("choices", ()):
         i, tokens = choice["index"], choice.get("token_ids") or ()
         finish = _finish(choice.get("finish_reason"), i)
-        if not tokens and finish is None:
-            continue
+        if tokens or finish is not None:
+            yield choice, i, tokens, finish
+
+
+def _sse_chunks(event: dict, k: int | None) -> list[Chunk]:
+    """The chunks of one streamed /v1/completions event."""
+    chunks = []
+    for choice, i, tokens, finish in _choices(event):
         lp = choice.get("logprobs") or {}
         logprobs = top = None
         if k is not None:
@@ -828,13 +834,8 @@ async def _generate_body(rid: str, prompt: dict, params: dict, encoded: EncodedI
 
 def _generate_chunks(event: dict, k: int | None) -> list[Chunk]:
     """The chunks of one streamed /inference/v1/generate event (token ids as integers)."""
-    _check_event(event)
     chunks = []
-    for choice in event.get("choices", ()):
-        i, tokens = choice["index"], choice.get("token_ids") or ()
-        finish = _finish(choice.get("finish_reason"), i)
-        if not tokens and finish is None:
-            continue
+    for choice, i, tokens, finish in _choices(event):
         steps = (choice.get("logprobs") or {}).get("content") or ()
         logprobs = [_logprob(step["logprob"]) for step in steps] if k is not None else None
         top = [tuple(TokenLogprob(t["token_id"], _logprob(t["logprob"])) for t in sorted(

@@ -71,17 +71,23 @@ def test_greedy_equals_the_hf_backend(ro, hf):
     assert ours[1].unwrap()[0].prompt_token_ids.count(image_token) == 2
 
 
-def test_token_ids_with_images_continue_a_turn(ro, hf):
-    """A later turn as tokens: the first turn's prompt and output, then a new user turn with
-    a second image; both images go in `images`, in placeholder order."""
+def later_turn(ro) -> tuple[list, dict]:
+    """The "one image" case's prompt and output, then a new user turn with a second image,
+    as token ids with both images in `images` (placeholder order)."""
     first = ro.generate([CASES["one image"]])[0].unwrap()[0]
     tokenizer = ro.encoder.tokenizer
     turn = tokenizer.apply_chat_template([ask(picture(6), "and now?")], tokenize=False,
                                          add_generation_prompt=True)
     ids = (list(first.prompt_token_ids) + list(first.token_ids)
            + tokenizer("<|im_end|>\n" + turn, add_special_tokens=False).input_ids)
-    request = {"prompt_token_ids": ids, "images": [picture(0), picture(6)],
-               "sampling": {"temperature": 0, "max_tokens": 12, "ignore_eos": True}}
+    return ids, {"prompt_token_ids": ids, "images": [picture(0), picture(6)],
+                 "sampling": {"temperature": 0, "max_tokens": 12, "ignore_eos": True}}
+
+
+def test_token_ids_with_images_continue_a_turn(ro, hf):
+    """A later turn as tokens: the first turn's prompt and output, then a new user turn with
+    a second image; both images go in `images`, in placeholder order."""
+    ids, request = later_turn(ro)
     ours, theirs = ro.generate([request])[0].unwrap()[0], hf.generate([request])[0].unwrap()[0]
     assert ours.prompt_token_ids == tuple(ids) == theirs.prompt_token_ids
     assert ours.token_ids == theirs.token_ids
@@ -182,14 +188,7 @@ def test_server_mode_equals_the_hf_backend(ro_server, hf):
 def test_server_mode_continues_a_turn_from_the_cache(ro_server, hf):
     """Token ids with images for a later turn, as HF makes them; sent twice, the second
     finds the prompt's first blocks, image included, in vLLM's prefix cache."""
-    first = ro_server.generate([CASES["one image"]])[0].unwrap()[0]
-    tokenizer = ro_server.encoder.tokenizer
-    turn = tokenizer.apply_chat_template([ask(picture(6), "and now?")], tokenize=False,
-                                         add_generation_prompt=True)
-    ids = (list(first.prompt_token_ids) + list(first.token_ids)
-           + tokenizer("<|im_end|>\n" + turn, add_special_tokens=False).input_ids)
-    request = {"prompt_token_ids": ids, "images": [picture(0), picture(6)],
-               "sampling": {"temperature": 0, "max_tokens": 12, "ignore_eos": True}}
+    ids, request = later_turn(ro_server)
     ours = ro_server.generate([request])[0].unwrap()[0]
     assert ours.token_ids == hf.generate([request])[0].unwrap()[0].token_ids
     again = ro_server.generate([request])[0].unwrap()[0]
