@@ -51,7 +51,8 @@ def test_image_bodies_fit_generate_req_input():
     images = (PromptImage(Image.new("RGB", (30, 20)), "a"),
               PromptImage(Image.new("RGB", (20, 30)), "b"))
     cls = protocol.struct("generate")
-    for image_data in (InProcessEngine.image_data(images), ServerEngine.image_data(images)):
+    server = ServerEngine({"model_path": "m"}, 1.0, 1.0)
+    for image_data in (InProcessEngine.image_data(images), server.image_data(images)):
         assert len(image_data) == 2
         for body in (protocol.generate_body("0" * 32, [5, 6, 5], SamplingParams(), image_data),
                      protocol.score_body("0" * 32, [5, 6, 5], [7], 0, image_data, 40)):
@@ -60,7 +61,9 @@ def test_image_bodies_fit_generate_req_input():
             request.normalize_batch_and_arguments()
     # The scoring prefill starts where SGLang's expanded prompt (40 tokens) ends.
     assert protocol.score_body("0" * 32, [5, 6, 5], [7], 0, ["x"], 40)["logprob_start_len"] == 39
-    assert ServerEngine.image_data(images)[0].startswith("data:image/png;base64,")
+    urls = server.image_data(images)
+    assert urls[0].startswith("data:image/png;base64,")
+    assert server.image_data(images)[0] is urls[0]  # each image encoded once
 
 
 def test_dict_engine_args_are_json_on_the_server_command_line():
