@@ -50,8 +50,13 @@ def image_sources(request: Request) -> list[tuple[str, Any, str | None]]:
         uuids = request.image_uuids or (None,) * len(request.images)
         return [(f"images[{k}]", source, uuid)
                 for k, (source, uuid) in enumerate(zip(request.images, uuids))]
+    return message_image_sources(request.messages)
+
+
+def message_image_sources(messages) -> list[tuple[str, Any, str | None]]:
+    """(field, source, uuid) of every image part of chat messages, in order."""
     return [(f"messages[{i}].content[{j}]", part.image, part.uuid)
-            for i, message in enumerate(request.messages)
+            for i, message in enumerate(messages)
             if not isinstance(message.content, str)
             for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
 

@@ -27,13 +27,13 @@ import attrs
 from rollout.api import Rollout
 from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError, RolloutError, UnknownImageError
-from rollout.contract.schemas import ImagePart, Message, Request, SamplingParams, ToolCall
+from rollout.contract.schemas import Message, Request, SamplingParams, ToolCall
 from rollout.apps.agents.environment import Environment, Reply
 from rollout.apps.agents.tokens import ChatTokens, first_difference
 from rollout.apps.agents.tools import ToolResult, call_tool
 from rollout.apps.agents.trajectory import ToolCallRecord, Trajectory, Turn
 from rollout.apps.tool_parsers import ParsedMessage, load_tool_parser, new_call_id
-from rollout.kit.images import PromptImage, load_image
+from rollout.kit.images import PromptImage, load_image, message_image_sources
 
 ON_TOOL_ERROR = ("message", "end")
 
@@ -438,13 +438,9 @@ def _load_images(messages: list[Message]) -> list[PromptImage]:
     """The images of new messages, loaded, with their uuids (content hashes unless the
     message names them)."""
     loaded = []
-    for i, message in enumerate(messages):
-        parts = () if isinstance(message.content, str) else message.content
-        for j, part in enumerate(parts):
-            if not isinstance(part, ImagePart):
-                continue
-            if part.image is None:
-                raise InvalidRequestError(f"messages[{i}].content[{j}].image", "null",
-                                          "the image itself: the trajectory holds its pixels")
-            loaded.append(load_image(part.image, f"messages[{i}].content[{j}]", part.uuid))
+    for field, source, name in message_image_sources(messages):
+        if source is None:
+            raise InvalidRequestError(f"{field}.image", "null",
+                                      "the image itself: the trajectory holds its pixels")
+        loaded.append(load_image(source, field, name))
     return loaded
