@@ -14,6 +14,7 @@ repeats earlier images processes only its new ones.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ class VisionInputs:
     image_grid_thw: torch.Tensor  # [images, 3]: each image's grid of patches
 
 
+PROCESS_WAIT_S = 300.0  # for an image another request is processing
+
+
 class Vision:
     def __init__(self, model, image_processor, device: torch.device, cache_bytes: int = 0):
         self.model = model
@@ -47,6 +51,9 @@ class Vision:
         self._cache_bytes = cache_bytes  # the bound; 0: no cache
         self._held = 0  # bytes in the cache
         self._lock = threading.Lock()  # requests prepare on threads of their own
+        # id -> the result of an image another request is processing now: two requests
+        # with one new image process it once.
+        self._pending: dict[str, concurrent.futures.Future] = {}
         self.processed = 0  # images the processor ran on
         self.hits = 0  # images taken from the cache
 
@@ -57,24 +64,40 @@ class Vision:
     def _process(self, images) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each image's pixel rows and grid: from the cache, the misses from one processor
         call (per image, not per request: the processor's output is the same either way)."""
+        found, misses, joined = {}, {}, {}
         with self._lock:
-            found = {}
             for im in images:
-                if im.id not in found and im.id in self._cache:
+                if im.id in found or im.id in misses or im.id in joined:
+                    continue
+                if im.id in self._cache:
                     self._cache.move_to_end(im.id)
                     found[im.id] = self._cache[im.id]
-            self.hits += len(found)
-        misses = list({im.id: im for im in images if im.id not in found}.values())
+                elif im.id in self._pending:  # another request is processing it now
+                    joined[im.id] = self._pending[im.id]
+                else:
+                    misses[im.id] = im
+                    self._pending[im.id] = concurrent.futures.Future()
+            self.hits += len(found) + len(joined)
         if misses:
-            out = self.image_processor(images=[im.image for im in misses], return_tensors="pt")
-            grid = out["image_grid_thw"]
-            rows = out["pixel_values"].split(grid.prod(dim=-1).tolist())
+            try:
+                out = self.image_processor(images=[im.image for im in misses.values()],
+                                           return_tensors="pt")
+                grid = out["image_grid_thw"]
+                rows = out["pixel_values"].split(grid.prod(dim=-1).tolist())
+            except BaseException as exc:
+                with self._lock:
+                    for key in misses:
+                        self._pending.pop(key).set_exception(exc)
+                raise
             with self._lock:
                 self.processed += len(misses)
-                for k, im in enumerate(misses):
+                for k, key in enumerate(misses):
                     # Clones: a slice would keep the whole output's storage alive.
-                    found[im.id] = entry = (rows[k].clone(), grid[k:k + 1].clone())
-                    self._keep(im.id, entry)
+                    found[key] = entry = (rows[k].clone(), grid[k:k + 1].clone())
+                    self._keep(key, entry)
+                    self._pending.pop(key).set_result(entry)
+        for key, processing in joined.items():
+            found[key] = processing.result(timeout=PROCESS_WAIT_S)
         return [found[im.id] for im in images]
 
     def _keep(self, key: str, entry: tuple[torch.Tensor, torch.Tensor]) -> None:
