@@ -581,8 +581,10 @@ def _raw_id(item: Any, index: int) -> str:
 
 
 def load_backend(name: str, model: str, **options: Any) -> Rollout:
-    """A `Rollout` over the backend registered as `name` in `rollout.backends`, on `model`."""
+    """A `Rollout` over the backend registered as `name` in `rollout.backends`, on `model`
+    (a folder, or a known model's name: see rollout.kit.models)."""
     from rollout.contract.plugins import load_factory
+    from rollout.kit.models import resolve
 
     factory = load_factory(name)
     try:
@@ -591,4 +593,4 @@ def load_backend(name: str, model: str, **options: Any) -> Rollout:
         params = [p for p in inspect.signature(factory).parameters if p != "model"]
         raise InvalidRequestError("backend_options", f"backend {name!r}: {exc}",
                                   ", ".join(params) or "none") from None
-    return Rollout(factory(model=model, **options), name=name)
+    return Rollout(factory(model=resolve(model), **options), name=name)

