@@ -8,17 +8,25 @@ to the backend with `Rollout.update_weights`. Two checks prove that the sync wor
 - the backend's logprobs of the sampled tokens (raw distribution, temperature 1) equal the
   trainer's own forward pass on the same tokens, within `--tolerance`.
 
-The reward is the fraction of generated tokens whose text contains `--target` (a letter), so
-even a tiny random model learns it within a few dozen steps on a CPU. The backend is chosen
-by configuration alone; the same code runs on every backend:
+Two tasks. `--task letter` (the default, on the project's tiny random model): the reward is
+the fraction of generated tokens whose text contains `--target`, so even a random model
+learns it within a few dozen steps. `--task sums` (on the real SmolLM2-135M-Instruct, see
+rollout.kit.models): "What is a + b? Reply with only the number.", reward 1 when the
+answer's last number is the sum; held-out pairs are scored greedily before and after
+training (`--eval-every` also on the way). The backend is chosen by configuration alone;
+the same code runs on every backend:
 
     python examples/grpo.py --backend hf --steps 30 --check
+    python examples/grpo.py --task sums --backend vllm --backend-option dtype=float32 \
+        --steps 60 --log run.jsonl
     python examples/grpo.py --backend vllm --backend-option dtype=float32
     python examples/grpo.py --config grpo.yaml   # the same keys as the flags
     python examples/grpo.py --backend hf --replicas 2   # replica processes, pushed over shm
     python examples/grpo.py --server http://127.0.0.1:8000 --model DIR   # a rollout serve
 
-Without `--model`, it builds the project's tiny model (nothing is downloaded).
+Without `--model`, the letter task builds the project's tiny model (nothing is downloaded)
+and the sums task uses `smollm2`. `--log FILE` writes one JSON line per step and per
+evaluation; examples/plot_grpo.py draws the reward curves from such files.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ import time
 import yaml
 
 import rollout
+import rollout.kit.models
+from rollout.apps.datasets import sums
 from rollout.apps.serving.remote import ServedRollout
 
 WORDS = "the ka lo mi ne su ta ri po def return print x y if for".split()
@@ -40,10 +50,12 @@ WORDS = "the ka lo mi ne su ta ri po def return print x y if for".split()
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="a YAML file with the same keys as the flags")
+    parser.add_argument("--task", default="letter", choices=("letter", "sums"))
     parser.add_argument("--backend", default="hf", help="hf, vllm, sglang, ...")
     parser.add_argument("--backend-option", action="append", default=[], metavar="K=V",
                         help="passed to the backend's constructor (repeatable)")
-    parser.add_argument("--model", help="model folder; default: build the tiny model")
+    parser.add_argument("--model", help="model folder or known name; default: the tiny model "
+                        "(letter), smollm2 (sums)")
     parser.add_argument("--replicas", type=int, default=0,
                         help="sample from N replica processes instead of this process")
     parser.add_argument("--server", help="sample from a running `rollout serve` at this URL")
@@ -52,11 +64,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", default="a", help="the reward counts tokens containing it")
     parser.add_argument("--tolerance", type=float, default=1e-3,
                         help="largest allowed |backend logprob - trainer logprob|")
+    parser.add_argument("--held-out", type=int, default=100,
+                        help="sums: held-out pairs scored greedily before and after")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="sums: also score the held-out pairs every N steps")
+    parser.add_argument("--log", help="write one JSON line per step and evaluation here")
     parser.add_argument("--check", action="store_true",
                         help="exit non-zero unless the reward rose")
     args = parser.parse_args(argv)
@@ -84,19 +102,50 @@ def backend_options(pairs: list[str]) -> dict:
     return options
 
 
-def make_prompts(count: int) -> list[str]:
-    return [" ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(3 + i % 4))
-            for i in range(count)]
+class LetterTask:
+    """The same few prompts every step; the reward is the fraction of a sample's tokens
+    whose text contains the target (an EOS counts too). No held-out set."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer):
+        self.good = {i for i in range(len(tokenizer))
+                     if args.target in tokenizer.decode([i], skip_special_tokens=True)}
+        self.prompts = [" ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(3 + i % 4))
+                        for i in range(args.prompts)]
+        self.held_out: list = []
+
+    def batch(self, step: int) -> list[tuple[dict, object]]:
+        return [({"prompt": p}, None) for p in self.prompts]
+
+    def score(self, result, answer) -> float:
+        return sum(t in self.good for t in result.token_ids) / max(len(result.token_ids), 1)
 
 
-def score(result, good: set[int]) -> float:
-    """The reward: the fraction of the sample's tokens that are good (an EOS counts too)."""
-    return sum(t in good for t in result.token_ids) / max(len(result.token_ids), 1)
+class SumsTask:
+    """Chat prompts "What is a + b?" over training pairs in a seeded order; reward 1 when
+    the answer's last number is the sum. Held-out pairs are never trained on."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer):
+        self.train, held_out = sums.split(args.seed, held_out=args.held_out)
+        self.held_out = [({"messages": sums.messages(a, b)}, a + b) for a, b in held_out]
+        self.per_step = args.prompts
+
+    def batch(self, step: int) -> list[tuple[dict, object]]:
+        first = (step - 1) * self.per_step
+        pairs = [self.train[(first + i) % len(self.train)] for i in range(self.per_step)]
+        return [({"messages": sums.messages(a, b)}, a + b) for a, b in pairs]
+
+    def score(self, result, answer) -> float:
+        return float(sums.is_right(result.text, answer))
+
+
+TASKS = {"letter": LetterTask, "sums": SumsTask}
 
 
 def sequence_logprobs(model, results) -> list:
     """The trainer's logprob of each sampled token, one tensor per result, with gradients.
-    One right-padded batch: causal attention keeps padding from reaching real tokens."""
+    One right-padded batch: causal attention keeps padding from reaching real tokens. The
+    output layer runs only where a sampled token is predicted: over a 49k vocabulary it is
+    most of the memory of a forward pass over whole prompts."""
     import torch
 
     seqs = [list(r.prompt_token_ids) + list(r.token_ids) for r in results]
@@ -106,21 +155,33 @@ def sequence_logprobs(model, results) -> list:
     for i, seq in enumerate(seqs):
         ids[i, :len(seq)] = torch.tensor(seq)
         mask[i, :len(seq)] = 1
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
     out = []
     for i, r in enumerate(results):
         start, n = len(r.prompt_token_ids), len(r.token_ids)
         # Position t predicts token t + 1.
-        rows = logprobs[i, start - 1 : start - 1 + n]
-        out.append(rows.gather(1, torch.tensor(r.token_ids).unsqueeze(1)).squeeze(1))
+        logits = model.get_output_embeddings()(hidden[i, start - 1 : start - 1 + n]).float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        out.append(logprobs.gather(1, torch.tensor(r.token_ids).unsqueeze(1)).squeeze(1))
     return out
+
+
+def accuracy(sampler, task, max_tokens: int) -> float:
+    """The share of held-out prompts answered right under greedy decoding."""
+    requests = [{**fields, "sampling": {"temperature": 0.0, "max_tokens": max_tokens}}
+                for fields, _ in task.held_out]
+    completions = sampler.generate(requests)
+    right = sum(task.score(c.unwrap()[0], answer)
+                for c, (_, answer) in zip(completions, task.held_out))
+    return right / len(task.held_out)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.model is not None:
-        return train(args, args.model)
+        return train(args, rollout.kit.models.resolve(args.model))
+    if args.task == "sums":
+        return train(args, rollout.kit.models.resolve("smollm2"))
     from rollout.kit.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="grpo-tiny-") as tmp:
@@ -151,21 +212,38 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     # (and so is a served sampler's, which may be any engine).
     seeded = isinstance(sampler, rollout.Rollout) and sampler.capabilities.supports("seed")
 
-    # Tokens that earn reward: those whose text contains the target (special tokens have none).
-    good = {i for i in range(len(tokenizer))
-            if args.target in tokenizer.decode([i], skip_special_tokens=True)}
-    prompts = make_prompts(args.prompts)
-    rewards_per_step, version, worst_diff = [], None, 0.0
+    task = TASKS[args.task](args, tokenizer)
+    log = open(args.log, "w") if args.log else None
+
+    def record(entry: dict) -> None:
+        if log:
+            log.write(json.dumps({"backend": args.backend, "replicas": args.replicas,
+                                  "task": args.task, **entry}) + "\n")
+            log.flush()
+
+    def evaluate(step: int) -> float | None:
+        if not task.held_out:
+            return None
+        score = accuracy(sampler, task, args.max_tokens)
+        print(f"after {step:3d} steps  held-out greedy accuracy {score:.3f}", flush=True)
+        record({"step": step, "accuracy": score})
+        return score
+
+    rewards_per_step, version, worst_diff, timings = [], None, 0.0, []
     try:
+        before = evaluate(0)
         for step in range(1, args.steps + 1):
             started = time.perf_counter()
-            requests = [{"prompt": p, "sampling": {
-                "n": args.group_size, "temperature": 1.0, "max_tokens": args.max_tokens,
+            batch = task.batch(step)
+            requests = [{**fields, "sampling": {
+                "n": args.group_size, "temperature": args.temperature,
+                "max_tokens": args.max_tokens,
                 # A seed of its own per request, the same from run to run.
                 "logprobs": 0, **({"seed": args.seed * 1_000_003 + step * 1000 + i}
                                   if seeded else {})}}
-                for i, p in enumerate(prompts)]
+                for i, (fields, _) in enumerate(batch)]
             results = [r for c in sampler.generate(requests) for r in c.unwrap()]
+            sampled = time.perf_counter()
 
             # Sync check 1: the samples came from the weights pushed last.
             stale = {r.weight_version for r in results} - {version}
@@ -184,31 +262,49 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
                 return 1
 
             # Group-relative advantages: each sample against the others of its prompt.
-            reward = torch.tensor([score(r, good) for r in results])
-            reward = reward.view(len(prompts), args.group_size)
+            answers = [answer for _, answer in batch for _ in range(args.group_size)]
+            reward = torch.tensor([task.score(r, a) for r, a in zip(results, answers)])
+            reward = reward.view(len(batch), args.group_size)
             advantage = ((reward - reward.mean(1, keepdim=True))
                          / (reward.std(1, keepdim=True) + 1e-4))
             # Policy gradient: raise the logprob of samples better than their group.
             loss = -(advantage.flatten() * torch.stack([lp.sum() for lp in logprobs])).mean()
             optimizer.zero_grad()
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
+            trained = time.perf_counter()
 
             # Push the new weights; later samples must carry this version.
             sampler.update_weights(model.named_parameters(), version=step)
             version = step
+            pushed = time.perf_counter()
             rewards_per_step.append(reward.mean().item())
+            timing = {"sample_s": sampled - started, "train_s": trained - sampled,
+                      "push_s": pushed - trained, "step_s": pushed - started}
+            timings.append(timing)
+            record({"step": step, "reward": rewards_per_step[-1], "max_logprob_diff": diff,
+                    **{k: round(v, 4) for k, v in timing.items()}})
             print(f"step {step:3d}  reward {rewards_per_step[-1]:.3f}  "
-                  f"max|logprob diff| {diff:.1e}  {time.perf_counter() - started:.2f} s",
-                  flush=True)
+                  f"max|logprob diff| {diff:.1e}  {timing['step_s']:.2f} s "
+                  f"(sample {timing['sample_s']:.2f}, train {timing['train_s']:.2f}, "
+                  f"push {timing['push_s']:.2f})", flush=True)
+            if args.eval_every and step % args.eval_every == 0 and step != args.steps:
+                evaluate(step)
+        after = evaluate(args.steps)
     finally:
         sampler.close()
+        if log:
+            log.close()
 
     window = max(1, min(5, len(rewards_per_step) // 3))
     first = sum(rewards_per_step[:window]) / window
     last = sum(rewards_per_step[-window:]) / window
-    print(json.dumps({"backend": args.backend, "steps": args.steps, "first_reward": round(first, 4),
-                      "last_reward": round(last, 4), "max_logprob_diff": worst_diff,
+    mean = {k: round(sum(t[k] for t in timings) / len(timings), 4) for k in timings[0]} if timings else {}
+    print(json.dumps({"backend": args.backend, "task": args.task, "steps": args.steps,
+                      "first_reward": round(first, 4), "last_reward": round(last, 4),
+                      "accuracy_before": before, "accuracy_after": after,
+                      "max_logprob_diff": worst_diff, "mean_seconds": mean,
                       "rewards": [round(r, 4) for r in rewards_per_step]}))
     if args.check and not last > first:
         print(f"the reward did not rise: {first:.3f} over the first {window} steps, "
