@@ -94,7 +94,10 @@ def ensure(name: str, gguf: str | os.PathLike | None = None) -> Path:
         try:
             convert(spec, source, staging)
             _write_manifest(staging, spec)
-            staging.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users
+            # mkdtemp's and some writers' private modes would hide the cache from other users
+            staging.chmod(0o755)
+            for path in staging.iterdir():
+                path.chmod(0o644)
             if target.exists() or target.is_symlink():
                 _remove(target)
             os.rename(staging, target)
