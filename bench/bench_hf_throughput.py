@@ -1,9 +1,10 @@
 """HF backend against a plain per-prompt `model.generate` loop, side by side in one process.
 
-Same tiny model, same 64 prompts, 32 new tokens each (EOS ignored so both produce exactly
-that many). Prints tokens per second for both and the ratio (target: >= 5x).
+Same model (the tiny one, or `--model smollm2` with chat prompts), same 64 prompts, 32 new
+tokens each (EOS ignored so both produce exactly that many). Prints tokens per second for
+both and the ratio (target: >= 5x).
 
-    python bench/bench_hf_throughput.py [--prompts 64] [--tokens 32] [--device cpu]
+    python bench/bench_hf_throughput.py [--prompts 64] [--tokens 32] [--device cpu] [--model smollm2]
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import tempfile
 import time
 
 import rollout
-from rollout.kit.tiny_model import build_tiny_model
 
-from common import prompts
+from common import TINY, add_model_argument, model_folder, prompts
 
 
 def plain_loop(model, tokenizer, texts, tokens, device) -> float:
@@ -46,19 +46,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--device", default=None)
     parser.add_argument("--batch-size", type=int, default=64)
+    add_model_argument(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(tmp)
-        backend = rollout.load_backend("hf", model=str(model_dir), device=args.device,
+        model_dir = model_folder(args.model, tmp)
+        backend = rollout.load_backend("hf", model=model_dir, device=args.device,
                                        batch_size=args.batch_size)
         engine = backend._backend  # the same loaded model serves the baseline
-        texts = prompts(args.prompts)
+        texts = prompts(args.prompts, None if args.model == TINY else engine.tokenizer)
         through_rollout(backend, texts[:4], 4)  # warm up both paths
         plain_loop(engine.model, engine.tokenizer, texts[:2], 4, engine.device)
         ours = through_rollout(backend, texts, args.tokens)
         plain = plain_loop(engine.model, engine.tokenizer, texts, args.tokens, engine.device)
         total = args.prompts * args.tokens
-        print(f"device: {engine.device}")
+        print(f"model: {args.model}, device: {engine.device}")
         print(f"plain model.generate loop: {plain:7.3f} s  {total / plain:9.1f} tokens/s")
         print(f"rollout hf backend:        {ours:7.3f} s  {total / ours:9.1f} tokens/s")
         print(f"throughput ratio (rollout / plain): {plain / ours:.2f}x  (target >= 5x)")

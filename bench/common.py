@@ -9,10 +9,50 @@ import time
 WORDS = "the ka lo mi ne su ta ri po def return print x y".split()
 
 
-def prompts(count: int) -> list[str]:
-    """`count` deterministic prompts of 3 to 15 words, in the tiny model's vocabulary."""
-    return [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(3 + i % 13))
+TINY = "tiny"  # `--model`'s default: the tiny random model, built fresh for the run
+
+TOPICS = ("the sea", "bread", "a bicycle", "rain", "the moon", "chess", "a garden", "music",
+          "volcanoes", "a library", "winter", "honey", "trains")
+ASKS = ("What is {a} + {b}?",
+        "Write one sentence about {topic}.",
+        "Explain {topic} to a child in a few words.",
+        "Give me three facts about {topic}, one line each.",
+        "Tell a very short story about {topic} and the number {a}.",
+        "List {b} words that describe {topic}, separated by commas, and say why.")
+
+
+def prompts(count: int, chat_tokenizer=None) -> list[str]:
+    """`count` deterministic prompts: without `chat_tokenizer`, 3 to 15 words in the tiny
+    model's vocabulary; with it, questions for an instruct model (sums, sentences, facts
+    and stories about everyday topics) rendered as one user turn through its chat template,
+    as text that tokenizes to the template's tokens."""
+    if chat_tokenizer is None:
+        return [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(3 + i % 13))
+                for i in range(count)]
+    asks = [ASKS[i % len(ASKS)].format(a=i % 20 + 1, b=(i * 7) % 9 + 2,
+                                       topic=TOPICS[(i * 5) % len(TOPICS)])
             for i in range(count)]
+    return [chat_tokenizer.apply_chat_template([{"role": "user", "content": ask}],
+                                               add_generation_prompt=True, tokenize=False)
+            for ask in asks]
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=TINY,
+                        help=f"`{TINY}` (default: the tiny random model, built for the run), "
+                             "a known model's name (`smollm2`) or a model folder")
+
+
+def model_folder(model: str, tmp: str) -> str:
+    """`--model` as a folder: the tiny model built into `tmp`, or a known name's cached
+    conversion (made first if needed), or the folder as given."""
+    if model == TINY:
+        from rollout.kit.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(tmp))
+    from rollout.kit.models import resolve
+
+    return resolve(model)
 
 
 def timed(fn) -> float:

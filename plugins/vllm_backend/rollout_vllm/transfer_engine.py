@@ -61,6 +61,7 @@ class GlooTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.group = None
+        self.received: list[str] = []  # names loaded in this update
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         from rollout.kit.transfer import collective
@@ -77,12 +78,16 @@ class GlooTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self.received = []
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        from rollout_vllm.worker import refresh_tied_output
+
         finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_output(self.model, self.received)
 
     def update_weights(self, update_info: dict) -> None:
         # The base class then synchronizes an accelerator, which fails where there is none.
@@ -106,6 +111,7 @@ class GlooTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
             for i, named in enumerate(zip(update_info.names, tensors)):
                 collective.wait_all(group, works[i:i + 1], max(deadline - time.monotonic(), 0))
                 works[i] = None  # done: drop it
+                self.received.append(named[0])
                 yield named
 
         try:

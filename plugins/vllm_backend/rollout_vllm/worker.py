@@ -22,6 +22,20 @@ def _register_engines() -> None:
 _register_engines()
 
 
+def refresh_tied_output(model, names) -> None:
+    """Pack a tied output layer again after its embedding was reloaded. vLLM's reload skips
+    `lm_head` when it shares the embedding's weight, and its CPU kernels run the output
+    layer from a packed copy made at load time: without this, a model with tied embeddings
+    (SmolLM2, for one) keeps computing its logits from the old embedding."""
+    head = getattr(model, "lm_head", None)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if head is None or not tied or not any(n.endswith("embed_tokens.weight") for n in names):
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+
+
 class WeightUpdateExtension:
     def rollout_receive_shm(self, message: dict) -> int:
         from rollout.kit.buckets import unpack
@@ -34,13 +48,15 @@ class WeightUpdateExtension:
         # and carries whole layers (`weights.layer_groups`), so every layer it touches is
         # rebuilt and copied into the engine's own tensors before it returns.
         tensors = unpack(map_shm(message))
-        count = len(tensors)
+        names = [name for name, _ in tensors]
         try:
             self.reload_weights(weights_iterator=tensors)
         finally:
             del tensors  # the last views (the mapping goes with them)
-        return count
+        refresh_tied_output(self.model_runner.get_model(), names)
+        return len(names)
 
     def rollout_load_tensors(self, tensors: list) -> int:
         self.reload_weights(weights_iterator=tensors)
+        refresh_tied_output(self.model_runner.get_model(), [name for name, _ in tensors])
         return len(tensors)
