@@ -4,7 +4,8 @@ Same model (the tiny one, or `--model smollm2` with chat prompts), same 64 promp
 tokens each (EOS ignored so both produce exactly that many). Prints tokens per second for
 both and the ratio (target: >= 5x).
 
-    python bench/bench_hf_throughput.py [--prompts 64] [--tokens 32] [--device cpu] [--model smollm2]
+    python bench/bench_hf_throughput.py [--prompts 64] [--tokens 32] [--device cpu]
+                                        [--model smollm2]
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ streamed ratio prices the backend, the batch ratio adds what streaming costs SGL
 Target: streamed ratio >= 0.97. With `--overlap`, another engine with SGLang's overlap
 scheduler on prices that default.
 
+The model is the tiny one, or `--model smollm2` (chat prompts, from the model cache).
+
 Run in the SGLang environment (scripts/env.sh sglang), from the repository root:
-    python bench/bench_sglang.py [--prompts 256] [--tokens 64] [--rounds 3]
+    python bench/bench_sglang.py [--prompts 256] [--tokens 64] [--rounds 3] [--model smollm2]
 Without a GPU it loads the test-only CPU scaffolding from plugins/sglang_backend/tests/conftest.py.
 """
 
@@ -22,13 +24,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import prompts, timed, workload_parser
+from common import TINY, model_folder, prompts, timed, workload_parser
 
 SETTINGS = {"dtype": "float32"}
 
 
 def main() -> None:
-    parser = workload_parser()
+    parser = workload_parser(model=True)
     parser.add_argument("--overlap", action="store_true",
                         help="also time SGLang with its overlap scheduler on")
     args = parser.parse_args()
@@ -42,10 +44,9 @@ def main() -> None:
     import sglang
 
     import rollout
-    from rollout.kit.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_tiny_model(tmp))
+        model = model_folder(args.model, tmp)
         backend = rollout.load_backend("sglang", model=model, mode="engine", **SETTINGS)
         inner = backend._backend
         from rollout_sglang.backend import ENGINE_DEFAULTS
@@ -54,7 +55,7 @@ def main() -> None:
         llm = sglang.Engine(model_path=model, device=inner.device, max_total_tokens=4096,
                             random_seed=0, sleep_on_idle=True, log_level="error",
                             **ENGINE_DEFAULTS, **STREAM_ARGS, **SETTINGS)
-        texts = prompts(args.prompts)
+        texts = prompts(args.prompts, None if args.model == TINY else inner.tokenizer)
         ids = [inner.tokenizer(t).input_ids for t in texts]
         requests = [{"prompt_token_ids": p, "sampling": {"temperature": 1.0, "max_tokens":
                      args.tokens, "ignore_eos": True}} for p in ids]
@@ -89,7 +90,8 @@ def main() -> None:
             streamed_s.append(timed(streamed))
         a, b, s = (statistics.median(x) for x in (rollout_s, direct_s, streamed_s))
         total = args.prompts * args.tokens
-        print(f"generate {args.prompts} prompts x {args.tokens} tokens, median of {args.rounds}:")
+        print(f"model {args.model}: generate {args.prompts} prompts x {args.tokens} tokens, "
+              f"median of {args.rounds}:")
         print(f"  sglang Engine.generate direct: {b:7.3f} s  {total / b:9.1f} tokens/s")
         print(f"  sglang streamed direct:        {s:7.3f} s  {total / s:9.1f} tokens/s")
         print(f"  rollout sglang backend:        {a:7.3f} s  {total / a:9.1f} tokens/s")

@@ -4,12 +4,15 @@
    mode, its outputs streamed `--stream-interval` tokens a chunk) and through
    `vllm.LLM.generate` (final outputs only) with the same engine settings; rounds
    alternate and medians are compared. Target: ratio >= 0.97.
-2. Weight update of the tiny model's full state: through `rollout` (buckets, safetensors
+2. Weight update of the model's full state: through `rollout` (buckets, safetensors
    bytes to the worker, prefix-cache reset) against vLLM's own in-process
    `collective_rpc("reload_weights")` of the same tensors plus its prefix-cache reset.
 
+The model is the tiny one, or `--model smollm2` (chat prompts, from the model cache).
+
 Run in the vLLM environment (scripts/env.sh vllm):
     python bench/bench_vllm.py [--prompts 256] [--tokens 64] [--rounds 3] [--stream-interval 16]
+                               [--model smollm2]
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 import statistics
 import tempfile
 
-from common import prompts, timed, workload_parser
+from common import TINY, model_folder, prompts, timed, workload_parser
 
 SETTINGS = {"dtype": "float32", "enforce_eager": True}
 
@@ -30,7 +33,7 @@ def use_cpu_defaults() -> None:
 
 
 def main() -> None:
-    parser = workload_parser()
+    parser = workload_parser(model=True)
     parser.add_argument("--stream-interval", type=int, default=16)  # the backend's default
     args = parser.parse_args()
     use_cpu_defaults()
@@ -38,16 +41,15 @@ def main() -> None:
 
     import rollout
     from rollout.testing.models import load_weights
-    from rollout.kit.tiny_model import build_tiny_model
     from vllm import LLM, SamplingParams, TokensPrompt
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_tiny_model(tmp))
+        model = model_folder(args.model, tmp)
         backend = rollout.load_backend("vllm", model=model, mode="engine",
                                        stream_interval=args.stream_interval, **SETTINGS)
         llm = LLM(model=model, max_model_len=backend._backend.max_model_len, **SETTINGS)
         tokenizer = llm.get_tokenizer()
-        texts = prompts(args.prompts)
+        texts = prompts(args.prompts, None if args.model == TINY else tokenizer)
         ids = [tokenizer(t).input_ids for t in texts]
         requests = [{"prompt_token_ids": p, "sampling": {"temperature": 1.0, "max_tokens":
                      args.tokens, "ignore_eos": True}} for p in ids]
@@ -69,8 +71,8 @@ def main() -> None:
             direct_s.append(timed(direct))
         a, b = statistics.median(rollout_s), statistics.median(direct_s)
         total = args.prompts * args.tokens
-        print(f"generate {args.prompts} prompts x {args.tokens} tokens, stream interval "
-              f"{args.stream_interval}, median of {args.rounds}:")
+        print(f"model {args.model}: generate {args.prompts} prompts x {args.tokens} tokens, "
+              f"stream interval {args.stream_interval}, median of {args.rounds}:")
         print(f"  vllm LLM.generate direct: {b:7.3f} s  {total / b:9.1f} tokens/s")
         print(f"  rollout vllm backend:     {a:7.3f} s  {total / a:9.1f} tokens/s")
         print(f"  throughput ratio (rollout / direct): {b / a:.3f}  (target >= 0.97)")

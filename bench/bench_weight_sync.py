@@ -15,8 +15,11 @@ One function per backend (`bench_vllm`, `bench_sglang`), each returning its timi
 model, the raw transport (a receiver child beside the engine: `receiver_beside`) and the
 report are shared.
 
+`--model smollm2` (or a model folder) pushes that model's weights instead of the built one
+(SmolLM2-135M-Instruct: 538 MB, 30 layers, tied embeddings).
+
 Run in the engine's environment (scripts/env.sh vllm):
-    python bench/bench_weight_sync.py --backend vllm [--repeats 3] [--layers 12]
+    python bench/bench_weight_sync.py --backend vllm [--repeats 3] [--layers 12] [--model smollm2]
 """
 
 from __future__ import annotations
@@ -347,12 +350,20 @@ def main() -> None:
     parser.add_argument("--backend", choices=sorted(BACKENDS), required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--model", default=None,
+                        help="a known model's name (smollm2) or a model folder to push instead "
+                             "of the built Llama of --layers layers")
     args = parser.parse_args()
     prepare_engine(args.backend)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp), args.layers)
+        if args.model:
+            from rollout.kit.models import resolve
+
+            model, what = Path(resolve(args.model)), args.model
+        else:
+            model, what = build_model(Path(tmp), args.layers), f"{args.layers} layers"
         nbytes = (model / "model.safetensors").stat().st_size
-        print(f"model: {nbytes / 2**20:.0f} MiB, {args.layers} layers; backend {args.backend}")
+        print(f"model: {nbytes / 2**20:.0f} MiB, {what}; backend {args.backend}")
         report(BACKENDS[args.backend](model, args.repeats), nbytes)
 
 

@@ -61,12 +61,15 @@ def timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def workload_parser() -> argparse.ArgumentParser:
-    """`--prompts`, `--tokens` and `--rounds`, as the engine throughput benches take them."""
+def workload_parser(model: bool = False) -> argparse.ArgumentParser:
+    """`--prompts`, `--tokens` and `--rounds`, as the engine throughput benches take them
+    (and `--model`, for those that take another model)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    if model:
+        add_model_argument(parser)
     return parser
 
 
