@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rollout import Result, Rollout
 from rollout.apps.datasets import sums
-from rollout.testing.agreement import TOLERANCE
+from rollout.testing.agreement import TOLERANCE, check_first_token_logprobs, check_greedy_tokens
 
 # Sums it answers right, and then stops, under greedy decoding (it gets about half of
 # 1..20 right).
@@ -40,6 +40,20 @@ def check_chat_template(result: Result, tokenizer) -> None:
     prompt = tokenizer.decode(result.prompt_token_ids)
     assert prompt.startswith(SYSTEM_PREFIX), prompt
     assert prompt.endswith("<|im_start|>assistant\n"), prompt
+
+
+def check_agrees_with_hf(hf_results: list[Result], results: list[Result], model_dir) -> None:
+    """Another engine's greedy sums against the HF backend's: the same first-token logprobs
+    and tokens (up to a near-tie), right, and rendered with the model's own template."""
+    from transformers import AutoTokenizer
+
+    pairs = list(zip(hf_results, results))
+    check_first_token_logprobs(pairs)
+    check_greedy_tokens(pairs)
+    check_sums_right(results)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    for result in results:
+        check_chat_template(result, tokenizer)
 
 
 def perturbed_weights(model_dir: str | Path, seed: int = 0, scale: float = 0.02) -> dict:

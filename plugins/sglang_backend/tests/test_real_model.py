@@ -13,7 +13,6 @@ from conftest import ENGINE
 
 import rollout
 from rollout.testing import real_model as checks
-from rollout.testing.agreement import check_first_token_logprobs, check_greedy_tokens
 from rollout.testing.grpo import run_grpo
 
 # float32, as the HF backend; KV room for the 8 short sums (about 60 tokens each), not the
@@ -52,16 +51,7 @@ def hf_sums(real_model):
 
 
 def test_greedy_sums_agree_with_hf_and_are_right(engine, hf_sums, real_model):
-    from transformers import AutoTokenizer
-
-    got = checks.greedy_sums(engine.get())
-    pairs = list(zip(hf_sums, got))
-    check_first_token_logprobs(pairs)
-    check_greedy_tokens(pairs)
-    checks.check_sums_right(got)
-    tokenizer = AutoTokenizer.from_pretrained(real_model)
-    for result in got:
-        checks.check_chat_template(result, tokenizer)
+    checks.check_agrees_with_hf(hf_sums, checks.greedy_sums(engine.get()), real_model)
 
 
 def test_a_push_of_the_whole_model_takes_effect(engine, real_model):

@@ -13,7 +13,6 @@ from conftest import ENGINE
 
 import rollout
 from rollout.testing import real_model as checks
-from rollout.testing.agreement import check_first_token_logprobs, check_greedy_tokens
 from rollout.testing.grpo import run_grpo
 
 # A trainer's step (forward, backward and Adam on 135M parameters) takes most of a run's
@@ -37,16 +36,7 @@ def engine(real_model):
 
 
 def test_float32_greedy_sums_agree_with_hf_and_are_right(hf_sums, engine, real_model):
-    from transformers import AutoTokenizer
-
-    results = checks.greedy_sums(engine)
-    pairs = list(zip(hf_sums, results))
-    check_first_token_logprobs(pairs)
-    check_greedy_tokens(pairs)
-    checks.check_sums_right(results)
-    tokenizer = AutoTokenizer.from_pretrained(real_model)
-    for result in results:
-        checks.check_chat_template(result, tokenizer)
+    checks.check_agrees_with_hf(hf_sums, checks.greedy_sums(engine), real_model)
 
 
 def test_a_push_of_the_whole_model_takes_effect(engine, real_model):
