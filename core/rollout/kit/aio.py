@@ -115,6 +115,25 @@ class Relay:
 KEEPALIVE_S = 2.0
 
 
+async def lines(content) -> AsyncIterator[bytes]:
+    """The non-empty lines of a streamed response body (aiohttp's `response.content`) as
+    they arrive, however long (n samples with top logprobs outgrow aiohttp's line limit).
+    Each line gives the loop a turn: reading from a buffer that is never empty does not
+    wait, so a big stream parsed slower than the server sends it would hold the loop, and
+    every other request on it would wait for that stream's end."""
+    buffer = bytearray()
+    async for data in content.iter_any():
+        buffer += data
+        *complete, rest = buffer.split(b"\n")
+        buffer = bytearray(rest)
+        for line in complete:
+            if line.strip():
+                yield bytes(line)
+                await asyncio.sleep(0)
+    if buffer.strip():
+        yield bytes(buffer)
+
+
 def client_session(reuse_connections: bool = True, **kwargs):
     """An aiohttp session. Without reuse every call opens its own connection, with no cap
     on how many are open (a batch of requests to an engine is one connection each): on

@@ -26,7 +26,7 @@ import time
 import weakref
 
 from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
-from rollout.kit.aio import client_session, engine_loop
+from rollout.kit.aio import client_session, engine_loop, lines
 from rollout.kit.images import EncodedImages
 from rollout.kit.process import HOST, ServerProcess, cli_flags, free_port
 
@@ -270,11 +270,6 @@ class InProcessEngine:
 
 # --- HTTP server ------------------------------------------------------------------------
 
-# A stream's line is one output, or several joined when the server falls behind (top
-# logprobs included): it may outgrow aiohttp's default limit (128 KiB).
-MAX_LINE_BYTES = 1 << 28
-
-
 class ServerEngine:
     """SGLang's HTTP server, started by us as a child process on 127.0.0.1.
 
@@ -383,7 +378,7 @@ class ServerEngine:
             ) as response:
                 if response.status != 200:
                     _answer("/generate", response.status, _json(await response.text()))
-                while line := await response.content.readuntil(b"\n", max_size=MAX_LINE_BYTES):
+                async for line in lines(response.content):
                     if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()

@@ -40,7 +40,7 @@ from rollout import (
     RolloutError,
     TokenLogprob,
 )
-from rollout.kit.aio import client_session
+from rollout.kit.aio import client_session, lines
 from rollout.kit.images import EncodedImages, PromptImage
 from rollout.kit.process import (
     HOST,
@@ -690,7 +690,7 @@ class ServerEngine:
                 if response.status != 200:
                     await _json(response, path)
                 ending: list[Chunk] = []  # samples' last chunks, held for the cached count
-                async for line in response.content:
+                async for line in lines(response.content):
                     if line.startswith(b"data: {"):
                         event = json.loads(line[6:])
                         for chunk in parse(event, k):

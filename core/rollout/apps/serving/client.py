@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import contextmanager
 
 from rollout.contract import convert
-from rollout.kit.aio import client_session
+from rollout.kit.aio import client_session, lines
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutError, \
     RolloutTimeoutError
 from rollout.contract.schemas import Chunk, Completion, Request
@@ -140,7 +140,7 @@ class RemoteStream:
             if refused is not None:  # a 400 is the request's own error, raised as itself
                 raise (_typed_refusal if refused[0] == 400 else _refusal)(url, *refused)
             with self.service._reaching():
-                async for line in _lines(response.content):
+                async for line in lines(response.content):
                     item = json.loads(line)
                     if "chunk" in item:
                         yield convert.structure(item["chunk"], Chunk)
@@ -185,21 +185,6 @@ class RemoteUpdate:
     async def cancel(self, reason: str) -> None:
         await self.service._control("/rollout/weights/cancel",
                                     {"update": self.id, "reason": reason})
-
-
-async def _lines(content) -> AsyncIterator[bytes]:
-    """The lines of a response body as they arrive, however long (a completion with many
-    logprobs is longer than aiohttp's line limit)."""
-    buffer = bytearray()
-    async for data in content.iter_any():
-        buffer += data
-        *lines, rest = buffer.split(b"\n")
-        buffer = bytearray(rest)
-        for line in lines:
-            if line.strip():
-                yield bytes(line)
-    if buffer.strip():
-        yield bytes(buffer)
 
 
 def _refusal(url: str, status: int, data) -> Exception:
