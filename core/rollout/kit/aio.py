@@ -118,9 +118,10 @@ KEEPALIVE_S = 2.0
 async def lines(content) -> AsyncIterator[bytes]:
     """The non-empty lines of a streamed response body (aiohttp's `response.content`) as
     they arrive, however long (n samples with top logprobs outgrow aiohttp's line limit).
-    Each line gives the loop a turn: reading from a buffer that is never empty does not
-    wait, so a big stream parsed slower than the server sends it would hold the loop, and
-    every other request on it would wait for that stream's end."""
+    Each line gives the loop a turn: reading from a buffer that is not empty does not wait,
+    so a stream whose lines have piled up (the process waited seconds for a CPU, or parses
+    slower than the server sends) would hold the loop to its end, and every other request
+    on the loop with it."""
     buffer = bytearray()
     async for data in content.iter_any():
         buffer += data
