@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import rollout
 from rollout import Capabilities, InvalidRequestError, Request
-from rollout.kit.buckets import unpack
+from rollout.kit.buckets import copy_tensor, unpack
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.sampler import Grammars, Row, rows_for
 
@@ -149,7 +149,7 @@ class HFBackend:
                             "weights", f"{name!r} has shape {tuple(tensor.shape)}",
                             f"shape {tuple(params[name].shape)}")
                 for name, tensor in named:
-                    params[name].copy_(tensor)
+                    copy_tensor(params[name], tensor)
 
     @rollout.hookimpl
     def release(self, tags):
