@@ -241,12 +241,23 @@ def test_server_mode_aborts_image_requests(ro_server):
     ids = [f"long-{i}" for i in range(3)]
 
     async def run():
-        tasks = [asyncio.ensure_future(ro_server.agenerate({**long, "id": i})) for i in ids]
-        deadline = time.monotonic() + 60
-        while not await asyncio.to_thread(running, ro_server) and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
+        streams = [ro_server.stream({**long, "id": i}) for i in ids]
+        begun = asyncio.Event()
+        started: set[str] = set()
+
+        async def consume(rid, stream):
+            async for _ in stream:
+                started.add(rid)
+                if len(started) == len(ids):
+                    begun.set()
+            return stream.completion
+
+        tasks = [asyncio.ensure_future(consume(i, s)) for i, s in zip(ids, streams)]
+        # Aborted as soon as the server streams tokens of every request: polling its
+        # /metrics instead took long enough, on a busy machine, for all 900 to be made.
+        await asyncio.wait_for(begun.wait(), 60)
         ro_server.abort(ids)
-        return await asyncio.gather(*tasks)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
     for completion in asyncio.run(run()):
         assert [r.finish_reason for r in completion.unwrap()] == ["abort", "abort"]
