@@ -14,9 +14,9 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 )
 
 # The vLLM backend on the real engine (CPU build), in its own environment; the HF backend
-# is installed beside it for the cross-engine comparison.
+# is installed beside it for the cross-engine comparison, and TRL for its vLLM client.
 (
-  source scripts/env.sh vllm requirements/test.txt
+  source scripts/env.sh vllm requirements/test.txt requirements/trl.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
   python -m pytest plugins/vllm_backend/tests "$@"
 )
@@ -26,7 +26,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # own environment; the HF backend is installed beside it for the cross-engine comparison.
 (
   # vLLM's serving benchmark runs against the SGLang backend from the vLLM environment.
-  ROLLOUT_VLLM_PYTHON=$(source scripts/env.sh vllm requirements/test.txt && command -v python)
+  ROLLOUT_VLLM_PYTHON=$(source scripts/env.sh vllm requirements/test.txt requirements/trl.txt && command -v python)
   export ROLLOUT_VLLM_PYTHON
   source scripts/env.sh sglang requirements/test.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/sglang_backend

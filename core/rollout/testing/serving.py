@@ -118,6 +118,19 @@ class ServerContract:
         assert [c.model_dump()["token_ids"] for c in again.choices] == [
             c["token_ids"] for c in choices]  # same seed, same samples
 
+    def test_top_k_zero_or_minus_one_is_no_limit_as_on_vllm(self, client, ro):
+        """TRL's client sends top_k=0 by default (vLLM's and SGLang's "no limit")."""
+        # Seeded sampling where the backend takes seeds (a limit would change the draws).
+        call = dict(model=MODEL, prompt="the", max_tokens=8, logprobs=3,
+                    temperature=1.0 if ro.capabilities.supports("seed") else 0,
+                    seed=seed(ro, 7), extra_body={"return_tokens_as_token_ids": True})
+        plain = client.completions.create(**call).choices[0]
+        for value in (0, -1):
+            same = client.completions.create(
+                **{**call, "extra_body": {**call["extra_body"], "top_k": value}}).choices[0]
+            assert same.text == plain.text
+            assert same.logprobs.top_logprobs == plain.logprobs.top_logprobs
+
     def test_completion_logprobs_name_token_ids(self, client):
         response = client.completions.create(model=MODEL, prompt=["hello", "def"], max_tokens=5,
                                              temperature=0, logprobs=3,
@@ -132,9 +145,11 @@ class ServerContract:
                                          logprobs.top_logprobs):
                 assert max(top, key=top.get) == token and top[token] == pytest.approx(value)
         only_chosen = client.completions.create(model=MODEL, prompt="hello", max_tokens=3,
-                                                temperature=0, logprobs=0)
-        assert only_chosen.choices[0].logprobs.top_logprobs is None
-        assert len(only_chosen.choices[0].logprobs.token_logprobs) == 3
+                                                temperature=0, logprobs=0).choices[0].logprobs
+        assert len(only_chosen.token_logprobs) == 3
+        # as vLLM writes it: each position's chosen token alone
+        assert only_chosen.top_logprobs == [{t: v} for t, v in zip(only_chosen.tokens,
+                                                                    only_chosen.token_logprobs)]
 
     def test_completion_stops_before_a_stop_string(self, client):
         full = client.completions.create(model=MODEL, prompt="the", max_tokens=12, temperature=0,
@@ -358,7 +373,8 @@ class ServerContract:
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ({"stop": [""]}, "stop"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"return_tokens_as_token_ids": False}, "return_tokens_as_token_ids"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "hi", "mood": "glad"}]}, "messages[0].mood"),
         ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]},

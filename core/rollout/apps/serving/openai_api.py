@@ -36,7 +36,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore
                    "stop_token_ids", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "min_p", "min_tokens", "logit_bias",
                    "include_stop_str_in_output")
-COMMON_FIELDS = ("model", "stream", "stream_options", "return_token_ids", "max_tokens",
+COMMON_FIELDS = ("model", "stream", "stream_options", "return_token_ids",
+                 "return_tokens_as_token_ids", "max_tokens",
                  "max_completion_tokens", "response_format", "structured_outputs",
                  *SAMPLING_FIELDS)
 COMPLETIONS_FIELDS = ("prompt", "logprobs", *COMMON_FIELDS)
@@ -147,8 +148,14 @@ class Call:
                             "an object with include_usage")
         include_usage = _flag(options, "include_usage", "stream_options.")
         self.include_usage = self.stream and include_usage
+        if body.get("return_tokens_as_token_ids") is False:
+            raise bad_field("return_tokens_as_token_ids", "got false: this server writes every "
+                            "token in logprobs as token_id:N", "true, or leave it out")
+        _flag(body, "return_tokens_as_token_ids")
         self.sampling = {name: body[name] for name in SAMPLING_FIELDS
                          if body.get(name) is not None}
+        if self.sampling.get("top_k") in (0, -1) and not isinstance(body["top_k"], bool):
+            del self.sampling["top_k"]  # vLLM's and SGLang's "no limit"
         if isinstance(self.sampling.get("stop"), str):
             self.sampling["stop"] = [self.sampling["stop"]]
         # Rollout's sampling field -> the OpenAI field it came from, for error messages.
@@ -293,6 +300,12 @@ class ChatCall(Call):
         # rollout's ToolCall is flat; OpenAI nests name and arguments under `function`.
         field = re.sub(r"(tool_calls\[\d+\])\.(name|arguments)", r"\1.function.\2", field)
         return super().param(field, index, count)
+
+    def response(self, completions: list[Completion]) -> dict:
+        body = super().response(completions)
+        if self.return_token_ids:  # where vLLM's chat response has it (TRL reads it there)
+            body["prompt_token_ids"] = list(completions[0].results[0].prompt_token_ids)
+        return body
 
     def choice(self, i: int, result: Result) -> dict:
         message, finish_reason = self.tools.message(result)
@@ -582,10 +595,12 @@ def _logprob(value: float) -> float:
 def completion_logprobs(result: Result) -> dict | None:
     if result.logprobs is None:
         return None
-    top = None
-    if result.top_logprobs is not None:
-        top = [{token_label(t.token_id): _logprob(t.logprob) for t in position}
-               for position in result.top_logprobs]
+    tops = result.top_logprobs or [()] * len(result.logprobs)
+    # As vLLM writes them: each position's chosen token, then the most likely ones (so
+    # logprobs=0 gives the chosen token alone, logprobs=k at most k + 1 tokens).
+    top = [{token_label(chosen): _logprob(value),
+            **{token_label(t.token_id): _logprob(t.logprob) for t in position}}
+           for chosen, value, position in zip(result.token_ids, result.logprobs, tops)]
     # text_offset needs each token's text, which the server cannot know without a tokenizer.
     return {"tokens": [token_label(t) for t in result.token_ids],
             "token_logprobs": [_logprob(v) for v in result.logprobs],
