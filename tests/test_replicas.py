@@ -179,7 +179,7 @@ def test_a_session_stays_on_one_replica_and_moves_when_it_dies(tiny_model):
 def test_streams_through_the_pool_come_token_by_token_and_follow_their_session(tiny_model):
     from rollout import Request, SamplingParams
 
-    def request(session, max_tokens=12):
+    def request(session, max_tokens=48):
         return Request(prompt="the ka lo", session_id=session, sampling=SamplingParams(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
@@ -209,7 +209,10 @@ def test_streams_through_the_pool_come_token_by_token_and_follow_their_session(t
     chunks, completion, pinned, in_flight, moved_chunks, moved, new_home = \
         asyncio.run(main())
     sample = completion.unwrap()[0]
-    assert len(chunks) > 3 and tuple(t for c in chunks for t in c.token_ids) == sample.token_ids
+    # Tokens made while the replica's loop was busy come merged into one chunk (the HF
+    # backend takes all it finds), so how many chunks depends on timing; the first comes
+    # well before the end of 48 tokens.
+    assert len(chunks) >= 2 and tuple(t for c in chunks for t in c.token_ids) == sample.token_ids
     assert in_flight == [0, 0]
     assert new_home is not pinned and moved.unwrap()[0].token_ids == sample.token_ids
     assert tuple(t for c in moved_chunks for t in c.token_ids) == sample.token_ids
