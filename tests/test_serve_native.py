@@ -105,10 +105,12 @@ def remote_stream(server, request: dict):
 
 def test_a_stream_comes_token_by_token_and_joins_into_its_completion(server, ro):
     request = {"id": "s", "prompt": "the ka lo",
-               "sampling": {"max_tokens": 12, "temperature": 0, "ignore_eos": True,
+               "sampling": {"max_tokens": 48, "temperature": 0, "ignore_eos": True,
                             "logprobs": 1}}
     chunks, completion = remote_stream(server, request)
-    assert len(chunks) > 3  # not one piece at the end
+    # Not one piece at the end. Tokens made while the loop was busy come merged (the HF
+    # backend takes all it finds), so the count depends on timing: at least two.
+    assert len(chunks) >= 2
     sample = completion.unwrap()[0]
     assert tuple(t for c in chunks for t in c.token_ids) == sample.token_ids
     assert "".join(c.text for c in chunks) == sample.text
