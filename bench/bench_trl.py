@@ -18,10 +18,15 @@ accuracy before and after training (TRL's model scored with transformers `genera
 chat template and token limit), seconds per step (mean from step 2 on: step 1 warms up) with
 the part spent sampling (TRL: generating and scoring), and the ratios. Target: rewards equal within noise, TRL s/step / rollout s/step >= 1.5.
 
+A third side, `trl+rollout`, is TRL's trainer unchanged but for
+`rollout_func=rollout.integrations.trl.RolloutFunc(sampler)`: it samples from the same
+`rollout` backend and pushes the trainer's weights into it before each step's sampling.
+
 Run in the vLLM environment with TRL added (one environment holds both):
     source scripts/env.sh vllm requirements/test.txt requirements/trl.txt
     pip install --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
-    python bench/bench_trl.py [--steps 20] [--seed 0] [--backend vllm] [--only trl|rollout]
+    python bench/bench_trl.py [--steps 20] [--seed 0] [--backend vllm]
+        [--sides rollout,trl,trl+rollout]
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 # vLLM on CPU: a KV cache that fits a small machine, the engine in the sampler's process, and
 # no model hub anywhere.
@@ -44,6 +51,7 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 VLLM_OPTIONS = ["dtype=float32", "enforce_eager=true"]
 WINDOW = 5  # steps the final training reward is averaged over
+SIDES = ("rollout", "trl", "trl+rollout")
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,8 +68,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend-option", action="append", default=None, metavar="K=V",
                         help="for the backend (repeatable); vLLM's default: "
                         + " ".join(VLLM_OPTIONS))
-    parser.add_argument("--only", choices=("trl", "rollout"), help="run one side only")
+    parser.add_argument("--sides", default=",".join(SIDES),
+                        help="which of " + ", ".join(SIDES) + " to run (comma-separated)")
     args = parser.parse_args()
+    args.sides = args.sides.split(",")
+    if set(args.sides) - set(SIDES) or "trl" not in args.sides and len(args.sides) > 1:
+        parser.error(f"--sides: some of {', '.join(SIDES)}; with trl to compare against")
     if args.backend_option is None:
         args.backend_option = VLLM_OPTIONS if args.backend == "vllm" else []
     return args
@@ -149,7 +161,8 @@ def greedy_accuracy(model, tokenizer, held_out, max_tokens: int, batch: int = 25
     return right / len(held_out)
 
 
-def run_trl(args: argparse.Namespace, model_dir: str) -> dict:
+def run_trl(args: argparse.Namespace, model_dir: str, rollout_func=None) -> dict:
+    """TRL's GRPOTrainer; with `rollout_func`, sampling through it instead of transformers."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
@@ -232,7 +245,8 @@ def run_trl(args: argparse.Namespace, model_dir: str) -> dict:
         )
         timer = Steps()
         trainer = Trainer(model=model, reward_funcs=sums_reward, args=config,
-                          train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
+                          train_dataset=dataset, processing_class=tokenizer, callbacks=[timer],
+                          rollout_func=rollout_func)
         trainer.remove_callback(PrinterCallback)  # its whole log dict every step
         trainer.train()
         after = greedy_accuracy(trainer.model, tokenizer, held_out, args.max_tokens)
@@ -263,16 +277,24 @@ def main() -> None:
           f"{args.max_tokens} tokens, lr {args.lr:g}, seed {args.seed}; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     results = {}
-    if args.only != "trl":
+    if "rollout" in args.sides:
         results[f"rollout-{args.backend}"] = run_rollout(args, model_dir)
-    if args.only != "rollout":
+    if "trl" in args.sides:
         results["trl"] = run_trl(args, model_dir)
+    if "trl+rollout" in args.sides:
+        from rollout.integrations.trl import RolloutFunc
+
+        options = {k.replace("-", "_"): yaml.safe_load(v) for k, _, v in
+                   (o.partition("=") for o in args.backend_option)}
+        with rollout.load_backend(args.backend, model_dir, **options) as sampler:
+            results[f"trl+rollout-{args.backend}"] = run_trl(args, model_dir,
+                                                             RolloutFunc(sampler))
     load = os.getloadavg()
 
     window = min(WINDOW, args.steps)
     print(f"\nreward: the mean over the last {window} steps; s/step and sampling (its part "
           "spent sampling): means from step 2 on")
-    print(f"  {'':16s} {'reward':>7s} {'acc before':>10s} {'acc after':>9s} "
+    print(f"  {'':20s} {'reward':>7s} {'acc before':>10s} {'acc after':>9s} "
           f"{'s/step':>7s} {'sampling':>8s} {'wall s':>7s}")
     summary = {"steps": args.steps, "seed": args.seed, "backend": args.backend,
                "load_average": [round(x, 2) for x in load]}
@@ -280,27 +302,28 @@ def main() -> None:
         r["last_reward"] = statistics.fmean(r["rewards"][-window:])
         r["mean_step_s"] = mean_after_first(r["step_s"])
         r["mean_sample_s"] = mean_after_first(r["sample_s"])
-        print(f"  {name:16s} {r['last_reward']:7.3f} {r['accuracy_before']:10.3f} "
+        print(f"  {name:20s} {r['last_reward']:7.3f} {r['accuracy_before']:10.3f} "
               f"{r['accuracy_after']:9.3f} {r['mean_step_s']:7.2f} {r['mean_sample_s']:8.2f} "
               f"{r['wall_s']:7.1f}")
         summary[name] = {k: (round(v, 4) if isinstance(v, float) else
                              [round(x, 4) for x in v] if isinstance(v, list) else v)
                          for k, v in r.items()}
-    if len(results) == 2:
-        ours, trl = results[f"rollout-{args.backend}"], results["trl"]
+    trl = results.get("trl")
+    for name, ours in results.items():
+        if name == "trl" or trl is None:
+            continue
         speedup = trl["mean_step_s"] / ours["mean_step_s"]
         # Both sides train on the same prompts step by step: compare them step by step.
         diffs = [a - b for a, b in zip(ours["rewards"][-window:], trl["rewards"][-window:])]
         error = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-        print(f"  s/step ratio (TRL / rollout): {speedup:.2f}  (target >= 1.5); sampling "
-              f"alone: {trl['mean_sample_s'] / ours['mean_sample_s']:.2f}")
-        print(f"  reward difference (rollout - TRL): {ours['last_reward'] - trl['last_reward']:+.3f}"
-              f" +- {error:.3f} (standard error of the step-by-step difference)")
-        print(f"  held-out accuracy after, difference (rollout - TRL): "
-              f"{ours['accuracy_after'] - trl['accuracy_after']:+.3f}")
-        summary.update(speedup=round(speedup, 3),
-                       reward_difference=round(ours["last_reward"] - trl["last_reward"], 4),
-                       reward_difference_stderr=round(error, 4))
+        print(f"  {name}: s/step ratio (TRL / it) {speedup:.2f} (target >= 1.5); sampling "
+              f"alone {trl['mean_sample_s'] / ours['mean_sample_s']:.2f}; reward difference "
+              f"(it - TRL) {ours['last_reward'] - trl['last_reward']:+.3f} +- {error:.3f} "
+              "(standard error of the step-by-step difference); held-out accuracy after, "
+              f"difference {ours['accuracy_after'] - trl['accuracy_after']:+.3f}")
+        summary[name].update(speedup=round(speedup, 3),
+                             reward_difference=round(ours["last_reward"] - trl["last_reward"], 4),
+                             reward_difference_stderr=round(error, 4))
     print(f"  load average at the end: {' '.join(f'{x:.2f}' for x in load)}")
     print(json.dumps(summary))
 

@@ -23,12 +23,13 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 # The SGLang backend on the real engine (the PyPI wheel, a CUDA build, run on CPU with the
 # test-only driver stub and start-up shim in plugins/sglang_backend/tests/cpu/, which need gcc), in its
-# own environment; the HF backend is installed beside it for the cross-engine comparison.
+# own environment; the HF backend is installed beside it for the cross-engine comparison,
+# and TRL for its trainer through rollout.integrations.trl.
 (
   # vLLM's serving benchmark runs against the SGLang backend from the vLLM environment.
   ROLLOUT_VLLM_PYTHON=$(source scripts/env.sh vllm requirements/test.txt requirements/trl.txt && command -v python)
   export ROLLOUT_VLLM_PYTHON
-  source scripts/env.sh sglang requirements/test.txt
+  source scripts/env.sh sglang requirements/test.txt requirements/trl.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/sglang_backend
   python -m pytest plugins/sglang_backend/tests "$@"
 )

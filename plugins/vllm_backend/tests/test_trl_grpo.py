@@ -1,0 +1,35 @@
+"""TRL's GRPOTrainer sampling through `rollout.integrations.trl` on the real model: on the
+vLLM engine, on the HF backend, and through a replica process (weights over shared
+memory); and, without the pushes, the gap that they close. TRL lives in this environment
+(requirements/trl.txt)."""
+
+import pytest
+from conftest import ENGINE
+
+import rollout
+from rollout.apps.serving.remote import ServedRollout
+
+pytest.importorskip("trl", reason="TRL is not installed in this environment")
+from rollout.testing import trl as checks  # noqa: E402
+
+
+@pytest.fixture(params=["vllm", "hf", "hf-replica"])
+def sampler(request, real_model):
+    if request.param == "hf-replica":
+        with ServedRollout.start("hf", str(real_model), 1, {"dtype": "float32"}) as served:
+            yield served
+        return
+    options = {**ENGINE, "mode": "engine"} if request.param == "vllm" else {"dtype": "float32"}
+    with rollout.load_backend(request.param, str(real_model), **options) as ro:
+        yield ro
+
+
+def test_grpo_trainer_samples_through_rollout_with_the_trainers_weights(sampler, real_model,
+                                                                      tmp_path):
+    checks.check_grpo_trainer_through_rollout(sampler, str(real_model), str(tmp_path))
+
+
+def test_without_the_pushes_the_engine_lags_the_trainer(real_model, tmp_path):
+    with rollout.load_backend("hf", str(real_model), dtype="float32") as ro:
+        gaps, _ = checks.train(ro, str(real_model), str(tmp_path), push_weights=False)
+    assert gaps[0][1] < checks.TOLERANCE < gaps[1][1]  # step 1 samples step 0's weights
