@@ -42,19 +42,23 @@ def _frozen_dict(value):
 
 # --- structured outputs -------------------------------------------------------------------
 
-STRUCTURED_KINDS = ("regex", "json", "choice", "grammar")
+STRUCTURED_KINDS = ("regex", "json", "choice", "grammar", "structural_tag")
 
 
 @attrs.frozen
 class StructuredOutputs:
     """Constrains a sample's text: exactly one of `regex`, `json` (a JSON schema), `choice`
-    (one of these strings) or `grammar` (EBNF in the GBNF dialect that xgrammar reads, which
-    every built-in backend uses). JSON is compact: no whitespace between tokens."""
+    (one of these strings), `grammar` (EBNF in the GBNF dialect that xgrammar reads, which
+    every built-in backend uses) or `structural_tag` (xgrammar's structural tag, as vLLM's
+    `structured_outputs.structural_tag` holds it: free text where only tagged parts are
+    constrained, for example a tool call's arguments after its opening tag). JSON is
+    compact: no whitespace between tokens, in a structural tag's JSON schemas too."""
 
     regex: str | None = None
     json: dict | None = attrs.field(default=None, converter=_frozen_dict)
     choice: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple)
     grammar: str | None = None
+    structural_tag: dict | None = attrs.field(default=None, converter=_frozen_dict)
 
     def __attrs_post_init__(self):
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
@@ -66,6 +70,11 @@ class StructuredOutputs:
                    f"got {value!r}", "a non-empty string")
         _check("json", self.json is None or isinstance(self.json, dict), f"got {self.json!r}",
                "a JSON schema (an object)")
+        _check("structural_tag", self.structural_tag is None or (
+            isinstance(self.structural_tag, dict)
+            and self.structural_tag.get("type") == "structural_tag"),
+            f"got {self.structural_tag!r}",
+            'an object {"type": "structural_tag", "format": {...}} (xgrammar\'s format)')
         _check("choice", self.choice is None or (
             isinstance(self.choice, tuple) and len(self.choice) > 0
             and all(isinstance(c, str) and c for c in self.choice)),
@@ -463,7 +472,8 @@ CAPABILITIES = {
     "tools": "render tool definitions and tool calls with the chat template",
     **{f"structured_outputs.{kind}": f"constrain the output by {what}" for kind, what in (
         ("regex", "a regular expression"), ("json", "a JSON schema"),
-        ("choice", "a choice among strings"), ("grammar", "an EBNF grammar"))},
+        ("choice", "a choice among strings"), ("grammar", "an EBNF grammar"),
+        ("structural_tag", "constrained parts after trigger strings in free text"))},
 }
 TAGS = ("weights", "kv_cache")
 

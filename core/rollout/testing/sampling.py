@@ -271,6 +271,28 @@ class SamplingContract:
         for text in self._constrained(harness, grammar=GRAMMAR):
             assert re.fullmatch(GRAMMAR_LANGUAGE, text), text
 
+    def test_a_structural_tag_constrains_only_what_follows_its_trigger(self, harness,
+                                                                        reference):
+        _skip_unless(harness, "structured_outputs.structural_tag")
+        tag = {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": ["<tool_call>"],
+            "tags": [{"type": "tag", "begin": "<tool_call>",
+                      "content": {"type": "json_schema", "json_schema": {"enum": ["ka", "lo"]}},
+                      "end": "</tool_call>"}]}}
+        opening = reference.token("<tool_call>")
+        # The trigger written (a bias): what follows is the tag's, up to its end.
+        sampling = {"temperature": 1.0, "n": 4, "max_tokens": 32,  # the end may come spelt out
+                    "logit_bias": {opening: 100}, "stop": ["</tool_call>"],
+                    "include_stop_str_in_output": True, "structured_outputs": {
+                        "structural_tag": tag}}
+        results = harness.rollout.generate([{"prompt": PROMPT, "sampling": sampling}])[0]
+        assert {r.text for r in results.unwrap()} <= {'<tool_call>"ka"</tool_call>',
+                                                       '<tool_call>"lo"</tool_call>'}
+        # No trigger (banned): the text is free, the same as without the tag.
+        free = {"max_tokens": 12, "logit_bias": {opening: -100}}
+        assert self._one(harness, **free)[0].token_ids == self._one(
+            harness, **free, structured_outputs={"structural_tag": tag})[0].token_ids
+
     @pytest.mark.parametrize(("kind", "value"), [("regex", "(ka|lo"),
                                                  ("grammar", "root ::= ( missing")])
     def test_a_bad_constraint_fails_alone(self, harness, kind, value):

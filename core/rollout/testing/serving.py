@@ -332,6 +332,37 @@ class ServerContract:
             jsonschema.validate(json.loads(call.function.arguments),
                                 TOOLS[0]["function"]["parameters"])
 
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_strict_tools_in_auto_mode_hold_every_call_to_its_schema(self, client, ro,
+                                                                      tiny_model, stream):
+        import jsonschema
+        from transformers import AutoTokenizer
+
+        opening = AutoTokenizer.from_pretrained(str(tiny_model)).convert_tokens_to_ids(
+            "<tool_call>")
+        week = {"type": "function", "function": {
+            "name": "forecast", "strict": True, "parameters": {
+                "type": "object", "properties": {"unit": {"enum": ["c", "f"]},
+                                                 "days": {"type": "integer", "minimum": 1,
+                                                          "maximum": 7}},
+                "required": ["unit", "days"], "additionalProperties": False}}}
+        tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}, week]
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+        # The random model writes the opening tag (a bias); from there on the constraint
+        # writes a call of one of the tools, with valid arguments (free text, it would
+        # write garbage and the call would fail to parse). The stop string ends the sample
+        # at the first call's end. A random model may spell the frame out a character a
+        # token: room for all of it.
+        for i in range(3):
+            answer = _chat(client, stream, messages=CHAT, tools=tools, tool_choice="auto",
+                           max_tokens=160, temperature=1.0, seed=seed(ro, 10 + i),
+                           logit_bias={str(opening): 100}, stop=["</tool_call>"],
+                           extra_body={"include_stop_str_in_output": True})
+            assert answer["finish_reason"] == "tool_calls", answer
+            (call,) = answer["tool_calls"]
+            function = call["function"]
+            jsonschema.validate(json.loads(function["arguments"]), schemas[function["name"]])
+
     def test_a_malformed_tool_call_is_reported_not_answered(self, client):
         regex = r'<tool_call>\{"name": "subtract", "arguments": \{\}\}</tool_call>'
         response = client.chat.completions.create(
@@ -360,6 +391,10 @@ class ServerContract:
          "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a"}},
          "tool_choice"),
+        ({"tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}],
+          "response_format": {"type": "json_object"}}, "tools[0].function.strict"),
+        ({"tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": "yes"}}]},
+         "tools[0].function.strict"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),

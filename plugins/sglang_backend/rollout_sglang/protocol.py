@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from rollout import GenerationError, InvalidRequestError, RolloutError, TokenLogprob
 from rollout.contract.schemas import SamplingParams, StructuredOutputs
-from rollout.kit.structured import choice_grammar
+from rollout.kit.structured import choice_grammar, structural_tag_grammar
 
 # body name -> (module, class) in sglang.srt
 STRUCTS = {
@@ -84,6 +84,8 @@ def constraint_body(so: StructuredOutputs) -> dict:
         return {"ebnf": so.grammar}
     if so.choice is not None:
         return {"ebnf": choice_grammar(so.choice)}
+    if so.structural_tag is not None:
+        return {"ebnf": structural_tag_grammar(so.structural_tag)}
     return {"ebnf": json_grammar(so.json)}
 
 

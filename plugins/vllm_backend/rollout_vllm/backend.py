@@ -15,7 +15,7 @@ from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
 from rollout.kit.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
 from rollout.contract.schemas import SamplingParams, StructuredOutputs
-from rollout.kit.structured import constraint_error
+from rollout.kit.structured import constraint_error, structural_tag_grammar
 
 from rollout_vllm.engines import AsyncEngine, InProcessEngine, ServerEngine
 from rollout_vllm.transport import ENGINE_NAME, TRANSPORTS, GlooSender, ShmPipeline
@@ -68,6 +68,10 @@ def structured_outputs(so: StructuredOutputs | None) -> dict | None:
         raise InvalidRequestError("sampling.structured_outputs.grammar",
                                   "no rule (`name ::= ...`) in the grammar",
                                   "EBNF in the GBNF dialect that xgrammar reads")
+    if so.structural_tag is not None:
+        # As EBNF with compact JSON: vLLM's own structural-tag path lets JSON take any
+        # whitespace, on which a weak model loops.
+        return {"grammar": structural_tag_grammar(so.structural_tag)}
     value = {"json": so.json, "choice": list(so.choice) if so.choice else None,
              "regex": so.regex, "grammar": so.grammar}[so.kind]
     return {so.kind: value}

@@ -354,6 +354,7 @@ class ToolUse:
         if given is not None and not isinstance(given, list):
             raise bad_field("tools", f"got {_short(given)}", "a list of function tools")
         self.tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(given or [])]
+        strict = [bool(t["function"].get("strict")) for t in given or []]
         self.parallel = _flag(body, "parallel_tool_calls") if body.get(
             "parallel_tool_calls") is not None else True
         choice = body.get("tool_choice")
@@ -378,6 +379,8 @@ class ToolUse:
                             'none, auto, required, or {"type": "function", "function": {"name"}}')
         if self.mode == "auto":
             self.parser = load_tool_parser(parser)
+            if any(strict):
+                self.constraint = self._strict_constraint(parser, strict, constrained)
             return
         if constrained:
             raise bad_field("tool_choice", f"{self.mode} sets its own output constraint",
@@ -385,6 +388,20 @@ class ToolUse:
         constraint = forced.named_constraint(self.named) if self.mode == "named" else \
             forced.required_constraint(self.tools, self.parallel)
         self.constraint = convert.unstructure(constraint)
+
+    def _strict_constraint(self, parser: str, strict: list[bool], constrained: bool) -> dict:
+        """Strict tools under "auto": free text, and a call's arguments held to its tool's
+        schema from its opening tag on (the parser's format)."""
+        where = f"tools[{strict.index(True)}].function.strict"
+        if constrained:
+            raise bad_field(where, "strict tools under tool_choice auto set their own output "
+                            "constraint", "false together with response_format or "
+                            "structured_outputs")
+        if not hasattr(self.parser, "strict_constraint"):
+            raise bad_field(where, f"the {parser!r} tool-call format cannot hold calls to "
+                            "their schemas in tool_choice auto", 'false, or tool_choice '
+                            '"required" or a named tool')
+        return {"structural_tag": self.parser.strict_constraint(self.tools, strict)}
 
     def message(self, result: Result) -> tuple[dict, str]:
         """The assistant message and finish reason of one sample."""
@@ -419,10 +436,9 @@ def _tool(tool: Any, where: str) -> Tool:
             set(tool) - {"type", "function"}:
         raise bad_field(where, f"got {_short(tool)}",
                         '{"type": "function", "function": {"name", "description", "parameters"}}')
-    if function.get("strict"):
-        raise bad_field(f"{where}.function.strict", "arguments are not checked against the "
-                        "schema in tool_choice auto", 'false, or tool_choice "required" or a '
-                        "named tool, which enforce the schema")
+    if function.get("strict") not in (None, True, False):
+        raise bad_field(f"{where}.function.strict", f"got {_short(function['strict'])}",
+                        "true or false")
     fields = {k: v for k, v in function.items() if k != "strict" and v is not None}
     try:
         return convert.structure(fields, Tool)

@@ -8,7 +8,9 @@ open) is reported in `errors`, never passed off as a final answer.
 
 `tool_choice` "required" and a named tool are enforced by a structured-output constraint
 instead (`forced`), the way vLLM does it, so they hold even for a model that never learnt
-the format.
+the format. Strict tools under `tool_choice` "auto" are enforced in the parser's own format:
+a parser that has `strict_constraint(tools, strict)` gives a structural tag that leaves
+text free and constrains a call's arguments once its opening tag is written.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class ParsedMessage:
 
 class ToolParser(Protocol):
     def parse(self, text: str, tools: Sequence[Tool] | None) -> ParsedMessage: ...
+
+    # Optional: the structural tag (StructuredOutputs.structural_tag) for strict tools.
+    # def strict_constraint(self, tools: Sequence[Tool], strict: Sequence[bool]) -> dict
 
 
 def new_call_id() -> str:

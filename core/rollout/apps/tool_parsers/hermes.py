@@ -15,6 +15,18 @@ BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)", re.D
 
 
 class HermesParser:
+    def strict_constraint(self, tools: Sequence[Tool], strict: Sequence[bool]) -> dict:
+        """Free text; after each `<tool_call>` a call of one of `tools` in this format, its
+        arguments valid against the tool's schema where the tool is strict (any object
+        otherwise)."""
+        tags = [{"type": "tag",
+                 "begin": f'{OPEN}\n{{"name": {json.dumps(t.name)}, "arguments": ',
+                 "content": {"type": "json_schema",
+                             "json_schema": t.parameters if is_strict else {"type": "object"}},
+                 "end": f"}}\n{CLOSE}"} for t, is_strict in zip(tools, strict)]
+        return {"type": "structural_tag",
+                "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": tags}}
+
     def parse(self, text: str, tools: Sequence[Tool] | None) -> ParsedMessage:
         calls, errors = [], []
         for block in BLOCK.finditer(text):

@@ -15,13 +15,14 @@ import torch
 
 from rollout import InvalidRequestError
 from rollout.contract.schemas import StructuredOutputs
-from rollout.kit.structured import choice_grammar
+from rollout.kit.structured import choice_grammar, structural_tag_grammar
 
 ALLOWED = {
     "regex": "a regular expression that xgrammar can compile",
     "json": "a JSON schema that xgrammar supports",
     "choice": "a list of strings",
     "grammar": "EBNF in xgrammar's GBNF dialect, with a `root` rule",
+    "structural_tag": "xgrammar's structural tag format",
 }
 # xgrammar's messages start with "[time] /path/file.cc:line: "; the rest is what matters.
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
@@ -45,7 +46,7 @@ class Grammars:
         value = getattr(structured, kind)
         field = f"sampling.structured_outputs.{kind}"
         try:
-            key = (kind, json.dumps(value, sort_keys=True) if kind == "json" else value)
+            key = (kind, json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
             with self._lock:
                 if key in self._cache:
                     self._cache.move_to_end(key)
@@ -76,6 +77,8 @@ class Grammars:
                                                separators=(",", ":"))
         if kind == "choice":
             return compiler.compile_grammar(choice_grammar(value))
+        if kind == "structural_tag":
+            return compiler.compile_grammar(structural_tag_grammar(value))
         return compiler.compile_grammar(value)
 
     def _get_compiler(self):
