@@ -4,18 +4,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The HF environment also holds Ray and the OpenAI Agents SDK; the SDK's Python is the
+# client of the other engines' servers too.
+HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"
 
 # The core, the HF backend (transformers) and the example backend of
 # docs/writing-a-backend.md.
 (
-  source scripts/env.sh hf requirements/test.txt requirements/ray.txt
+  source scripts/env.sh hf $HF_EXTRAS
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/example_backend
   python -m pytest tests plugins/hf_backend/tests plugins/example_backend/tests "$@"
 )
 
 # The vLLM backend on the real engine (CPU build), in its own environment; the HF backend
-# is installed beside it for the cross-engine comparison, and TRL for its vLLM client.
+# is installed beside it for the cross-engine comparison, and TRL for its vLLM client and
+# its trainer through rollout.integrations.trl.
 (
+  ROLLOUT_AGENTS_PYTHON=$(source scripts/env.sh hf $HF_EXTRAS && command -v python)
+  export ROLLOUT_AGENTS_PYTHON
   source scripts/env.sh vllm requirements/test.txt requirements/trl.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
   python -m pytest plugins/vllm_backend/tests "$@"
@@ -28,7 +34,8 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 (
   # vLLM's serving benchmark runs against the SGLang backend from the vLLM environment.
   ROLLOUT_VLLM_PYTHON=$(source scripts/env.sh vllm requirements/test.txt requirements/trl.txt && command -v python)
-  export ROLLOUT_VLLM_PYTHON
+  ROLLOUT_AGENTS_PYTHON=$(source scripts/env.sh hf $HF_EXTRAS && command -v python)
+  export ROLLOUT_VLLM_PYTHON ROLLOUT_AGENTS_PYTHON
   source scripts/env.sh sglang requirements/test.txt requirements/trl.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/sglang_backend
   python -m pytest plugins/sglang_backend/tests "$@"

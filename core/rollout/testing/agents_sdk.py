@@ -1,0 +1,101 @@
+"""The OpenAI Agents SDK (the real package) as a client of `rollout serve`.
+
+An agent with two plain `@function_tool`s, which the SDK marks `strict`, runs a tool loop:
+the first turn asks for one call (`tool_choice="required"`, which forces a valid call even
+from a random model), the SDK runs the tools and, as it does by default, sends the next turn with
+`tool_choice="auto"`, strict tools and all; the model then answers in text (a random
+model's stray `<tool_call>` tag is banned by a logit bias, so the loop ends). Every call's
+arguments must match its tool's schema.
+
+`python -m rollout.testing.agents_sdk URL MODEL OPENING_TOKEN_ID` runs the agent and prints
+one JSON line; `check_agents_sdk` starts `rollout serve` on a backend and runs that in the
+Python given (one with the SDK installed, which may be another environment's than the
+server's).
+"""
+
+import json
+import subprocess
+import sys
+
+RESULT = "RESULT "
+# No `from __future__ import annotations` here: the SDK reads the tools' annotations, which
+# name types imported inside run_agent.
+
+
+def run_agent(url: str, model: str, opening: int) -> dict:
+    import asyncio
+    from typing import Annotated, Literal
+
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner,
+                        function_tool, set_tracing_disabled)
+    from openai import AsyncOpenAI
+    from pydantic import Field
+
+    set_tracing_disabled(True)  # nothing leaves this machine
+    calls = []
+
+    # Bounded arguments, so that a random model's call fits in a few tokens.
+    @function_tool
+    def add(a: Annotated[int, Field(ge=0, le=9)], b: Annotated[int, Field(ge=0, le=9)]) -> int:
+        """Add two digits."""
+        calls.append(("add", {"a": a, "b": b}))
+        return a + b
+
+    @function_tool
+    def weather(city: Literal["Paris", "Rome", "Oslo"]) -> str:
+        """The weather in a city."""
+        calls.append(("weather", {"city": city}))
+        return f"sunny in {city}"
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    agent = Agent(
+        name="assistant", instructions="Use the tools, then answer.", tools=[add, weather],
+        model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                     max_tokens=96, temperature=1.0,
+                                     extra_body={"logit_bias": {str(opening): -100}}))
+    result = asyncio.run(Runner.run(agent, "What is 2 + 3, and the weather in Paris?",
+                                    max_turns=4))
+    schemas = {t.name: t.params_json_schema for t in (add, weather)}
+    return {"strict": [t.strict_json_schema for t in (add, weather)], "calls": calls,
+            "schemas": schemas, "final_output": result.final_output,
+            "turns": sum(1 for item in result.raw_responses)}
+
+
+def check_agents_sdk(python: str, backend: str, model_dir: str, options: dict | None = None,
+                     timeout: float = 600) -> dict:
+    """Serve `backend`, run the agent against it with `python`: strict tools, at least one
+    call, each call's arguments valid for its tool, a text answer at the end."""
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from rollout.kit.process import ServerProcess, free_port
+
+    opening = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<tool_call>")
+    port = free_port()
+    argv = [sys.executable, "-m", "rollout", "serve", "--backend", backend, "--model",
+            model_dir, "--served-model-name", "tiny", "--port", str(port)]
+    for key, value in (options or {}).items():
+        argv += ["-o", f"{key}={json.dumps(value)}"]
+    server = ServerProcess("rollout-serve", argv, die_with_parent=True)
+    try:
+        server.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=300)
+        done = subprocess.run([python, "-m", "rollout.testing.agents_sdk",
+                               f"http://127.0.0.1:{port}", "tiny", str(opening)],
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        server.stop()
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    assert lines, f"the agent printed no result (exit {done.returncode}):\n{done.stderr[-3000:]}"
+    run = json.loads(lines[-1][len(RESULT):])
+    assert run["strict"] == [True, True], run  # the SDK's default: the case that failed
+    assert run["calls"], run
+    for name, arguments in run["calls"]:
+        jsonschema.validate(arguments, run["schemas"][name])
+    assert isinstance(run["final_output"], str) and run["turns"] >= 2, run
+    return run
+
+
+if __name__ == "__main__":
+    print(RESULT + json.dumps(run_agent(sys.argv[1], sys.argv[2], int(sys.argv[3]))),
+          flush=True)
