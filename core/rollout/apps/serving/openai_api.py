@@ -66,7 +66,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "store": ((None, False), "completions are not stored"),
 }
 # vLLM's `structured_outputs` object: what rollout takes of it.
-STRUCTURED_FIELDS = ("regex", "json", "choice", "grammar", "json_object")
+STRUCTURED_FIELDS = ("regex", "json", "choice", "grammar", "structural_tag", "json_object")
 
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 # What the openai client puts in a returned message: fine to send back while empty.
@@ -481,12 +481,14 @@ def _structured_outputs(body: dict) -> tuple[dict, str] | None:
                 raise bad_field("structured_outputs.json_object", "given together with json",
                                 "one of " + ", ".join(STRUCTURED_FIELDS))
             ours["json"] = {"type": "object"}
-        if isinstance(ours.get("json"), str):
-            try:
-                ours["json"] = json.loads(ours["json"])
-            except ValueError as exc:
-                raise bad_field("structured_outputs.json", f"not valid JSON: {exc}",
-                                "a JSON schema") from None
+        for key, allowed in (("json", "a JSON schema"),
+                             ("structural_tag", "xgrammar's structural tag")):
+            if isinstance(ours.get(key), str):  # vLLM takes both as JSON text
+                try:
+                    ours[key] = json.loads(ours[key])
+                except ValueError as exc:
+                    raise bad_field(f"structured_outputs.{key}", f"not valid JSON: {exc}",
+                                    allowed) from None
         return ours, "structured_outputs"
     return (fmt, "response_format") if fmt is not None else None
 
