@@ -37,3 +37,8 @@ def test_a_generation_kwarg_rollout_does_not_know_is_refused_by_name():
     request = {"prompt_token_ids": [1, 2], "sampling": fields(generation_kwargs={"num_beams": 4})}
     with pytest.raises(rollout.InvalidRequestError, match="num_beams"):
         convert.structure(request, rollout.Request)
+
+
+def test_no_completion_limit_is_refused_by_name():
+    with pytest.raises(rollout.InvalidRequestError, match="max_completion_length"):
+        fields(max_completion_length=None)

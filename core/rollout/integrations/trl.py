@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from rollout.contract.errors import UnsupportedError
+from rollout.contract.errors import InvalidRequestError, UnsupportedError
 
 
 class RolloutFunc:
@@ -92,6 +92,9 @@ def sampling_fields(trainer: Any) -> dict:
     limit, min_p None is none, and generation_kwargs override the rest. A key `rollout` does
     not know is refused by the request's validation, never dropped."""
     args = trainer.args
+    if args.max_completion_length is None:  # TRL then runs to the model's own limit
+        raise InvalidRequestError("max_completion_length", "None: no limit is not supported",
+                                  "a number of tokens")
     fields = {"temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k if args.top_k and args.top_k > 0 else None,
               "min_p": args.min_p or 0.0, "repetition_penalty": args.repetition_penalty,

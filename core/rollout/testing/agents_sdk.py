@@ -13,11 +13,10 @@ Python given (one with the SDK installed, which may be another environment's tha
 server's).
 """
 
-import json
-import subprocess
 import sys
 
-RESULT = "RESULT "
+from rollout.testing.served import MODEL_NAME, print_result, rollout_serve, run_client
+
 # No `from __future__ import annotations` here: the SDK reads the tools' annotations, which
 # name types imported inside run_agent.
 
@@ -69,25 +68,10 @@ def check_agents_sdk(python: str, backend: str, model_dir: str, options: dict | 
     import jsonschema
     from transformers import AutoTokenizer
 
-    from rollout.kit.process import ServerProcess, free_port
-
     opening = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<tool_call>")
-    port = free_port()
-    argv = [sys.executable, "-m", "rollout", "serve", "--backend", backend, "--model",
-            model_dir, "--served-model-name", "tiny", "--port", str(port)]
-    for key, value in (options or {}).items():
-        argv += ["-o", f"{key}={json.dumps(value)}"]
-    server = ServerProcess("rollout-serve", argv, die_with_parent=True)
-    try:
-        server.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=300)
-        done = subprocess.run([python, "-m", "rollout.testing.agents_sdk",
-                               f"http://127.0.0.1:{port}", "tiny", str(opening)],
-                              capture_output=True, text=True, timeout=timeout)
-    finally:
-        server.stop()
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
-    assert lines, f"the agent printed no result (exit {done.returncode}):\n{done.stderr[-3000:]}"
-    run = json.loads(lines[-1][len(RESULT):])
+    with rollout_serve(backend, model_dir, options) as url:
+        run = run_client([python, "-m", "rollout.testing.agents_sdk", url, MODEL_NAME,
+                          str(opening)], timeout)
     assert run["strict"] == [True, True], run  # the SDK's default: the case that failed
     assert run["calls"], run
     for name, arguments in run["calls"]:
@@ -97,5 +81,4 @@ def check_agents_sdk(python: str, backend: str, model_dir: str, options: dict | 
 
 
 if __name__ == "__main__":
-    print(RESULT + json.dumps(run_agent(sys.argv[1], sys.argv[2], int(sys.argv[3]))),
-          flush=True)
+    print_result(run_agent(sys.argv[1], sys.argv[2], int(sys.argv[3])))

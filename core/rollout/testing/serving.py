@@ -450,6 +450,11 @@ class ServerContract:
             client.completions.create(model="gpt-4", prompt="hello", max_tokens=2)
         assert caught.value.body["code"] == "model_not_found"
 
+    def test_trls_nccl_weight_routes_are_refused_with_the_reason(self, server):
+        for path in ("/server_info", "/get_world_size", "/init_weight_transfer_engine"):
+            status, body = http(server.url + path, {} if path.startswith("/init") else None)
+            assert status == 501 and "rollout.integrations.trl" in body["error"]["message"]
+
     def test_malformed_json_and_unknown_routes_get_openai_errors(self, server):
         status, body = http(f"{server.url}/v1/completions", data=b"{not json")
         assert status == 400 and "not valid JSON" in body["error"]["message"]

@@ -87,3 +87,12 @@ def test_a_field_it_cannot_honour_is_refused_with_the_reason(served):
     with pytest.raises(Exception, match="return_tokens_as_token_ids"):
         client.generate(PROMPTS, max_tokens=2,
                         generation_kwargs={"return_tokens_as_token_ids": False})
+
+
+def test_nccl_weight_sync_is_refused_with_the_way_that_works(served):
+    _, client = served
+    # TRL asks for the server's config first; the answer names the CPU-and-GPU way.
+    with pytest.raises(Exception, match="501.*rollout.integrations.trl"):
+        client.init_communicator(device="cpu")
+    with pytest.raises(Exception, match="501.*rollout.integrations.trl"):
+        client.get_world_size()

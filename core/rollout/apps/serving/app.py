@@ -39,6 +39,15 @@ MAX_BODY_BYTES = 64 << 20
 SESSION_HEADER = "X-Session-ID"  # the requests of one session go to one replica
 SHUTDOWN_GRACE_S = 5.0
 WEIGHT_STEPS = ("group", "bucket", "end", "cancel")
+# vLLM's development routes that TRL's VLLMClient calls to sync weights over NCCL: not
+# served, and said so (a 404 would send TRL's user to restart vLLM in development mode).
+TRL_NCCL_ROUTES = ("/server_info", "/get_world_size", "/init_weight_transfer_engine",
+                   "/start_weight_update", "/update_weights", "/finish_weight_update",
+                   "/reset_prefix_cache")
+TRL_NCCL_REASON = ("weight sync through vLLM's NCCL weight-transfer routes (TRL's server "
+                   "mode) is not served by rollout serve; push the trainer's weights with "
+                   "rollout.integrations.trl.RolloutFunc or the /rollout/weights routes "
+                   "(docs/integrations.md)")
 
 
 def make_app(service: Service, model_name: str, api_key: str | None = None,
@@ -58,8 +67,14 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
         web.post("/rollout/release", routes.release),
         web.post("/rollout/resume", routes.resume),
         web.post("/rollout/weights/{step}", routes.weights),
+        *(web.route("*", path, _not_served) for path in TRL_NCCL_ROUTES),
     ])
     return app
+
+
+async def _not_served(request: web.Request) -> web.Response:
+    raise ApiError(501, f"{request.path}: {TRL_NCCL_REASON}", type="server_error",
+                   code="unsupported")
 
 
 class _Routes:

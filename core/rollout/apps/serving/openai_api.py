@@ -281,7 +281,10 @@ class ChatCall(Call):
         self.tools = ToolUse(body, tool_parser, "structured_outputs" in self.sampling)
         if self.tools.constraint is not None:
             self.sampling["structured_outputs"] = self.tools.constraint
-            self.names["structured_outputs"] = "tool_choice"
+            # A strict tool's constraint comes from the tools; "required" or a name's from
+            # tool_choice: errors name that field.
+            self.names["structured_outputs"] = "tools" if self.tools.mode == "auto" \
+                else "tool_choice"
         if _flag(body, "logprobs"):
             self.sampling["logprobs"] = 0
             self._set("logprobs", "top_logprobs")
