@@ -4,11 +4,9 @@ later calls at once."""
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
 
 import pytest
 
@@ -16,43 +14,40 @@ from rollout import EngineDeadError, Rollout
 
 LONG = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "max_tokens": 2000,
                                             "ignore_eos": True}}
-# 16 x 16 samples of 2000 tokens: about a minute of work for an idle engine, so the failure
-# comes while they run even when this process is starved for seconds (a loaded machine);
-# 16 requests alone may all be made, and sit unread in this process's socket, by then.
-BATCH, SAMPLES = 16, 16
-# Failing "fast" is against the request timeout the call would hang to otherwise; the
-# margin takes a starved process (seconds) in its stride.
+# 32 x 4 samples of 2000 tokens: tens of seconds of engine work (vLLM's tests also cap a
+# step at 4 sequences, the most samples a request may then ask for), so a failure a second
+# in comes while they run.
+BATCH, SAMPLES = 32, 4
+# Failing "fast" is against the request timeout the call would hang to otherwise.
 FAIL_WITHIN_S = 60
+KILL_AFTER_S = 1.0
+
+
+def kill_later(pids: Iterable[int], group: bool = False, delay: float = KILL_AFTER_S) -> None:
+    """SIGKILL `pids` (their process groups, with `group`) `delay` seconds from now, from a
+    process of its own. Not from a thread of this one: while a batch streams in, the engine
+    loop's thread can keep this process's other threads from running for as long as the
+    batch lasts (tens of seconds seen on 2 busy cores)."""
+    kill = "os.killpg" if group else "os.kill"
+    subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep({delay}); "
+                      f"[{kill}(p, 9) for p in {list(pids)}]"], start_new_session=True)
 
 
 def check_killed_server_fails_fast(backend: Rollout, server_pid: int) -> None:
-    check_failure_fails_calls(backend, lambda: os.killpg(server_pid, signal.SIGKILL),
+    check_failure_fails_calls(backend, lambda: kill_later([server_pid], group=True),
                               ("exited with code", "end of its log"))
 
 
-def check_failure_fails_calls(backend: Rollout, fail: Callable[[], None],
+def check_failure_fails_calls(backend: Rollout, arm: Callable[[], None],
                               clues: tuple[str, ...]) -> None:
-    """Call `fail()` while a batch runs: the waiting call must raise EngineDeadError within
-    seconds, its message holding every one of `clues`, and later calls must fail at once."""
-    outcome: dict = {}
-
-    def call():
-        try:
-            long = {**LONG, "sampling": {**LONG["sampling"], "n": SAMPLES, "temperature": 1.0}}
-            outcome["value"] = backend.generate([dict(long) for _ in range(BATCH)])
-        except Exception as exc:  # noqa: BLE001 - inspected below
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=call)
-    worker.start()
-    time.sleep(0.5)  # in flight
-    assert worker.is_alive(), "the requests finished before the failure came"
-    fail()
-    worker.join(FAIL_WITHIN_S)
-    assert not worker.is_alive(), f"the waiting call did not fail within {FAIL_WITHIN_S} s"
-    error = outcome.get("error")
-    assert isinstance(error, EngineDeadError), outcome
-    assert all(clue in str(error) for clue in clues), str(error)
-    # A later call fails with the same error, not a timeout.
+    """`arm()` arranges a failure that comes while a long batch runs (a kill from another
+    process after a second; a step that fails after some steps). The waiting call must
+    raise EngineDeadError (not finish, not time out) with every one of `clues` in its
+    message, and a later call must fail the same way at once."""
+    long = {**LONG, "sampling": {**LONG["sampling"], "n": SAMPLES, "temperature": 1.0}}
+    arm()
+    with pytest.raises(EngineDeadError) as failed:
+        backend.generate([dict(long) for _ in range(BATCH)], timeout=FAIL_WITHIN_S)
+    assert all(clue in str(failed.value) for clue in clues), str(failed.value)
     with pytest.raises(EngineDeadError):
         backend.generate([{"prompt": "x"}], timeout=FAIL_WITHIN_S)

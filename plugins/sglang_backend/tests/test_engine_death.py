@@ -2,19 +2,15 @@
 fast: SGLang's watchdog sends this process SIGQUIT, and the backend's handler fails what
 waits on the engine loop."""
 
-import os
-import signal
 
 from conftest import ENGINE
 
 import rollout
-from rollout.testing.server_death import check_failure_fails_calls
+from rollout.testing.server_death import check_failure_fails_calls, kill_later
 
 
 def test_killed_scheduler_fails_waiting_calls_within_seconds(tiny_model):
     with rollout.load_backend("sglang", model=str(tiny_model), mode="engine", **ENGINE) as backend:
         llm = backend._backend.engine.llm
         schedulers = llm.get_all_child_pids()
-        check_failure_fails_calls(
-            backend, lambda: [os.kill(pid, signal.SIGKILL) for pid in schedulers],
-            ("SIGQUIT",))
+        check_failure_fails_calls(backend, lambda: kill_later(schedulers), ("SIGQUIT",))
