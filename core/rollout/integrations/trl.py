@@ -42,7 +42,8 @@ class RolloutFunc:
         sampling = sampling_fields(trainer)
         # TRL repeats each prompt num_generations times in a row; one request with n copies
         # samples the group at once and shares its prefix.
-        requests = [{"prompt_token_ids": list(ids), "sampling": {**sampling, "n": len(list(run))}}
+        requests = [{"prompt_token_ids": list(ids),
+                     "sampling": {**sampling, "n": len(list(run))}}
                     for ids, run in itertools.groupby(prompt_ids, key=tuple)]
         results = [r for c in self.sampler.generate(requests) for r in c.unwrap()]
         return {"prompt_ids": [list(r.prompt_token_ids) for r in results],
