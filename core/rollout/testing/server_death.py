@@ -4,13 +4,15 @@ later calls at once."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import contextlib
+import os
+import signal
 from collections.abc import Callable, Iterable
 
 import pytest
 
 from rollout import EngineDeadError, Rollout
+from rollout.kit.aio import engine_loop
 
 LONG = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "max_tokens": 2000,
                                             "ignore_eos": True}}
@@ -26,13 +28,17 @@ KILL_AFTER_S = 1.0
 
 
 def kill_later(pids: Iterable[int], group: bool = False, delay: float = KILL_AFTER_S) -> None:
-    """SIGKILL `pids` (their process groups, with `group`) `delay` seconds from now, from a
-    process of its own. Not from a thread of this one: while a batch streams in, the engine
-    loop's thread can keep this process's other threads from running for as long as the
-    batch lasts (tens of seconds seen on 2 busy cores)."""
-    kill = "os.killpg" if group else "os.kill"
-    subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep({delay}); "
-                      f"[{kill}(p, 9) for p in {list(pids)}]"], start_new_session=True)
+    """SIGKILL `pids` (their process groups, with `group`) `delay` seconds from now, from the
+    engine loop's thread. Not from another thread of this process: while a batch streams
+    in, the loop's thread can keep them from running for as long as the batch lasts."""
+    kill, targets, loop = os.killpg if group else os.kill, list(pids), engine_loop().loop
+
+    def fire():
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                kill(pid, signal.SIGKILL)
+
+    loop.call_soon_threadsafe(loop.call_later, delay, fire)
 
 
 def check_killed_server_fails_fast(backend: Rollout, server_pid: int) -> None:

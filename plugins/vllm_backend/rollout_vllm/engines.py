@@ -509,7 +509,10 @@ class AsyncEngine:
         from vllm.v1.engine.exceptions import EngineDeadError as Dead
         from vllm.v1.engine.exceptions import EngineGenerateError
 
-        if isinstance(exc, Dead) or self.engine.errored:
+        # A core that has exited is a dead engine, also before vLLM has marked it errored
+        # (a request's error can come first on a loaded machine).
+        if isinstance(exc, Dead) or self.engine.errored or any(
+                p.exitcode is not None for p in self._core_processes()):
             return self._dead()
         if isinstance(exc, EngineGenerateError) and isinstance(exc.__cause__, Exception):
             exc = exc.__cause__  # what vLLM raised on taking the request
