@@ -14,12 +14,12 @@ import pytest
 from rollout import EngineDeadError, Rollout
 from rollout.kit.aio import engine_loop
 
-LONG = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "max_tokens": 2000,
-                                            "ignore_eos": True}}
 # 32 x 4 samples of 2000 tokens: tens of seconds of engine work (vLLM's tests also cap a
 # step at 4 sequences, the most samples a request may then ask for), so a failure a second
 # in comes while they run.
 BATCH, SAMPLES = 32, 4
+LONG = {"prompt": "the ka lo", "sampling": {"temperature": 1.0, "n": SAMPLES, "max_tokens": 2000,
+                                            "ignore_eos": True}}
 # Failing "fast" is against the request timeout the call would hang to otherwise. Before the
 # failure surfaces, this process still reads what the engine made until then, which on a
 # loaded machine has taken a minute (the engine makes tokens faster than Python reads them).
@@ -52,10 +52,9 @@ def check_failure_fails_calls(backend: Rollout, arm: Callable[[], None],
     process after a second; a step that fails after some steps). The waiting call must
     raise EngineDeadError (not finish, not time out) with every one of `clues` in its
     message, and a later call must fail the same way at once."""
-    long = {**LONG, "sampling": {**LONG["sampling"], "n": SAMPLES, "temperature": 1.0}}
     arm()
     try:
-        done = backend.generate([dict(long) for _ in range(BATCH)], timeout=FAIL_WITHIN_S)
+        done = backend.generate([LONG] * BATCH, timeout=FAIL_WITHIN_S)
     except EngineDeadError as failed:
         assert all(clue in str(failed) for clue in clues), str(failed)
     else:

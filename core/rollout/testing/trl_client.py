@@ -10,14 +10,13 @@ client's answers with the server's own on the OpenAI route.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
-import urllib.request
 
 import pytest
 
 from rollout.testing.served import MODEL_NAME, print_result, rollout_serve, run_client
+from rollout.testing.serving import http
 
 PROMPTS = [[5, 17, 42], [7, 8, 9, 10]]
 CHAT = [{"role": "user", "content": "def add(a, b):"}]
@@ -41,12 +40,13 @@ def check_trl_client(python: str, backend: str, model_dir: str,
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with rollout_serve(backend, model_dir, options) as url:
         out = run_client([python, "-m", "rollout.testing.trl_client", url])
-        direct = [_post(url, "/v1/completions", {
+        direct = [_ok(http(url + "/v1/completions", {
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": 5, "temperature": 0.0,
-            "logprobs": 0, "return_token_ids": True})["choices"][0] for prompt in PROMPTS]
-        chat = _post(url, "/v1/chat/completions", {
+            "logprobs": 0, "return_token_ids": True}, key=None))["choices"][0]
+            for prompt in PROMPTS]
+        chat = _ok(http(url + "/v1/chat/completions", {
             "model": MODEL_NAME, "messages": CHAT, "max_tokens": 5, "temperature": 0.0,
-            "return_token_ids": True})
+            "return_token_ids": True}, key=None))
     greedy = out["greedy"]
     assert greedy["prompt_ids"] == PROMPTS
     assert greedy["completion_ids"] == [c["token_ids"] for c in direct]
@@ -61,11 +61,10 @@ def check_trl_client(python: str, backend: str, model_dir: str,
     return out
 
 
-def _post(url: str, path: str, body: dict) -> dict:
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
+def _ok(answer: tuple[int, dict]) -> dict:
+    status, body = answer
+    assert status == 200, body
+    return body
 
 
 if __name__ == "__main__":
