@@ -79,6 +79,24 @@ def _on_sigquit(signum, frame) -> None:
                    "process's stderr); create a new backend")
 
 
+_closing_engine = threading.local()  # .children: the engine's processes, while it closes
+
+
+def _kill_only_engine_children(original):
+    """SGLang's Engine.shutdown SIGKILLs every child of this process: in a trainer, its data
+    loader workers, torch's shared-memory manager (then a shared tensor's release aborts
+    the process) and the other engines. While one of ours closes, only its own die."""
+
+    def kill_process_tree(parent_pid, include_parent=True, **kwargs):
+        children = getattr(_closing_engine, "children", None)
+        if children is None or include_parent or parent_pid != os.getpid():
+            return original(parent_pid, include_parent=include_parent, **kwargs)
+        for pid in children:
+            original(pid, include_parent=True, **kwargs)
+
+    return kill_process_tree
+
+
 def _install_sigquit_handler() -> None:
     global _handler_installed
     if not _handler_installed and threading.current_thread() is threading.main_thread():
@@ -105,6 +123,7 @@ class InProcessEngine:
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._waiting: set[asyncio.Task] = set()  # tasks waiting on SGLang
+        self._children: list[int] = []  # the processes sglang.Engine started
 
     def start(self) -> None:
         os.environ.update(ENGINE_ENV)  # read by the scheduler process SGLang spawns
@@ -113,10 +132,19 @@ class InProcessEngine:
 
         def main():
             try:
+                import psutil
                 import sglang
+                import sglang.srt.entrypoints.engine as sglang_engine
 
+                if not hasattr(sglang_engine.kill_process_tree, "__wrapped__"):
+                    wrapped = _kill_only_engine_children(sglang_engine.kill_process_tree)
+                    wrapped.__wrapped__ = sglang_engine.kill_process_tree
+                    sglang_engine.kill_process_tree = wrapped
                 asyncio.set_event_loop(self.loop)  # Engine.loop: not a loop of its own
+                before = {child.pid for child in psutil.Process().children()}
                 self.llm = sglang.Engine(**self.engine_args)
+                self._children = [child.pid for child in psutil.Process().children()
+                                  if child.pid not in before]
             except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
                 failure.append(exc)
                 return
@@ -252,7 +280,11 @@ class InProcessEngine:
         llm, self.llm = self.llm, None
         try:
             if llm is not None:
-                llm.shutdown()
+                _closing_engine.children = self._children
+                try:
+                    llm.shutdown()
+                finally:
+                    _closing_engine.children = None
                 tasks = list(getattr(llm.tokenizer_manager, "asyncio_tasks", ()))
                 if tasks and self.loop.is_running():
                     # Its receive loop would otherwise wait on the engine loop forever.

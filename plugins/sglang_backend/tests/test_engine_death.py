@@ -1,8 +1,12 @@
 """An in-process SGLang engine whose scheduler dies mid-request fails the waiting call
 fast: SGLang's watchdog sends this process SIGQUIT, and the backend's handler fails what
-waits on the engine loop."""
+waits on the engine loop. Closing it then ends its own processes and no other child of
+this process (SGLang's shutdown alone kills them all)."""
 
+import subprocess
+import sys
 
+import psutil
 from conftest import ENGINE
 
 import rollout
@@ -10,7 +14,17 @@ from rollout.testing.server_death import check_failure_fails_calls, kill_later
 
 
 def test_killed_scheduler_fails_waiting_calls_within_seconds(tiny_model):
-    with rollout.load_backend("sglang", model=str(tiny_model), mode="engine", **ENGINE) as backend:
-        llm = backend._backend.engine.llm
-        schedulers = llm.get_all_child_pids()
-        check_failure_fails_calls(backend, lambda: kill_later(schedulers), ("SIGQUIT",))
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        with rollout.load_backend("sglang", model=str(tiny_model), mode="engine",
+                                  **ENGINE) as backend:
+            engine = backend._backend.engine
+            schedulers = engine.llm.get_all_child_pids()
+            check_failure_fails_calls(backend, lambda: kill_later(schedulers), ("SIGQUIT",))
+        assert engine._children, "the engine's processes were not recorded"
+        assert not [pid for pid in engine._children if psutil.pid_exists(pid)
+                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        assert bystander.poll() is None, "closing the engine killed another child"
+    finally:
+        bystander.kill()
+        bystander.wait(10)
