@@ -16,6 +16,14 @@ HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"
   python -m pytest tests plugins/hf_backend/tests plugins/example_backend/tests "$@"
 )
 
+# verl's own rollout interfaces driving rollout (rollout.integrations.verl) on a local Ray
+# cluster, in an environment of its own: verl pins transformers below 5.11.
+(
+  source scripts/env.sh verl requirements/test.txt
+  pip install -q --no-deps -e . -e plugins/hf_backend
+  python -m pytest tests/test_integrations_verl.py "$@"
+)
+
 # The vLLM backend on the real engine (CPU build), in its own environment; the HF backend
 # is installed beside it for the cross-engine comparison, and TRL for its vLLM client and
 # its trainer through rollout.integrations.trl.

@@ -31,6 +31,9 @@ class InvalidRequestError(RolloutError, ValueError):
         self.detail = detail
         self.allowed = allowed
 
+    def __reduce__(self):  # pickled with its fields (Ray and process pools send errors)
+        return type(self), (self.field, self.detail, self.allowed)
+
     def to_dict(self) -> dict:
         return {**super().to_dict(), "field": self.field, "detail": self.detail,
                 "allowed": self.allowed}
@@ -66,6 +69,9 @@ class UnsupportedError(RolloutError, NotImplementedError):
         super().__init__(f"{capability} is not supported: {reason}")
         self.capability = capability
         self.reason = reason
+
+    def __reduce__(self):
+        return type(self), (self.capability, self.reason)
 
 
 class BackendReleasedError(RolloutError, RuntimeError):
