@@ -65,10 +65,13 @@ def greedy(reference, max_tokens=8):
     return result
 
 
+def run(coro, timeout=300):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
 def generate(manager, sampling=GREEDY, request_id="r"):
     client = manager.get_client()
-    return asyncio.run(client.generate(request_id, prompt_ids=PROMPT,
-                                       sampling_params=dict(sampling)))
+    return run(client.generate(request_id, prompt_ids=PROMPT, sampling_params=dict(sampling)))
 
 
 def test_verl_generates_through_its_registry_and_load_balancer(manager, reference):
@@ -95,10 +98,10 @@ def test_unknown_sampling_field_is_refused_by_name(manager):
 
 def test_abort_holds_or_rejects_until_resume(manager):
     [replica] = manager.get_replicas()
-    asyncio.run(replica.abort_all_requests(reject_request=True))
+    run(replica.abort_all_requests(reject_request=True))
     rejected = generate(manager)
     assert rejected.stop_reason == "aborted" and rejected.token_ids == []
-    asyncio.run(replica.resume_generation())
+    run(replica.resume_generation())
     assert generate(manager).stop_reason == "completed"
 
 
@@ -115,7 +118,7 @@ def test_trainer_adapter_pushes_weights(manager, config, reference, tiny_model):
     weights = {name: tensor + 0.05 * torch.randn_like(tensor)
                for name, tensor in model.state_dict().items()}
     before = generate(manager)
-    asyncio.run(adapter.update_weights(iter(weights.items()), global_steps=3))
+    run(adapter.update_weights(iter(weights.items()), global_steps=3))
     reference.update_weights(weights.items())
     after, expected = generate(manager), greedy(reference)
     [server] = manager.get_replicas()[0].servers
