@@ -10,7 +10,7 @@ from pathlib import Path
 import attrs
 import click
 
-from rollout.contract.errors import RolloutError
+from rollout.contract.errors import InvalidRequestError, RolloutError
 
 
 def _fail(exc: Exception) -> None:
@@ -113,6 +113,43 @@ def _parse_options(values: tuple[str, ...], hint: str = "--backend-option") -> d
     return options
 
 
+def ray_options(command):
+    """--ray-* settings: what each replica asks a Ray cluster for (--placement ray)."""
+    for option in reversed([
+        click.option("--ray-address", help="Ray cluster to join (default: RAY_ADDRESS, "
+                      "else a local one)."),
+        click.option("--ray-gpus", type=float, help="GPUs per replica (its engine's "
+                     "tensor-parallel size; default 0)."),
+        click.option("--ray-cpus", type=float, help="CPUs per replica (default 1)."),
+        click.option("--ray-memory", type=int, help="Memory per replica, in bytes."),
+        click.option("--ray-resource", multiple=True, metavar="NAME=AMOUNT",
+                     help="A custom resource (or node label) each replica needs. Repeatable."),
+        click.option("--ray-strategy", type=click.Choice(["SPREAD", "PACK", "STRICT_SPREAD",
+                                                          "STRICT_PACK"]),
+                     help="How replicas spread over nodes (default SPREAD)."),
+    ]):
+        command = option(command)
+    return command
+
+
+def _ray_settings(base: dict, address, gpus, cpus, memory, resource, strategy) -> dict:
+    given = {"address": address, "gpus": gpus, "cpus": cpus, "memory": memory,
+             "strategy": strategy}
+    settings = {**base, **{k: v for k, v in given.items() if v is not None}}
+    if resource:
+        parsed = {}
+        for item in resource:
+            name, sep, amount = item.partition("=")
+            try:
+                parsed[name] = float(amount) if sep and name else None
+            except ValueError:
+                parsed[name] = None
+            if parsed[name] is None:
+                raise InvalidRequestError("--ray-resource", f"got {item!r}", "NAME=AMOUNT")
+        settings["resources"] = {**settings.get("resources", {}), **parsed}
+    return settings
+
+
 @main.command()
 @click.option("--config", type=click.Path(dir_okay=False), help="YAML file of settings.")
 @click.option("--backend", help="Backend name, e.g. hf, vllm, sglang.")
@@ -147,9 +184,11 @@ def _parse_options(values: tuple[str, ...], hint: str = "--backend-option") -> d
 @click.option("--env-option", multiple=True, metavar="KEY=VALUE",
               help="Option for the environment (JSON values allowed). Repeatable.")
 @click.option("--max-turns", type=int, help="Turns per trajectory at most (default 8).")
+@ray_options
 def generate(config, backend, model, input_, output, n, temperature, top_p, top_k,
              max_tokens, seed, chunk_size, backend_option, mode, replicas, placement, server,
-             api_key, in_flight, summary, quiet, environment, env_option, max_turns) -> None:
+             api_key, in_flight, summary, quiet, environment, env_option, max_turns,
+             ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource, ray_strategy) -> None:
     """Generate responses (or, with --environment, trajectories) for every row of a
     parquet file (resumable)."""
     from rollout.apps.job import Job, load_config
@@ -167,6 +206,9 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
                 **settings.environment_options, **_parse_options(env_option, "--env-option")})
         if max_turns is not None:
             settings = attrs.evolve(settings, agent={**settings.agent, "max_turns": max_turns})
+        settings = attrs.evolve(settings, ray=_ray_settings(
+            settings.ray, ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource,
+            ray_strategy))
         options = {**settings.backend_options, **_parse_options(backend_option)}
         if settings.server or settings.replicas or settings.placement == "ray":
             _require_serving("rollout generate with replicas or --server")
@@ -203,7 +245,7 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
 
     service = await connect(settings.backend, settings.model, options, settings.replicas,
                             settings.placement, settings.server, settings.api_key,
-                            settings.mode)
+                            settings.mode, ray=settings.ray)
     try:
         return await job.run(service, progress=progress)
     finally:
@@ -240,9 +282,11 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
                    "without it a restarted replica serves nothing until the next update.")
 @click.option("--watch-parent", type=int, hidden=True,
               help="Exit when this process is gone (for replicas started by a pool).")
+@ray_options
 def serve(backend, model, mode, replicas, placement, host, port, served_model_name, api_key,
           backend_option, tool_call_parser, replica_restarts, replica_keep_weights,
-          watch_parent) -> None:
+          watch_parent, ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource,
+          ray_strategy) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
     _require_serving("rollout serve")
     from rollout.apps.serving.app import listen
@@ -255,6 +299,8 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
     options = _parse_options(backend_option)
     try:
         load_tool_parser(tool_call_parser)
+        ray = _ray_settings({}, ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource,
+                            ray_strategy)
     except RolloutError as exc:
         _fail(exc)
 
@@ -267,7 +313,7 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
         service = await connect(backend, model, options,
                                 replicas if replicas > 1 or placement == "ray" else None,
                                 placement, mode=mode, restarts=replica_restarts,
-                                keep_weights=replica_keep_weights)
+                                keep_weights=replica_keep_weights, ray=ray)
         await serve_http(service, model_name=served_model_name or model,
                          api_key=api_key, tool_parser=tool_call_parser, sock=sock)
 

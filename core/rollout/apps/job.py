@@ -44,6 +44,7 @@ class GenerateConfig:
     mode: str | None = None
     replicas: int | None = None
     placement: str = "local"
+    ray: dict = attrs.field(factory=dict)  # RayPlacement's fields, with placement ray
     server: str | None = None
     api_key: str | None = None
     in_flight: int | None = None
@@ -60,6 +61,10 @@ class GenerateConfig:
                 raise InvalidRequestError(name, f"got {value!r}", "an integer >= 1")
         if self.placement not in ("local", "ray"):
             raise InvalidRequestError("placement", f"got {self.placement!r}", "local, ray")
+        if self.ray:
+            from rollout.apps.serving.ray_placement import RayPlacement
+
+            RayPlacement.of(self.ray)  # its errors name the setting, before anything starts
         if self.server and self.replicas:
             raise InvalidRequestError("server", "given with replicas",
                                       "either --server URL or --replicas N")

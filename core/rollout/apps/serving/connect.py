@@ -39,10 +39,16 @@ async def connect(backend: str | None = None, model: str | None = None,
                   options: Mapping | None = None, replicas: int | None = None,
                   placement: str = "local", server: str | None = None,
                   api_key: str | None = None, mode: str | None = None,
-                  restarts: int = 3, keep_weights: bool = True) -> Service:
+                  restarts: int = 3, keep_weights: bool = True,
+                  ray: Mapping | None = None) -> Service:
+    """`ray`: what each replica asks a Ray cluster for and how replicas spread over its
+    nodes (rollout.apps.serving.ray_placement.RayPlacement's fields), with placement="ray"."""
     from rollout.apps.serving.pool import Replica, ReplicaPool
 
     mode = resolve_mode(mode, replicas, placement, server)
+    if ray and placement != "ray":
+        raise InvalidRequestError("ray", "Ray settings given without placement ray",
+                                  "--placement ray, or no --ray-* settings")
     if server:
         from rollout.apps.serving.client import RemoteService
 
@@ -52,7 +58,8 @@ async def connect(backend: str | None = None, model: str | None = None,
         from rollout.apps.serving.replicas import start_replicas
 
         return await start_replicas(backend, model, dict(options or {}), replicas or 1,
-                                    placement, restarts=restarts, keep_weights=keep_weights)
+                                    placement, restarts=restarts, keep_weights=keep_weights,
+                                    ray=ray)
     from rollout.api import load_backend
     from rollout.apps.serving.service import LocalService
 

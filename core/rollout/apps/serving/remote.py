@@ -30,12 +30,16 @@ class ServedRollout:
     @classmethod
     def start(cls, backend: str, model: str, replicas: int = 1,
               options: Mapping | None = None, restarts: int = 3,
-              keep_weights: bool = True) -> ServedRollout:
-        """Replica processes of this machine, each serving `backend`, pooled here. A dead
-        one is started again up to `restarts` times; `keep_weights` keeps the last update's
-        weights in this process to bring a restarted one to the pool's version at once."""
+              keep_weights: bool = True, ray: Mapping | None = None) -> ServedRollout:
+        """Replica processes, each serving `backend`, pooled here: on this machine, or with
+        `ray` (RayPlacement's fields, e.g. {"gpus": 1, "strategy": "SPREAD"}) on a Ray
+        cluster. A dead one is started again up to `restarts` times; `keep_weights` keeps
+        the last update's weights in this process to bring a restarted one to the pool's
+        version at once."""
         return cls._open(backend=backend, model=model, options=options, replicas=replicas,
-                         mode="colocated", restarts=restarts, keep_weights=keep_weights)
+                         mode="standalone" if ray is not None else "colocated",
+                         placement="ray" if ray is not None else "local", ray=ray,
+                         restarts=restarts, keep_weights=keep_weights)
 
     @classmethod
     def _open(cls, **how) -> ServedRollout:

@@ -1,7 +1,8 @@
 """Starting replicas: each one is a `rollout serve` process with the backend in it, reached
 over loopback HTTP with a key of the pool's own (other local users cannot call it). The
 local default starts them as child processes; with Ray (`placement="ray"`) each is started
-by an actor that a placement group spreads over the cluster's nodes.
+by an actor in a placement group's bundle (rollout.apps.serving.ray_placement). Either
+way the pool restarts a replica that died, by its own rules.
 
 A replica watches the process that started it and exits when that one is gone, so a batch
 job killed with SIGKILL leaves no replica behind.
@@ -20,6 +21,7 @@ from rollout.contract.errors import InvalidRequestError
 from rollout.kit.process import HOST, ServerProcess, free_port
 from rollout.apps.serving.client import RemoteService
 from rollout.apps.serving.pool import Replica, ReplicaPool
+from rollout.apps.serving.ray_placement import RayPlacement, placement_group
 
 PLACEMENTS = ("local", "ray")
 KEY_VARIABLE = "ROLLOUT_API_KEY"
@@ -37,7 +39,7 @@ def replica_argv(backend: str, model: str, options: Mapping, host: str, port: in
 async def start_replicas(backend: str, model: str, options: Mapping, count: int,
                          placement: str = "local", startup_timeout: float = 900.0,
                          request_timeout: float = 3600.0, max_in_flight: int = 64,
-                         ray_address: str | None = None, restarts: int = 3,
+                         ray: RayPlacement | dict | None = None, restarts: int = 3,
                          keep_weights: bool = True) -> ReplicaPool:
     if placement not in PLACEMENTS:
         raise InvalidRequestError("placement", f"got {placement!r}", ", ".join(PLACEMENTS))
@@ -45,8 +47,15 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
         raise InvalidRequestError("replicas", f"got {count!r}", "an integer >= 1")
     key = secrets.token_urlsafe(24)
     if placement == "ray":
-        started = await asyncio.to_thread(_start_on_ray, backend, model, options, count, key,
-                                          startup_timeout, ray_address)
+        try:
+            import ray as _  # noqa: F401
+        except ImportError:
+            raise InvalidRequestError("placement", "Ray is not installed",
+                                      'local, or pip install "rollout-core[ray]"') from None
+        on_ray = RayReplicas(backend, model, options, key, RayPlacement.of(ray),
+                             startup_timeout, request_timeout)
+        started = await asyncio.to_thread(on_ray.start_all, count)
+        restart = {i: on_ray.restarter(i) for i in range(count)}
     else:
         env = {KEY_VARIABLE: key, **_thread_share(count)}
         started = await asyncio.gather(*(asyncio.to_thread(
@@ -58,8 +67,6 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
                 if not isinstance(s, BaseException):
                     await asyncio.to_thread(s[1].stop)
             raise failed[0]
-    restart = {}
-    if placement == "local":  # Ray restarts its actors by its own rules
         restart = {i: _restarter(f"replica-{i}", backend, model, options, env, startup_timeout,
                                  request_timeout) for i in range(count)}
     replicas = [Replica(RemoteService(url, key, request_timeout), process, restart.get(i),
@@ -117,6 +124,11 @@ class ReplicaHost:
     def alive(self) -> bool:
         return self.process.alive()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def stop(self) -> None:
         self.process.stop()
 
@@ -142,23 +154,58 @@ class RayReplicaProcess:
             ray.kill(self.actor)
 
 
-def _start_on_ray(backend: str, model: str, options: Mapping, count: int, key: str,
-                  timeout: float, address: str | None) -> list[tuple[str, RayReplicaProcess]]:
-    try:
+class RayReplicas:
+    """Replicas in the bundles of one placement group. A replica whose actor or node died
+    is started again in its bundle, which Ray moves to a live node when its own is gone."""
+
+    def __init__(self, backend: str, model: str, options: Mapping, key: str,
+                 placement: RayPlacement, startup_timeout: float, request_timeout: float):
+        self.args = (backend, model, dict(options), key, startup_timeout)
+        self.placement = placement
+        self.request_timeout = request_timeout
+        self.group = None
+
+    def start_all(self, count: int) -> list[tuple[str, RayReplicaProcess]]:
         import ray
-        from ray.util.placement_group import placement_group
+
+        if not ray.is_initialized():
+            ray.init(address=self.placement.address, ignore_reinit_error=True,
+                     log_to_driver=False)
+        self.group = placement_group(self.placement, count)
+        hosts = [self._host(i) for i in range(count)]
+        timeout = self.args[-1] + self.placement.ready_timeout
+        try:
+            urls = ray.get([h.start.remote(*self.args) for h in hosts], timeout=timeout)
+        except BaseException:
+            for host in hosts:
+                ray.kill(host)
+            ray.util.remove_placement_group(self.group)
+            raise
+        return [(url, RayReplicaProcess(h)) for url, h in zip(urls, hosts)]
+
+    def restarter(self, index: int):
+        async def restart() -> tuple[RemoteService, RayReplicaProcess]:
+            url, process = await asyncio.to_thread(self._start_one, index)
+            return RemoteService(url, self.args[3], self.request_timeout), process
+        return restart
+
+    def _start_one(self, index: int) -> tuple[str, RayReplicaProcess]:
+        import ray
+
+        host = self._host(index)
+        try:
+            url = ray.get(host.start.remote(*self.args),
+                          timeout=self.args[-1] + self.placement.ready_timeout)
+        except BaseException:
+            ray.kill(host)
+            raise
+        return url, RayReplicaProcess(host)
+
+    def _host(self, index: int):
+        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    except ImportError:
-        raise InvalidRequestError("placement", "Ray is not installed",
-                                  'local, or pip install "rollout-core[ray]"') from None
-    if not ray.is_initialized():
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    # One bundle per replica, spread over the nodes where the cluster allows it.
-    group = placement_group([{"CPU": 1}] * count, strategy="SPREAD")
-    ray.get(group.ready(), timeout=timeout)
-    host_cls = ray.remote(num_cpus=1)(ReplicaHost)
-    actors = [host_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=group, placement_group_bundle_index=i)).remote() for i in range(count)]
-    urls = ray.get([a.start.remote(backend, model, dict(options), key, timeout) for a in actors],
-                   timeout=timeout + 60)
-    return [(url, RayReplicaProcess(actor)) for url, actor in zip(urls, actors)]
+
+        return ray.remote(ReplicaHost).options(
+            **self.placement.actor_options(),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=index)).remote()

@@ -1,0 +1,99 @@
+"""Replicas on a Ray cluster of several nodes (Ray's own multi-node test cluster: a raylet
+per node, each with its own resources and node id), HF backend, tiny model: replicas spread
+over nodes, a request the cluster cannot hold fails at once naming what is missing, and a
+replica whose node is removed is restarted by the pool on a live node and brought to the
+pool's weights before it serves."""
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason='Ray is not installed (pip install "rollout-core[ray]")')
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from rollout import load_backend  # noqa: E402
+from rollout.apps.serving.ray_placement import RayPlacement, check_fits  # noqa: E402
+from rollout.apps.serving.remote import ServedRollout  # noqa: E402
+from rollout.contract.errors import InvalidRequestError  # noqa: E402
+from rollout.testing.contract import probe_requests  # noqa: E402
+from rollout.testing.models import load_weights, perturbed_copy  # noqa: E402
+
+SLOT = {"replica_slot": 1}  # only the worker nodes have it; the head runs no replica
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, connect=True,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    workers = [cluster.add_node(num_cpus=1, resources=dict(SLOT)) for _ in range(3)]
+    cluster.wait_for_nodes()
+    yield cluster, workers
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def node_of(replica) -> str:
+    return ray.get(replica.process.actor.node_id.remote(), timeout=60)
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout:.0f} s for {what}")
+        time.sleep(0.3)
+    return value
+
+
+def test_what_the_cluster_cannot_hold_fails_at_once_naming_it(cluster, tiny_model):
+    started = time.monotonic()
+    with pytest.raises(InvalidRequestError, match="GPU: 1") as error:
+        ServedRollout.start("hf", str(tiny_model), replicas=1, ray={"gpus": 1})
+    assert "no node of the cluster" in str(error.value)
+    with pytest.raises(InvalidRequestError, match="STRICT_SPREAD needs 4 nodes"):
+        ServedRollout.start("hf", str(tiny_model), replicas=4,
+                            ray={"resources": SLOT, "strategy": "STRICT_SPREAD"})
+    assert time.monotonic() - started < 30  # checked before anything is placed
+    with pytest.raises(InvalidRequestError, match="ray.strategy"):
+        RayPlacement.of({"strategy": "ANYWHERE"})
+    with pytest.raises(InvalidRequestError, match="ray.gpu"):
+        RayPlacement.of({"gpu": 1})
+
+
+def test_capacity_is_counted_per_node():
+    nodes = [{"CPU": 2, "GPU": 2}, {"CPU": 2, "GPU": 1}]
+    check_fits({"CPU": 1, "GPU": 1}, 3, "SPREAD", nodes)
+    with pytest.raises(InvalidRequestError, match="fewer than 4 replica"):
+        check_fits({"CPU": 1, "GPU": 1}, 4, "SPREAD", nodes)
+    with pytest.raises(InvalidRequestError, match="STRICT_PACK"):
+        check_fits({"CPU": 1, "GPU": 1}, 3, "STRICT_PACK", nodes)
+
+
+def test_a_replica_whose_node_is_removed_restarts_on_a_live_node_at_the_pool_version(
+        cluster, tiny_model, tmp_path):
+    cluster, workers = cluster
+    other = perturbed_copy(tiny_model, tmp_path / "other")
+    with load_backend("hf", str(other)) as engine:
+        fresh = [c.unwrap()[0].token_ids for c in engine.generate(probe_requests())]
+    many = probe_requests() * 4  # enough to reach both replicas
+
+    with ServedRollout.start("hf", str(tiny_model), replicas=2,
+                             ray={"resources": SLOT, "strategy": "STRICT_SPREAD"}) as trainer:
+        replicas = trainer.service.replicas
+        placed = [node_of(r) for r in replicas]
+        assert len(set(placed)) == 2  # one replica per node
+        trainer.update_weights(load_weights(other).items(), version=1)
+
+        victim = replicas[0]
+        old_url = victim.service.url
+        cluster.remove_node(next(w for w in workers if w.node_id == placed[0]))
+        wait_for(lambda: victim.service.url != old_url, 300,
+                 "the pool to restart the replica of the removed node")
+        assert node_of(victim) not in placed  # on the spare node
+        wait_for(lambda: all(r["healthy"] and "behind" not in r and r.get("weight_version") == 1
+                             for r in trainer.health()["replicas"]), 120,
+                 "the restarted replica to be brought to version 1")
+        for completion, expected in zip(trainer.generate(many), fresh * 4):
+            [result] = completion.unwrap()
+            assert result.weight_version == 1 and result.token_ids == expected
