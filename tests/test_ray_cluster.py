@@ -97,3 +97,49 @@ def test_a_replica_whose_node_is_removed_restarts_on_a_live_node_at_the_pool_ver
         for completion, expected in zip(trainer.generate(many), fresh * 4):
             [result] = completion.unwrap()
             assert result.weight_version == 1 and result.token_ids == expected
+    # Closed, the pool gave its placement group back: every live node's slot is free.
+    live = sum(1 for n in ray.nodes() if n["Alive"] and "replica_slot" in n["Resources"])
+    wait_for(lambda: ray.available_resources().get("replica_slot") == live, 60,
+             "the placement group's resources to be given back")
+
+
+def test_a_batch_job_completes_when_a_node_is_removed_mid_batch(cluster, tiny_model,
+                                                                 tmp_path):
+    import asyncio
+
+    from test_replicas import LONG, check_complete, write_prompts
+
+    from rollout.apps.job import GenerateConfig, Job
+    from rollout.apps.serving.replicas import start_replicas
+    from rollout.contract import convert
+
+    cluster, workers = cluster
+    workers.append(cluster.add_node(num_cpus=1, resources=dict(SLOT)))  # a spare
+    cluster.wait_for_nodes()
+    count = 48
+    config = convert.structure({"input": write_prompts(tmp_path / "in.parquet", count),
+                                "output": str(tmp_path / "out.parquet"), "backend": "hf",
+                                "model": str(tiny_model), "sampling": LONG, "chunk_size": 4},
+                               GenerateConfig)
+
+    async def main():
+        pool = await start_replicas("hf", str(tiny_model), {"batch_size": 4}, 2,
+                                    placement="ray", max_in_flight=4,
+                                    ray={"resources": SLOT, "strategy": "STRICT_SPREAD"})
+        try:
+            job = asyncio.ensure_future(Job(config).run(pool, progress=False, in_flight=16))
+            victim = pool.replicas[0]
+            deadline = time.monotonic() + 120
+            while victim.in_flight == 0 and not job.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert victim.in_flight > 0 and not job.done()
+            node = await asyncio.to_thread(node_of, victim)
+            await asyncio.to_thread(cluster.remove_node,
+                                    next(w for w in workers if w.node_id == node))
+            return await asyncio.wait_for(job, 300)
+        finally:
+            await pool.close()
+
+    stats = asyncio.run(main())
+    assert stats["errors"] == 0 and stats["samples"] == count
+    check_complete(tmp_path / "out.parquet", count)  # every row once, none lost

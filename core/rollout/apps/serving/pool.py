@@ -61,8 +61,10 @@ class Replica:
 
 class ReplicaPool:
     def __init__(self, replicas: list[Replica], name: str, max_in_flight: int = 64,
-                 health_interval: float = 1.0, keep_weights: bool = False):
+                 health_interval: float = 1.0, keep_weights: bool = False,
+                 on_close: Callable[[], None] | None = None):
         self.replicas = replicas
+        self.on_close = on_close  # frees what the replicas were placed in (blocking)
         self.name = name
         self.max_in_flight = max_in_flight
         self.health_interval = health_interval
@@ -297,6 +299,8 @@ class ReplicaPool:
             await replica.service.close()
             if stop_replicas and replica.process is not None:
                 await asyncio.to_thread(replica.process.stop)
+        if stop_replicas and self.on_close is not None:
+            await asyncio.to_thread(self.on_close)
 
 
 async def _on_each(replicas: list[Replica], call, what: str) -> list:

@@ -46,16 +46,13 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
     if not isinstance(count, int) or count < 1:
         raise InvalidRequestError("replicas", f"got {count!r}", "an integer >= 1")
     key = secrets.token_urlsafe(24)
+    on_close = None
     if placement == "ray":
-        try:
-            import ray as _  # noqa: F401
-        except ImportError:
-            raise InvalidRequestError("placement", "Ray is not installed",
-                                      'local, or pip install "rollout-core[ray]"') from None
         on_ray = RayReplicas(backend, model, options, key, RayPlacement.of(ray),
                              startup_timeout, request_timeout)
         started = await asyncio.to_thread(on_ray.start_all, count)
         restart = {i: on_ray.restarter(i) for i in range(count)}
+        on_close = on_ray.close
     else:
         env = {KEY_VARIABLE: key, **_thread_share(count)}
         started = await asyncio.gather(*(asyncio.to_thread(
@@ -74,8 +71,8 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
     # Kept weights bring a restarted replica to the pool's version (one copy of the model
     # in this process); without them it waits, serving nothing, for the next update.
     return await ReplicaPool(replicas, name=model, max_in_flight=max_in_flight,
-                             keep_weights=keep_weights and bool(restart) and restarts > 0
-                             ).start()
+                             keep_weights=keep_weights and bool(restart) and restarts > 0,
+                             on_close=on_close).start()
 
 
 def _restarter(name: str, backend: str, model: str, options: Mapping, env: dict,
@@ -150,6 +147,8 @@ class RayReplicaProcess:
 
         try:
             ray.get(self.actor.stop.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            pass  # it died, with its node or its process: its replica is gone too
         finally:
             ray.kill(self.actor)
 
@@ -166,8 +165,11 @@ class RayReplicas:
         self.group = None
 
     def start_all(self, count: int) -> list[tuple[str, RayReplicaProcess]]:
-        import ray
-
+        try:
+            import ray
+        except ImportError:
+            raise InvalidRequestError("placement", "Ray is not installed",
+                                      'local, or pip install "rollout-core[ray]"') from None
         if not ray.is_initialized():
             ray.init(address=self.placement.address, ignore_reinit_error=True,
                      log_to_driver=False)
@@ -182,6 +184,14 @@ class RayReplicas:
             ray.util.remove_placement_group(self.group)
             raise
         return [(url, RayReplicaProcess(h)) for url, h in zip(urls, hosts)]
+
+    def close(self) -> None:
+        """Give the placement group's resources back to the cluster."""
+        import ray
+
+        if self.group is not None:
+            ray.util.remove_placement_group(self.group)
+            self.group = None
 
     def restarter(self, index: int):
         async def restart() -> tuple[RemoteService, RayReplicaProcess]:
