@@ -10,6 +10,7 @@ from pathlib import Path
 import attrs
 import click
 
+from rollout.apps.serving.ray_placement import STRATEGIES
 from rollout.contract.errors import InvalidRequestError, RolloutError
 
 
@@ -124,8 +125,7 @@ def ray_options(command):
         click.option("--ray-memory", type=int, help="Memory per replica, in bytes."),
         click.option("--ray-resource", multiple=True, metavar="NAME=AMOUNT",
                      help="A custom resource (or node label) each replica needs. Repeatable."),
-        click.option("--ray-strategy", type=click.Choice(["SPREAD", "PACK", "STRICT_SPREAD",
-                                                          "STRICT_PACK"]),
+        click.option("--ray-strategy", type=click.Choice(STRATEGIES),
                      help="How replicas spread over nodes (default SPREAD)."),
     ]):
         command = option(command)
@@ -137,17 +137,19 @@ def _ray_settings(base: dict, address, gpus, cpus, memory, resource, strategy) -
              "strategy": strategy}
     settings = {**base, **{k: v for k, v in given.items() if v is not None}}
     if resource:
-        parsed = {}
-        for item in resource:
-            name, sep, amount = item.partition("=")
-            try:
-                parsed[name] = float(amount) if sep and name else None
-            except ValueError:
-                parsed[name] = None
-            if parsed[name] is None:
-                raise InvalidRequestError("--ray-resource", f"got {item!r}", "NAME=AMOUNT")
-        settings["resources"] = {**settings.get("resources", {}), **parsed}
+        settings["resources"] = {**settings.get("resources", {}),
+                                 **dict(map(_ray_resource, resource))}
     return settings
+
+
+def _ray_resource(item: str) -> tuple[str, float]:
+    name, _, amount = item.partition("=")
+    try:
+        if name:
+            return name, float(amount)
+    except ValueError:
+        pass
+    raise InvalidRequestError("--ray-resource", f"got {item!r}", "NAME=AMOUNT")
 
 
 @main.command()
