@@ -1,9 +1,11 @@
 """Replicas on a Ray cluster of several nodes (Ray's own multi-node test cluster: a raylet
 per node, each with its own resources and node id), HF backend, tiny model: replicas spread
-over nodes, a request the cluster cannot hold fails at once naming what is missing, and a
+over nodes, a request the cluster cannot hold fails at once naming what is missing, a
 replica whose node is removed is restarted by the pool on a live node and brought to the
-pool's weights before it serves."""
+pool's weights before it serves, and weights go by shared memory only to a replica on the
+trainer's own node (by Ray node id), by gloo to the others."""
 
+import logging
 import time
 
 import pytest
@@ -19,13 +21,15 @@ from rollout.contract.errors import InvalidRequestError  # noqa: E402
 from rollout.testing.contract import probe_requests  # noqa: E402
 from rollout.testing.models import load_weights, perturbed_copy  # noqa: E402
 
-SLOT = {"replica_slot": 1}  # only the worker nodes have it; the head runs no replica
+SLOT = {"replica_slot": 1}  # only the worker nodes have it
+HEAD = {"head_slot": 1}  # only the head node, where this process runs, has it
 
 
 @pytest.fixture(scope="module")
 def cluster():
     cluster = Cluster(initialize_head=True, connect=True,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+                      head_node_args={"num_cpus": 1, "resources": dict(HEAD),
+                                      "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=1, resources=dict(SLOT)) for _ in range(3)]
     cluster.wait_for_nodes()
     yield cluster, workers
@@ -35,6 +39,11 @@ def cluster():
 
 def node_of(replica) -> str:
     return ray.get(replica.process.actor.node_id.remote(), timeout=60)
+
+
+def transports(caplog) -> list[str]:
+    """The transport each weight update chose, and the nodes of its receivers."""
+    return [r.getMessage() for r in caplog.records if r.name == "rollout.weights"]
 
 
 def wait_for(condition, timeout: float, what: str):
@@ -71,7 +80,8 @@ def test_capacity_is_counted_per_node():
 
 
 def test_a_replica_whose_node_is_removed_restarts_on_a_live_node_at_the_pool_version(
-        cluster, tiny_model, tmp_path):
+        cluster, tiny_model, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="rollout.weights")
     cluster, workers = cluster
     other = perturbed_copy(tiny_model, tmp_path / "other")
     with load_backend("hf", str(other)) as engine:
@@ -84,16 +94,22 @@ def test_a_replica_whose_node_is_removed_restarts_on_a_live_node_at_the_pool_ver
         placed = [node_of(r) for r in replicas]
         assert len(set(placed)) == 2  # one replica per node
         trainer.update_weights(load_weights(other).items(), version=1)
+        [pushed] = transports(caplog)  # to replicas on other nodes: a gloo group
+        assert pushed.startswith("weights go by gloo to 3 receivers")  # and the pool's copy
+        assert all(f"ray:{node}" in pushed for node in placed)
 
         victim = replicas[0]
         old_url = victim.service.url
         cluster.remove_node(next(w for w in workers if w.node_id == placed[0]))
         wait_for(lambda: victim.service.url != old_url, 300,
                  "the pool to restart the replica of the removed node")
-        assert node_of(victim) not in placed  # on the spare node
+        spare = node_of(victim)
+        assert spare not in placed
         wait_for(lambda: all(r["healthy"] and "behind" not in r and r.get("weight_version") == 1
                              for r in trainer.health()["replicas"]), 120,
                  "the restarted replica to be brought to version 1")
+        assert transports(caplog)[1:] == [  # brought there across nodes by gloo too
+            f"weights go by gloo to 1 receivers on nodes ray:{spare}"]
         for completion, expected in zip(trainer.generate(many), fresh * 4):
             [result] = completion.unwrap()
             assert result.weight_version == 1 and result.token_ids == expected
@@ -101,6 +117,22 @@ def test_a_replica_whose_node_is_removed_restarts_on_a_live_node_at_the_pool_ver
     live = sum(1 for n in ray.nodes() if n["Alive"] and "replica_slot" in n["Resources"])
     wait_for(lambda: ray.available_resources().get("replica_slot") == live, 60,
              "the placement group's resources to be given back")
+
+
+def test_weights_go_by_shared_memory_to_a_replica_on_this_node(cluster, tiny_model, tmp_path,
+                                                              caplog):
+    caplog.set_level(logging.INFO, logger="rollout.weights")
+    other = perturbed_copy(tiny_model, tmp_path / "other")
+    with load_backend("hf", str(other)) as engine:
+        fresh = [c.unwrap()[0].token_ids for c in engine.generate(probe_requests())]
+    with ServedRollout.start("hf", str(tiny_model), replicas=1, keep_weights=False,
+                             ray={"resources": HEAD}) as trainer:
+        here = ray.get_runtime_context().get_node_id()
+        assert node_of(trainer.service.replicas[0]) == here
+        trainer.update_weights(load_weights(other).items(), version=1)
+        assert transports(caplog) == [f"weights go by shm to 1 receivers on nodes ray:{here}"]
+        for completion, expected in zip(trainer.generate(probe_requests()), fresh):
+            assert completion.unwrap()[0].token_ids == expected
 
 
 def test_a_batch_job_completes_when_a_node_is_removed_mid_batch(cluster, tiny_model,

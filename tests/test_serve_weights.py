@@ -17,6 +17,7 @@ from rollout.apps.serving.app import ServerThread
 from rollout.apps.serving.remote import ServedRollout
 from rollout.apps.serving.service import LocalService
 from rollout.kit.buckets import iter_buckets
+from rollout.kit.transfer.nodes import this_node
 from rollout.kit.transfer.shm import SHM_DIR, ShmSender
 from rollout.testing.contract import probe_requests
 from rollout.testing.models import load_weights, perturbed_copy
@@ -191,7 +192,7 @@ def test_bad_update_options_are_refused_naming_the_field(served):
     status, answer = post(url, "/rollout/weights/bucket", {"update": "nope", "bucket": {}})
     assert status == 404 and answer["error"]["param"] == "update"
     status, begun = post(url, "/rollout/weights/begin", {})
-    assert begun["receivers"] == 1
+    assert begun["receivers"] == 1 and begun["nodes"] == [this_node()]
     status, answer = post(url, "/rollout/weights/group", {
         "update": begun["update"], "host": "127.0.0.1", "port": -1, "backend": "gloo"})
     assert status == 400 and answer["error"]["param"] == "group.port", answer

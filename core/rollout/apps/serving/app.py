@@ -204,7 +204,8 @@ class _Routes:
                 raise ApiError(409, "another weight update is open on this server",
                                code="update_open")
             update_id, update = opened
-            return web.json_response({"update": update_id, "receivers": update.receivers})
+            return web.json_response({"update": update_id, "receivers": update.receivers,
+                                      "nodes": sorted(update.nodes)})
         update_id = body.get("update")
         update = self.updates.get(update_id)
         if step not in WEIGHT_STEPS or update is None:

@@ -108,7 +108,7 @@ class RemoteService:
                            timeout: float) -> RemoteUpdate:
         data = await self._control("/rollout/weights/begin", {
             "version": version, "pause": pause, "timeout": timeout})
-        return RemoteUpdate(self, data["update"], data["receivers"])
+        return RemoteUpdate(self, data["update"], data["receivers"], data.get("nodes", ()))
 
     async def close(self) -> None:
         if self._session is not None:
@@ -166,10 +166,11 @@ class RemoteStream:
 class RemoteUpdate:
     """A weight update open on a replica, by the id its server gave it."""
 
-    def __init__(self, service: RemoteService, update_id: str, receivers: int):
+    def __init__(self, service: RemoteService, update_id: str, receivers: int, nodes=()):
         self.service = service
         self.id = update_id
         self.receivers = receivers  # the ranks its server brings to a collective group
+        self.nodes = frozenset(nodes)  # none from an older server: not known to be here
 
     async def join(self, group: dict) -> None:
         await self.service._control("/rollout/weights/group", {"update": self.id, **group})

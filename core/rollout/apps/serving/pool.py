@@ -18,9 +18,11 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutError
 from rollout.contract.schemas import Chunk, Completion, Request
+from rollout.kit.transfer.collective import address_towards
 from rollout.apps.serving.client import ReplicaDown, RemoteService
 from rollout.apps.serving.weights import BUCKET_WAIT_S, KeepingUpdate, KeptWeights, push_weights
 
@@ -224,8 +226,9 @@ class ReplicaPool:
                 and self.kept.version == self.weight_version and replica.catch_ups_left > 0)
 
     async def _catch_up(self, replica: Replica) -> None:
-        """Push the kept weights into a replica that came back on its checkpoint's (through
-        shared memory: local replicas), so that it serves at the pool's version."""
+        """Push the kept weights into a replica that came back on its checkpoint's, so that
+        it serves at the pool's version: by shared memory where it runs on this node, else
+        by a gloo group that it joins at this host's address towards it."""
         try:
             await asyncio.wait_for(self._updating.acquire(), BUCKET_WAIT_S)
         except TimeoutError:  # an update holds it; the next check tries again
@@ -236,7 +239,8 @@ class ReplicaPool:
             if self._can_catch_up(replica):
                 replica.catch_ups_left -= 1
                 update = await replica.service.begin_update(version, "wait", BUCKET_WAIT_S)
-                await push_weights(update, list(self.kept.tensors.items()))
+                await push_weights(update, list(self.kept.tensors.items()),
+                                   address=address_towards(urlsplit(replica.service.url).hostname))
                 replica.weight_version = version
                 log.info("replica %s brought to weight version %s", replica.service.url,
                          version)
@@ -345,6 +349,11 @@ class PoolUpdate:
     @property
     def receivers(self) -> int:
         return sum(u.receivers for u in self.updates.values()) + (self.keeping is not None)
+
+    @property
+    def nodes(self) -> frozenset[str]:
+        keeping = () if self.keeping is None else (self.keeping.nodes,)
+        return frozenset().union(*(u.nodes for u in self.updates.values()), *keeping)
 
     async def join(self, group: dict) -> None:
         """Every replica joins, each from its own first rank (the ranks are handed out

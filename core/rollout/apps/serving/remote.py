@@ -81,13 +81,14 @@ class ServedRollout:
 
     def update_weights(self, named_tensors: Iterable, bucket_bytes: int | None = None,
                        version: int | None = None, pause: str = "wait",
-                       timeout: float = BUCKET_WAIT_S, transport: str = "shm",
+                       timeout: float = BUCKET_WAIT_S, transport: str = "auto",
                        address: str | None = None) -> None:
         """As `Rollout.update_weights`, on every replica in parallel; returns when all have
         the new version, or raises naming the ones that failed (they take no requests).
         A replica that waits `timeout` s for the next bucket fails the update.
 
-        `transport`: "shm" (shared memory: the replicas run on this host), "gloo" (a
+        `transport`: "auto" (shm where every replica runs on this process's node, by Ray
+        node id under Ray; gloo otherwise), "shm" (shared memory), "gloo" (a
         collective group for the update; the replicas reach this process at `address`,
         by default the address this host reaches the server from), "nccl" (the same
         with CUDA tensors, GPUs on both sides; unsupported where there is none), or

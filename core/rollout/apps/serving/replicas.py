@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from rollout.contract.errors import InvalidRequestError
 from rollout.kit.process import HOST, ServerProcess, free_port
+from rollout.kit.transfer.nodes import NODE_VARIABLE, this_node
 from rollout.apps.serving.client import RemoteService
 from rollout.apps.serving.pool import Replica, ReplicaPool
 from rollout.apps.serving.ray_placement import RayPlacement, placement_group
@@ -54,7 +55,7 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
         restart = {i: on_ray.restarter(i) for i in range(count)}
         on_close = on_ray.close
     else:
-        env = {KEY_VARIABLE: key, **_thread_share(count)}
+        env = {KEY_VARIABLE: key, NODE_VARIABLE: this_node(), **_thread_share(count)}
         started = await asyncio.gather(*(asyncio.to_thread(
             _start_local, f"replica-{i}", backend, model, options, env, startup_timeout)
             for i in range(count)), return_exceptions=True)
@@ -113,7 +114,7 @@ class ReplicaHost:
         host = ray.util.get_node_ip_address()
         port = free_port()
         self.process = ServerProcess("replica", replica_argv(backend, model, options, host, port),
-                                     env={KEY_VARIABLE: key})
+                                     env={KEY_VARIABLE: key, NODE_VARIABLE: this_node()})
         url = f"http://{host}:{port}"
         self.process.wait_healthy(f"{url}/health", timeout, {"Authorization": f"Bearer {key}"})
         return url

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
@@ -28,20 +29,26 @@ from rollout.kit.transfer.collective import (broadcast_announced, close, open_gr
                                              receive_bucket, require, unique_group_name)
 from rollout.kit.transfer.cuda_ipc import CudaIpcSender, receive_cuda_ipc
 from rollout.kit.transfer.cuda_ipc import require as require_cuda_ipc
+from rollout.kit.transfer.nodes import same_node, this_node
 from rollout.kit.transfer.shm import ShmSender, receive_shm
 
 BUCKET_WAIT_S = 120.0  # the longest a backend waits for a trainer's next bucket
 # nccl: GPUs on both sides; cuda_ipc: one GPU shared with an engine (neither run on CPU CI)
 TRANSPORTS = ("shm", "gloo", "nccl", "cuda_ipc")
+# what a trainer may ask for: "auto" is shm where every receiver is on the trainer's node,
+# gloo otherwise
+CHOICES = ("auto",) + TRANSPORTS
 SENDERS = {"shm": ShmSender, "cuda_ipc": CudaIpcSender}  # the rest go through a group
 GROUP_FIELDS = ("host", "port", "name", "world_size", "first_rank", "backend")
 _END = object()
+log = logging.getLogger("rollout.weights")
 
 
 class WeightUpdate(Protocol):
     """One update in progress on a service."""
 
     receivers: int  # the ranks it brings to a collective group
+    nodes: frozenset[str]  # where its receivers run (rollout.kit.transfer.nodes)
 
     async def join(self, group: dict) -> None:
         """Join the trainer's group (`GROUP_FIELDS`) from rank `first_rank` on."""
@@ -74,9 +81,11 @@ def check_group(group) -> dict:
 
 def require_transport(transport: str) -> None:
     """Raise, before anything is sent, where this process cannot use `transport`."""
-    if transport not in TRANSPORTS:
-        raise InvalidRequestError("transport", f"got {transport!r}", ", ".join(TRANSPORTS))
-    if transport == "cuda_ipc":
+    if transport not in CHOICES:
+        raise InvalidRequestError("transport", f"got {transport!r}", ", ".join(CHOICES))
+    if transport == "auto":
+        require("gloo")
+    elif transport == "cuda_ipc":
         require_cuda_ipc()
     elif transport not in SENDERS:
         require(transport)
@@ -130,6 +139,7 @@ class LocalUpdate(_Receiver):
         self.version = version
         self.timeout = timeout  # the longest wait for the trainer's next bucket
         self.receivers = 1
+        self.nodes = frozenset({this_node()})
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._done: concurrent.futures.Future = concurrent.futures.Future()
         threading.Thread(target=self._run, args=(rollout, pause), daemon=True,
@@ -249,6 +259,7 @@ class KeepingUpdate(_Receiver):
 
     def __init__(self, kept: KeptWeights, version: int | None, timeout: float):
         self.kept, self.version, self.timeout = kept, version, timeout
+        self.nodes = frozenset({this_node()})
         self.staged: dict = {}
 
     async def send(self, message: dict) -> None:
@@ -267,13 +278,15 @@ class KeepingUpdate(_Receiver):
 
 
 async def push_weights(update: WeightUpdate, named_tensors: Iterable,
-                       bucket_bytes: int | None = None, transport: str = "shm",
+                       bucket_bytes: int | None = None, transport: str = "auto",
                        address: str = "127.0.0.1", timeout: float = BUCKET_WAIT_S
                        ) -> int | None:
     """The trainer's side: each bucket's layout to the receivers, its bytes by `transport`
     (for gloo, the receivers reach this process's store at `address`), then end. Any
     failure cancels the update (the receivers are then dirty, not half-updated)."""
     groups = iter_groups(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
+    if transport == "auto":
+        transport = choose_transport(update)
     try:
         if transport in SENDERS:
             await _push_by_sender(update, groups, SENDERS[transport])
@@ -283,6 +296,14 @@ async def push_weights(update: WeightUpdate, named_tensors: Iterable,
         await update.cancel(repr(exc))
         raise
     return await update.end()
+
+
+def choose_transport(update: WeightUpdate) -> str:
+    """Shared memory where every receiver runs on this node, else a gloo group."""
+    transport = "shm" if same_node(update.nodes) else "gloo"
+    log.info("weights go by %s to %d receivers on nodes %s", transport, update.receivers,
+             ", ".join(sorted(update.nodes)) or "unknown")
+    return transport
 
 
 async def _push_by_sender(update: WeightUpdate, groups, sender_class) -> None:
