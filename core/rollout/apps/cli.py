@@ -186,10 +186,14 @@ def _ray_resource(item: str) -> tuple[str, float]:
 @click.option("--env-option", multiple=True, metavar="KEY=VALUE",
               help="Option for the environment (JSON values allowed). Repeatable.")
 @click.option("--max-turns", type=int, help="Turns per trajectory at most (default 8).")
+@click.option("--ray-data", is_flag=True, default=None,
+              help="Run on Ray Data: --replicas actors each hold the backend, the input "
+                   "(a parquet file or folder) is read in chunks by them, and OUTPUT is a "
+                   "folder of parquet parts. See docs/cluster.md.")
 @ray_options
 def generate(config, backend, model, input_, output, n, temperature, top_p, top_k,
              max_tokens, seed, chunk_size, backend_option, mode, replicas, placement, server,
-             api_key, in_flight, summary, quiet, environment, env_option, max_turns,
+             api_key, in_flight, summary, quiet, environment, env_option, max_turns, ray_data,
              ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource, ray_strategy) -> None:
     """Generate responses (or, with --environment, trajectories) for every row of a
     parquet file (resumable)."""
@@ -202,6 +206,7 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
             "max_tokens": max_tokens, "seed": seed, "chunk_size": chunk_size,
             "mode": mode, "replicas": replicas, "placement": placement, "server": server,
             "api_key": api_key, "in_flight": in_flight, "environment": environment,
+            "ray_data": ray_data,
         })
         if env_option:
             settings = attrs.evolve(settings, environment_options={
@@ -212,15 +217,20 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
             settings.ray, ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource,
             ray_strategy))
         options = {**settings.backend_options, **_parse_options(backend_option)}
-        if settings.server or settings.replicas or settings.placement == "ray":
-            _require_serving("rollout generate with replicas or --server")
-        if settings.environment:
-            from rollout.apps.agents.job import AgentJob
+        if settings.ray_data:
+            from rollout.apps.ray_data_job import RayDataJob
 
-            job = AgentJob(settings)
+            stats = RayDataJob(settings).run(options, progress=not quiet)
         else:
-            job = Job(settings)  # reads and checks the input before any model loads
-        stats = asyncio.run(_run_job(job, settings, options, progress=not quiet))
+            if settings.server or settings.replicas or settings.placement == "ray":
+                _require_serving("rollout generate with replicas or --server")
+            if settings.environment:
+                from rollout.apps.agents.job import AgentJob
+
+                job = AgentJob(settings)
+            else:
+                job = Job(settings)  # reads and checks the input before any model loads
+            stats = asyncio.run(_run_job(job, settings, options, progress=not quiet))
     except RolloutError as exc:
         _fail(exc)
     path = Path(summary) if summary else Path(settings.output).with_suffix(".summary.json")
@@ -229,11 +239,16 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
         line = (f"{stats['trajectories']} trajectories, {stats.get('turns', 0)} turns, "
                 f"end reasons {stats['end_reasons']}, tool calls {stats['tool_calls']}")
     else:
-        latency = stats["latency_s"]
+        if "latency_s" in stats:
+            latency = stats["latency_s"]
+            timing = f"latency p50 {latency['p50']} s, p99 {latency['p99']} s"
+        else:  # Ray Data: chunks, each generated at once by an actor
+            timing = (f"{stats['chunks_this_run']} chunks, p50 "
+                      f"{stats['chunk_seconds']['p50']} s each")
         line = (f"{stats['prompts']} prompts, {stats['samples']} samples, "
                 f"{stats['completion_tokens']} tokens in {stats['seconds']} s "
-                f"({stats['tokens_per_second']} tokens/s); latency p50 {latency['p50']} s, "
-                f"p99 {latency['p99']} s; errors {stats['errors']} {stats['errors_by_kind']}")
+                f"({stats['tokens_per_second']} tokens/s); {timing}; "
+                f"errors {stats['errors']} {stats['errors_by_kind']}")
         if "answers" in stats:
             answers = stats["answers"]
             line += f"; right answers {answers['right']} of {answers['checked']}"

@@ -45,6 +45,9 @@ class GenerateConfig:
     replicas: int | None = None
     placement: str = "local"
     ray: dict = attrs.field(factory=dict)  # RayPlacement's fields, with placement ray
+    # The job on Ray Data (rollout.apps.ray_data_job): `replicas` actors each hold the
+    # backend, and `output` is a folder of parquet parts.
+    ray_data: bool = False
     server: str | None = None
     api_key: str | None = None
     in_flight: int | None = None
@@ -65,6 +68,9 @@ class GenerateConfig:
             from rollout.apps.serving.ray_placement import RayPlacement
 
             RayPlacement.of(self.ray)  # its errors name the setting, before anything starts
+        if self.ray_data and self.mode not in (None, "standalone"):
+            raise InvalidRequestError("mode", f"{self.mode} with ray_data, whose replicas "
+                                      "are Ray Data's actors", "standalone, or no mode")
         if self.server and self.replicas:
             raise InvalidRequestError("server", "given with replicas",
                                       "either --server URL or --replicas N")
@@ -158,7 +164,7 @@ def output_row(completion: Completion) -> dict:
     }
 
 
-def _output_schema():
+def output_schema():
     import pyarrow as pa
 
     return pa.schema([
@@ -239,10 +245,10 @@ class Job:
         import pyarrow as pa
 
         self.parts.write(start, pa.Table.from_pylist([output_row(c) for c in completions],
-                                                     schema=_output_schema()))
+                                                     schema=output_schema()))
 
     def _join(self) -> None:
-        generated = self.parts.read(_output_schema())
+        generated = self.parts.read(output_schema())
         table = self.table
         for name in generated.column_names:
             table = table.append_column(name, generated.column(name))

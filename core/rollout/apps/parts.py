@@ -14,8 +14,8 @@ from pathlib import Path
 
 
 class Parts:
-    def __init__(self, output: Path, settings: dict, what: str):
-        self.folder = output.with_name(output.name + ".parts")
+    def __init__(self, output: Path, settings: dict, what: str, folder: Path | None = None):
+        self.folder = folder or output.with_name(output.name + ".parts")
         self.settings = settings
         self.what = what
 
@@ -24,7 +24,7 @@ class Parts:
         settings."""
         from rollout.contract.errors import InvalidRequestError
 
-        stamp = self.folder / "settings.json"
+        stamp = self.folder / "_settings.json"  # "_": not data to parquet readers
         if stamp.exists():
             if json.loads(stamp.read_text()) != self.settings:
                 raise InvalidRequestError(
@@ -52,7 +52,7 @@ class Parts:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _temporary(path)
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
@@ -60,6 +60,12 @@ def atomic_write(path: Path, data: bytes) -> None:
 def atomic_write_table(path: Path, table) -> None:
     import pyarrow.parquet as pq
 
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _temporary(path)
     pq.write_table(table, tmp)
     os.replace(tmp, path)
+
+
+def _temporary(path: Path) -> Path:
+    """Hidden from parquet readers of the folder, and one per process: two writers of one
+    part (a retried chunk) never write into the same file."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
