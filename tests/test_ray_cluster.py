@@ -175,3 +175,59 @@ def test_a_batch_job_completes_when_a_node_is_removed_mid_batch(cluster, tiny_mo
     stats = asyncio.run(main())
     assert stats["errors"] == 0 and stats["samples"] == count
     check_complete(tmp_path / "out.parquet", count)  # every row once, none lost
+
+
+def test_an_agent_run_completes_when_a_node_is_removed_mid_run(cluster, tiny_model, tmp_path):
+    """Trajectories whose turn was on the lost node are sent again (a turn that had
+    streamed nothing) or end with the engine's death as a typed error; none is lost."""
+    import asyncio
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rollout.apps.agents.job import AgentJob
+    from rollout.apps.job import GenerateConfig
+    from rollout.apps.serving.replicas import start_replicas
+    from rollout.contract import convert
+
+    cluster, workers = cluster
+    workers.append(cluster.add_node(num_cpus=1, resources=dict(SLOT)))  # a spare
+    cluster.wait_for_nodes()
+    rows = 24
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [f"what is {i % 10} + 1?" for i in range(rows)],
+                             "idx": list(range(rows))}), source)
+    config = convert.structure({
+        "input": str(source), "output": str(tmp_path / "out.parquet"), "backend": "hf",
+        "model": str(tiny_model), "sampling": {"max_tokens": 128, "temperature": 1.0,
+                                               "seed": 2},
+        "chunk_size": rows, "environment": "rollout.testing.agents:ToolTask",
+        "environment_options": {"calls": 2}}, GenerateConfig)
+
+    async def main():
+        pool = await start_replicas("hf", str(tiny_model), {"batch_size": 4}, 2,
+                                    placement="ray", max_in_flight=4,
+                                    ray={"resources": SLOT, "strategy": "STRICT_SPREAD"})
+        try:
+            job = asyncio.ensure_future(AgentJob(config).run(pool, progress=False))
+            victim = pool.replicas[0]
+            deadline = time.monotonic() + 120
+            while victim.in_flight == 0 and not job.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert victim.in_flight > 0 and not job.done()
+            node = await asyncio.to_thread(node_of, victim)
+            await asyncio.to_thread(cluster.remove_node,
+                                    next(w for w in workers if w.node_id == node))
+            return await asyncio.wait_for(job, 300)
+        finally:
+            await pool.close()
+
+    summary = asyncio.run(main())
+    table = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert [r["idx"] for r in table] == list(range(rows))  # every trajectory once
+    assert summary["trajectories"] == rows
+    for row in table:
+        assert row["end_reason"] in ("done", "error"), row["end_detail"]
+        if row["end_reason"] == "error":
+            assert row["end_detail"].startswith("engine_dead:"), row["end_detail"]
+    assert any(row["end_reason"] == "done" for row in table)
