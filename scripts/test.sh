@@ -25,12 +25,12 @@ HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"
 )
 
 # The vLLM backend on the real engine (CPU build), in its own environment; the HF backend
-# is installed beside it for the cross-engine comparison, and TRL for its vLLM client and
-# its trainer through rollout.integrations.trl.
+# is installed beside it for the cross-engine comparison, TRL for its vLLM client and
+# its trainer through rollout.integrations.trl, and Ray for vLLM replicas on a cluster.
 (
   ROLLOUT_AGENTS_PYTHON=$(source scripts/env.sh hf $HF_EXTRAS && command -v python)
   export ROLLOUT_AGENTS_PYTHON
-  source scripts/env.sh vllm requirements/test.txt requirements/trl.txt
+  source scripts/env.sh vllm requirements/test.txt requirements/trl.txt requirements/ray.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
   python -m pytest plugins/vllm_backend/tests "$@"
 )
@@ -41,7 +41,7 @@ HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"
 # and TRL for its trainer through rollout.integrations.trl.
 (
   # vLLM's serving benchmark runs against the SGLang backend from the vLLM environment.
-  ROLLOUT_VLLM_PYTHON=$(source scripts/env.sh vllm requirements/test.txt requirements/trl.txt && command -v python)
+  ROLLOUT_VLLM_PYTHON=$(source scripts/env.sh vllm requirements/test.txt requirements/trl.txt requirements/ray.txt && command -v python)
   ROLLOUT_AGENTS_PYTHON=$(source scripts/env.sh hf $HF_EXTRAS && command -v python)
   export ROLLOUT_VLLM_PYTHON ROLLOUT_AGENTS_PYTHON
   source scripts/env.sh sglang requirements/test.txt requirements/trl.txt

@@ -1,0 +1,73 @@
+"""vLLM replicas on Ray's multi-node test cluster (a raylet per node, each with its own
+node id): two replicas on two nodes get their weights by gloo (not on this process's
+node), and when one node is removed the pool starts its replica on a spare node and brings
+it to the pool's weights by gloo before it serves."""
+
+import logging
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason='Ray is not installed (pip install "rollout-core[ray]")')
+
+from conftest import ENGINE  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import rollout  # noqa: E402
+from rollout.apps.serving.remote import ServedRollout  # noqa: E402
+from rollout.testing.contract import probe_requests  # noqa: E402
+from rollout.testing.models import load_weights, perturbed_copy  # noqa: E402
+
+SLOT = {"replica_slot": 1}  # only the worker nodes have it
+
+
+def greedy(sampler) -> list:
+    return [c.unwrap()[0].token_ids for c in sampler.generate(probe_requests() * 2)]
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout:.0f} s for {what}")
+        time.sleep(0.5)
+    return value
+
+
+def test_vllm_replicas_on_two_nodes_survive_a_node_removed(tiny_model, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="rollout.weights")
+    other = perturbed_copy(tiny_model, tmp_path / "other")
+    with rollout.load_backend("vllm", str(other), **ENGINE) as fresh:
+        expected = greedy(fresh)
+    cluster = Cluster(initialize_head=True, connect=True,
+                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        workers = [cluster.add_node(num_cpus=1, resources=dict(SLOT)) for _ in range(3)]
+        cluster.wait_for_nodes()
+        with ServedRollout.start("vllm", str(tiny_model), replicas=2, options=ENGINE,
+                                 ray={"resources": SLOT, "strategy": "STRICT_SPREAD"}
+                                 ) as trainer:
+            replicas = trainer.service.replicas
+            placed = [ray.get(r.process.actor.node_id.remote(), timeout=60) for r in replicas]
+            assert len(set(placed)) == 2
+            trainer.update_weights(load_weights(other).items(), version=1)
+            assert greedy(trainer) == expected
+            pushes = [r.getMessage() for r in caplog.records if r.name == "rollout.weights"]
+            assert pushes[0].startswith("weights go by gloo to 3 receivers")
+
+            victim = replicas[0]
+            old_url = victim.service.url
+            cluster.remove_node(next(w for w in workers if w.node_id == placed[0]))
+            wait_for(lambda: victim.service.url != old_url, 600,
+                     "the pool to restart the replica of the removed node")
+            wait_for(lambda: all(r["healthy"] and "behind" not in r
+                                 and r.get("weight_version") == 1
+                                 for r in trainer.health()["replicas"]), 300,
+                     "the restarted replica to be brought to version 1")
+            assert ray.get(victim.process.actor.node_id.remote(), timeout=60) not in placed
+            served = trainer.generate(probe_requests() * 2)
+            assert [c.unwrap()[0].token_ids for c in served] == expected
+            assert {r.weight_version for c in served for r in c.unwrap()} == {1}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
