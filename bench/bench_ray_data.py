@@ -1,13 +1,16 @@
 """The batch job on Ray Data against the single-driver job, side by side: the same prompts
-(100k by default), the tiny model on the HF backend, the same replica count, chunk size
-and engine batch. Each run is a fresh driver process, which reports its own wall time
-(from its replicas' start; for Ray Data, on a running local cluster) and peak RSS; the two modes take turns for `--rounds` rounds. Prints both, and the
-throughput ratio (target >= 0.9) and the drivers' peak RSS.
+(100k by default), the tiny model, the same backend, replica count, chunk size and engine
+batch. Each run is a fresh driver process, which reports its own wall time (from its
+replicas' start; for Ray Data, on a running local cluster) and peak RSS; the modes take
+turns for `--rounds` rounds. Prints each, the throughput ratio (target >= 0.9) and the
+drivers' peak RSS.
 
     python bench/bench_ray_data.py [--rows 100000] [--replicas 2] [--tokens 8] [--rounds 1]
+                                   [--backend hf|vllm] [--ray-llm]
 
-Ray Data's own LLM batch API (`ray.data.llm`) runs on vLLM only, and the vLLM environment
-holds no Ray, so it is not compared here.
+`--ray-llm` (with `--backend vllm`) also runs Ray's own LLM batch API, `ray.data.llm`, on
+the same prompts with as many vLLM engines; it needs Ray Serve's dependencies beside Ray
+(`pip install grpcio-reflection`), which the test environment does not hold.
 """
 
 from __future__ import annotations
@@ -23,16 +26,27 @@ from pathlib import Path
 from common import prompts
 
 
+BACKENDS = ("hf", "vllm")
+VLLM = {"dtype": "float32", "enforce_eager": True}  # on vLLM's CPU build, as its tests run it
+
+
 def job_config(source: str, output: str, model: str, args, ray_data: bool):
     from rollout.apps.job import GenerateConfig
     from rollout.contract import convert
 
     return convert.structure({
-        "input": source, "output": output, "backend": "hf", "model": model,
+        "input": source, "output": output, "backend": args.backend, "model": model,
         "sampling": {"max_tokens": args.tokens, "ignore_eos": True, "temperature": 1.0,
                      "seed": 1},
         "chunk_size": args.chunk_size, "replicas": args.replicas, "ray_data": ray_data},
         GenerateConfig)
+
+
+def options(backend: str, batch: int) -> dict:
+    """The same engine batch on each backend."""
+    if backend == "hf":
+        return {"batch_size": batch}
+    return {**VLLM, "engine_args": {"max_num_seqs": batch}}
 
 
 def run_driver_job(config, batch: int) -> dict:
@@ -42,8 +56,8 @@ def run_driver_job(config, batch: int) -> dict:
     from rollout.apps.serving.replicas import start_replicas
 
     async def main():
-        pool = await start_replicas("hf", config.model, {"batch_size": batch},
-                                    config.replicas)
+        pool = await start_replicas(config.backend, config.model,
+                                    options(config.backend, batch), config.replicas)
         try:
             return await Job(config).run(pool, progress=False)
         finally:
@@ -55,7 +69,27 @@ def run_driver_job(config, batch: int) -> dict:
 def run_ray_data_job(config, batch: int) -> dict:
     from rollout.apps.ray_data_job import RayDataJob
 
-    return RayDataJob(config).run({"batch_size": batch}, progress=False)
+    return RayDataJob(config).run(options(config.backend, batch), progress=False)
+
+
+def run_ray_llm(config, batch: int) -> dict:
+    """Ray's own LLM batch API on the same prompts, sampling and engine count."""
+    import pyarrow.parquet as pq
+    import ray
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    sampling = {"max_tokens": config.sampling.max_tokens, "ignore_eos": True,
+                "temperature": 1.0, "seed": 1}
+    processor = build_processor(
+        vLLMEngineProcessorConfig(
+            model_source=config.model, engine_kwargs={**VLLM, "max_num_seqs": batch},
+            concurrency=config.replicas, batch_size=config.chunk_size,
+            placement_group_config={"bundles": [{"CPU": 1}]}, chat_template_stage=False),
+        preprocess=lambda row: {"prompt": row["prompt"], "sampling_params": sampling},
+        postprocess=lambda row: {"tokens": row["num_generated_tokens"]})
+    rows = processor(ray.data.from_arrow(pq.read_table(config.input))).take_all()
+    return {"completion_tokens": sum(int(r["tokens"]) for r in rows),
+            "errors": len(pq.read_table(config.input)) - len(rows)}
 
 
 def peak_rss_mb() -> float:
@@ -70,8 +104,13 @@ def peak_rss_mb() -> float:
 def one_run(args) -> None:
     """The child: one job, then its figures as the last line of stdout."""
     config = job_config(args.input, args.output, args.model_dir, args, args.mode == "ray-data")
-    run = run_ray_data_job if args.mode == "ray-data" else run_driver_job
-    if args.mode == "ray-data":  # a running cluster, as a job finds it: its start not timed
+    run = {"driver": run_driver_job, "ray-data": run_ray_data_job,
+           "ray-llm": run_ray_llm}[args.mode]
+    if args.backend == "vllm":
+        from common import prepare_engine
+
+        prepare_engine("vllm")
+    if args.mode != "driver":  # a running cluster, as a job finds it: its start not timed
         import ray
 
         # Logical CPUs: one per actor, and room for Ray Data's own work on a small machine.
@@ -91,7 +130,11 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--batch", type=int, default=128, help="each replica's engine batch")
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--mode", choices=["driver", "ray-data"], help=argparse.SUPPRESS)
+    parser.add_argument("--backend", choices=BACKENDS, default="hf")
+    parser.add_argument("--ray-llm", action="store_true",
+                        help="also ray.data.llm (--backend vllm)")
+    parser.add_argument("--mode", choices=["driver", "ray-data", "ray-llm"],
+                        help=argparse.SUPPRESS)
     for hidden in ("--input", "--output", "--model-dir"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -107,14 +150,16 @@ def main() -> None:
         model = str(build_tiny_model(tmp))
         source = f"{tmp}/prompts.parquet"
         pq.write_table(pa.table({"prompt": prompts(args.rows)}), source)
-        results: dict[str, list[dict]] = {"driver": [], "ray-data": []}
+        results: dict[str, list[dict]] = {"driver": [], "ray-data": [],
+                                          **({"ray-llm": []} if args.ray_llm else {})}
         for round_ in range(args.rounds):
             for mode in results:
                 output = f"{tmp}/out-{mode}-{round_}" + (".parquet" if mode == "driver" else "")
                 command = [sys.executable, __file__, "--mode", mode, "--input", source,
                            "--output", output, "--model-dir", model,
                            *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                             if k in ("rows", "replicas", "tokens", "chunk_size", "batch"))]
+                             if k in ("rows", "replicas", "tokens", "chunk_size", "batch",
+                                      "backend"))]
                 done = subprocess.run(command, capture_output=True, text=True, check=False,
                                       cwd=Path(__file__).parent, timeout=3600)
                 if done.returncode:
@@ -126,10 +171,15 @@ def main() -> None:
                       f"{figures['tokens'] / figures['seconds']:9.0f} tokens/s  driver peak "
                       f"RSS {figures['peak_rss_mb']:.0f} MB", flush=True)
     best = {mode: min(runs, key=lambda r: r["seconds"]) for mode, runs in results.items()}
-    print(f"\n{args.rows} prompts x {args.tokens} tokens, {args.replicas} replicas: Ray Data "
-          f"throughput / single driver = {best['driver']['seconds'] / best['ray-data']['seconds']:.2f}"
-          f" (target >= 0.9); driver peak RSS {best['driver']['peak_rss_mb']:.0f} MB (single "
-          f"driver) vs {best['ray-data']['peak_rss_mb']:.0f} MB (Ray Data)")
+    print(f"\n{args.rows} prompts x {args.tokens} tokens, {args.backend}, {args.replicas} "
+          f"replicas: Ray Data throughput / single driver = "
+          f"{best['driver']['seconds'] / best['ray-data']['seconds']:.2f} (target >= 0.9); "
+          f"driver peak RSS {best['driver']['peak_rss_mb']:.0f} MB (single driver) vs "
+          f"{best['ray-data']['peak_rss_mb']:.0f} MB (Ray Data)")
+    if "ray-llm" in best:
+        print(f"rollout --ray-data throughput / ray.data.llm = "
+              f"{best['ray-llm']['seconds'] / best['ray-data']['seconds']:.2f}; ray.data.llm "
+              f"driver peak RSS {best['ray-llm']['peak_rss_mb']:.0f} MB")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,25 @@ def transports(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "rollout.weights"]
 
 
+def check_balanced_and_pinned(trainer) -> None:
+    """Requests go to both nodes' replicas; a session's requests all go to one."""
+    replicas = trainer.service.replicas
+    served: dict[int, list] = {id(r): [] for r in replicas}
+    for replica in replicas:
+        async def counting(request, send=replica.service.generate, replica=replica):
+            served[id(replica)].append(request.session_id)
+            return await send(request)
+        replica.service.generate = counting
+    try:
+        trainer.generate(probe_requests() * 4)
+        assert all(served.values())  # least in flight: both took some
+        trainer.generate([{**r, "session_id": "s1"} for r in probe_requests() * 4])
+        assert [sessions.count("s1") for sessions in served.values()] in ([16, 0], [0, 16])
+    finally:
+        for replica in replicas:
+            del replica.service.generate
+
+
 def wait_for(condition, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while not (value := condition()):
@@ -97,6 +116,7 @@ def test_a_replica_whose_node_is_removed_restarts_on_a_live_node_at_the_pool_ver
         [pushed] = transports(caplog)  # to replicas on other nodes: a gloo group
         assert pushed.startswith("weights go by gloo to 3 receivers")  # and the pool's copy
         assert all(f"ray:{node}" in pushed for node in placed)
+        check_balanced_and_pinned(trainer)
 
         victim = replicas[0]
         old_url = victim.service.url
