@@ -7,26 +7,16 @@ import os
 import signal
 import time
 
-import pytest
-
 from rollout import load_backend
 from rollout.apps.serving.remote import ServedRollout
 from rollout.testing.contract import probe_requests
 from rollout.testing.models import load_weights, perturbed_copy
+from rollout.testing.waiting import wait_for
 
 
 def served_by(trainer) -> dict[str, object]:
     return {r["url"]: r.get("weight_version") for r in trainer.health()["replicas"]
             if r["healthy"] and "behind" not in r}
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout:.0f} s for {what}")
-        time.sleep(0.3)
-    return value
 
 
 def kill_and_wait_for_restart(trainer, victim) -> None:

@@ -20,6 +20,7 @@ from rollout.apps.serving.remote import ServedRollout  # noqa: E402
 from rollout.contract.errors import InvalidRequestError  # noqa: E402
 from rollout.testing.contract import probe_requests  # noqa: E402
 from rollout.testing.models import load_weights, perturbed_copy  # noqa: E402
+from rollout.testing.waiting import wait_for  # noqa: E402
 
 SLOT = {"replica_slot": 1}  # only the worker nodes have it
 HEAD = {"head_slot": 1}  # only the head node, where this process runs, has it
@@ -63,15 +64,6 @@ def check_balanced_and_pinned(trainer) -> None:
     finally:
         for replica in replicas:
             del replica.service.generate
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout:.0f} s for {what}")
-        time.sleep(0.3)
-    return value
 
 
 def test_what_the_cluster_cannot_hold_fails_at_once_naming_it(cluster, tiny_model):
@@ -155,44 +147,52 @@ def test_weights_go_by_shared_memory_to_a_replica_on_this_node(cluster, tiny_mod
             assert completion.unwrap()[0].token_ids == expected
 
 
-def test_a_batch_job_completes_when_a_node_is_removed_mid_batch(cluster, tiny_model,
-                                                                 tmp_path):
+def run_losing_a_node(cluster, tiny_model, job) -> dict:
+    """`job.run(pool)` over two HF replicas on two nodes, with the node of one removed while
+    that replica has requests in flight (a spare node is added first to take it)."""
     import asyncio
 
-    from test_replicas import LONG, check_complete, write_prompts
-
-    from rollout.apps.job import GenerateConfig, Job
     from rollout.apps.serving.replicas import start_replicas
-    from rollout.contract import convert
 
     cluster, workers = cluster
-    workers.append(cluster.add_node(num_cpus=1, resources=dict(SLOT)))  # a spare
+    workers.append(cluster.add_node(num_cpus=1, resources=dict(SLOT)))
     cluster.wait_for_nodes()
-    count = 48
-    config = convert.structure({"input": write_prompts(tmp_path / "in.parquet", count),
-                                "output": str(tmp_path / "out.parquet"), "backend": "hf",
-                                "model": str(tiny_model), "sampling": LONG, "chunk_size": 4},
-                               GenerateConfig)
 
     async def main():
         pool = await start_replicas("hf", str(tiny_model), {"batch_size": 4}, 2,
                                     placement="ray", max_in_flight=4,
                                     ray={"resources": SLOT, "strategy": "STRICT_SPREAD"})
         try:
-            job = asyncio.ensure_future(Job(config).run(pool, progress=False, in_flight=16))
+            running = asyncio.ensure_future(job(pool))
             victim = pool.replicas[0]
             deadline = time.monotonic() + 120
-            while victim.in_flight == 0 and not job.done() and time.monotonic() < deadline:
+            while victim.in_flight == 0 and not running.done() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            assert victim.in_flight > 0 and not job.done()
+            assert victim.in_flight > 0 and not running.done()
             node = await asyncio.to_thread(node_of, victim)
             await asyncio.to_thread(cluster.remove_node,
                                     next(w for w in workers if w.node_id == node))
-            return await asyncio.wait_for(job, 300)
+            return await asyncio.wait_for(running, 300)
         finally:
             await pool.close()
 
-    stats = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_batch_job_completes_when_a_node_is_removed_mid_batch(cluster, tiny_model,
+                                                                 tmp_path):
+    from test_replicas import LONG, check_complete, write_prompts
+
+    from rollout.apps.job import GenerateConfig, Job
+    from rollout.contract import convert
+
+    count = 48
+    config = convert.structure({"input": write_prompts(tmp_path / "in.parquet", count),
+                                "output": str(tmp_path / "out.parquet"), "backend": "hf",
+                                "model": str(tiny_model), "sampling": LONG, "chunk_size": 4},
+                               GenerateConfig)
+    stats = run_losing_a_node(
+        cluster, tiny_model, lambda pool: Job(config).run(pool, progress=False, in_flight=16))
     assert stats["errors"] == 0 and stats["samples"] == count
     check_complete(tmp_path / "out.parquet", count)  # every row once, none lost
 
@@ -200,19 +200,13 @@ def test_a_batch_job_completes_when_a_node_is_removed_mid_batch(cluster, tiny_mo
 def test_an_agent_run_completes_when_a_node_is_removed_mid_run(cluster, tiny_model, tmp_path):
     """Trajectories whose turn was on the lost node are sent again (a turn that had
     streamed nothing) or end with the engine's death as a typed error; none is lost."""
-    import asyncio
-
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from rollout.apps.agents.job import AgentJob
     from rollout.apps.job import GenerateConfig
-    from rollout.apps.serving.replicas import start_replicas
     from rollout.contract import convert
 
-    cluster, workers = cluster
-    workers.append(cluster.add_node(num_cpus=1, resources=dict(SLOT)))  # a spare
-    cluster.wait_for_nodes()
     rows = 24
     source = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": [f"what is {i % 10} + 1?" for i in range(rows)],
@@ -223,26 +217,8 @@ def test_an_agent_run_completes_when_a_node_is_removed_mid_run(cluster, tiny_mod
                                                "seed": 2},
         "chunk_size": rows, "environment": "rollout.testing.agents:ToolTask",
         "environment_options": {"calls": 2}}, GenerateConfig)
-
-    async def main():
-        pool = await start_replicas("hf", str(tiny_model), {"batch_size": 4}, 2,
-                                    placement="ray", max_in_flight=4,
-                                    ray={"resources": SLOT, "strategy": "STRICT_SPREAD"})
-        try:
-            job = asyncio.ensure_future(AgentJob(config).run(pool, progress=False))
-            victim = pool.replicas[0]
-            deadline = time.monotonic() + 120
-            while victim.in_flight == 0 and not job.done() and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            assert victim.in_flight > 0 and not job.done()
-            node = await asyncio.to_thread(node_of, victim)
-            await asyncio.to_thread(cluster.remove_node,
-                                    next(w for w in workers if w.node_id == node))
-            return await asyncio.wait_for(job, 300)
-        finally:
-            await pool.close()
-
-    summary = asyncio.run(main())
+    summary = run_losing_a_node(cluster, tiny_model,
+                                lambda pool: AgentJob(config).run(pool, progress=False))
     table = pq.read_table(tmp_path / "out.parquet").to_pylist()
     assert [r["idx"] for r in table] == list(range(rows))  # every trajectory once
     assert summary["trajectories"] == rows

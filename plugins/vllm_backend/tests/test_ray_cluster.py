@@ -4,7 +4,6 @@ node), and when one node is removed the pool starts its replica on a spare node 
 it to the pool's weights by gloo before it serves."""
 
 import logging
-import time
 
 import pytest
 
@@ -17,21 +16,13 @@ import rollout  # noqa: E402
 from rollout.apps.serving.remote import ServedRollout  # noqa: E402
 from rollout.testing.contract import probe_requests  # noqa: E402
 from rollout.testing.models import load_weights, perturbed_copy  # noqa: E402
+from rollout.testing.waiting import wait_for  # noqa: E402
 
 SLOT = {"replica_slot": 1}  # only the worker nodes have it
 
 
 def greedy(sampler) -> list:
     return [c.unwrap()[0].token_ids for c in sampler.generate(probe_requests() * 2)]
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout:.0f} s for {what}")
-        time.sleep(0.5)
-    return value
 
 
 def test_vllm_replicas_on_two_nodes_survive_a_node_removed(tiny_model, tmp_path, caplog):
@@ -59,11 +50,11 @@ def test_vllm_replicas_on_two_nodes_survive_a_node_removed(tiny_model, tmp_path,
             old_url = victim.service.url
             cluster.remove_node(next(w for w in workers if w.node_id == placed[0]))
             wait_for(lambda: victim.service.url != old_url, 600,
-                     "the pool to restart the replica of the removed node")
+                     "the pool to restart the replica of the removed node", interval=0.5)
             wait_for(lambda: all(r["healthy"] and "behind" not in r
                                  and r.get("weight_version") == 1
                                  for r in trainer.health()["replicas"]), 300,
-                     "the restarted replica to be brought to version 1")
+                     "the restarted replica to be brought to version 1", interval=0.5)
             assert ray.get(victim.process.actor.node_id.remote(), timeout=60) not in placed
             served = trainer.generate(probe_requests() * 2)
             assert [c.unwrap()[0].token_ids for c in served] == expected
