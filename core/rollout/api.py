@@ -32,7 +32,8 @@ from rollout.contract.errors import (
     RolloutTimeoutError,
     WeightsDirtyError,
 )
-from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result
+from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result, \
+    Timing
 from rollout.kit.aio import Relay, engine_loop, on_loop
 from rollout.kit.images import ImageStore, image_sources
 from rollout.kit.text import TextStream, final_text
@@ -241,6 +242,7 @@ class Rollout:
         except InvalidRequestError as exc:
             return Completion(request.id, error=exc)
         samples = [_Sample(self.encoder.decode, s, sink is not None) for _ in range(s.n)]
+        started, first_token = time.monotonic(), None
         chunks = self._pm.hook.generate(request=request, prompt_token_ids=prompt,
                                         streaming=sink is not None, images=images)
         try:
@@ -249,6 +251,8 @@ class Rollout:
                     raise BackendContractError(
                         f"backend {self.name!r}: chunk for sample {chunk.index} of a request "
                         f"with n={s.n} (or after that sample finished)")
+                if first_token is None and chunk.token_ids:
+                    first_token = time.monotonic() - started
                 text = samples[chunk.index].add(chunk)
                 if sink is not None and (chunk.token_ids or chunk.finish_reason or text):
                     sink(attrs.evolve(chunk, text=text))
@@ -276,7 +280,8 @@ class Rollout:
             if sink is not None and sample.stream is not None and not sample.streamed_end:
                 sink(Chunk(i, finish_reason=results[-1].finish_reason,
                            text=sample.stream.finish()))
-        return Completion(request.id, tuple(results))
+        return Completion(request.id, tuple(results),
+                          timing=Timing(first_token, time.monotonic() - started))
 
     async def _admit(self) -> None:
         """Wait (bounded) while a lifecycle call runs or waits; resume a released backend
@@ -331,6 +336,11 @@ class Rollout:
     @property
     def released(self) -> frozenset[str]:
         return frozenset(self._released)
+
+    @property
+    def weights_dirty(self) -> bool:
+        """A weight update failed midway: no request runs until a full one succeeds."""
+        return self._dirty is not None
 
     def health(self) -> dict:
         """What runs now, and the backend's counters (`stats`) where it keeps some; raises the

@@ -297,20 +297,39 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
               help="Keep the last weight update in this process (a model's size of memory) "
                    "to bring a restarted replica to the current version before it serves; "
                    "without it a restarted replica serves nothing until the next update.")
+@click.option("--max-running", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests the backend runs at once (with replicas: each replica); the "
+                   "rest wait for a turn.")
+@click.option("--max-waiting", type=click.IntRange(min=0), default=1024, show_default=True,
+              help="Requests that may wait for a turn; past it, calls get 429 with "
+                   "Retry-After.")
+@click.option("--public-metrics", is_flag=True,
+              help="Answer /metrics without the API key (for a scraper that has none).")
+@click.option("--log-format", type=click.Choice(["text", "json"]), envvar="ROLLOUT_LOG_FORMAT",
+              default="text", show_default=True, help="Log lines as text or as JSON.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              envvar="ROLLOUT_LOG_LEVEL", default="info", show_default=True,
+              help="debug adds a line per finished request.")
+@click.option("--log-prompts", is_flag=True,
+              help="Put each request's prompt in its debug line (off: no prompt text in logs).")
 @click.option("--watch-parent", type=int, hidden=True,
               help="Exit when this process is gone (for replicas started by a pool).")
 @ray_options
 def serve(backend, model, mode, replicas, placement, host, port, served_model_name, api_key,
           backend_option, tool_call_parser, replica_restarts, replica_keep_weights,
+          max_running, max_waiting, public_metrics, log_format, log_level, log_prompts,
           watch_parent, ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource,
           ray_strategy) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
     _require_serving("rollout serve")
+    from rollout.apps.serving.admission import Limits
     from rollout.apps.serving.app import listen
     from rollout.apps.serving.app import serve as serve_http
     from rollout.apps.serving.connect import connect
     from rollout.apps.tool_parsers import load_tool_parser
+    from rollout.kit.logs import configure
 
+    configure(log_format, log_level)
     if watch_parent:
         _exit_with_parent(watch_parent)
     options = _parse_options(backend_option)
@@ -330,9 +349,11 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
         service = await connect(backend, model, options,
                                 replicas if replicas > 1 or placement == "ray" else None,
                                 placement, mode=mode, restarts=replica_restarts,
-                                keep_weights=replica_keep_weights, ray=ray)
+                                keep_weights=replica_keep_weights, ray=ray,
+                                limits=Limits(max_running, max_waiting))
         await serve_http(service, model_name=served_model_name or model,
-                         api_key=api_key, tool_parser=tool_call_parser, sock=sock)
+                         api_key=api_key, tool_parser=tool_call_parser, sock=sock,
+                         public_metrics=public_metrics, log_prompts=log_prompts)
 
     try:
         _run_on_engine_loop(run())

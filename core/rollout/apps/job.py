@@ -20,6 +20,7 @@ from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError, RolloutError
 from rollout.apps.parts import Parts, atomic_write_table
 from rollout.contract.schemas import Completion, Message, Request, SamplingParams
+from rollout.apps.serving.backoff import patiently
 from rollout.apps.serving.service import Service
 
 PROMPT_COLUMN = "prompt"
@@ -205,7 +206,7 @@ class Job:
         async def one(request: Request) -> Completion:
             try:
                 started = time.monotonic()
-                completion = await service.generate(request)
+                completion = await patiently(lambda: service.generate(request))
                 summary.latencies.append(time.monotonic() - started)
                 return completion
             finally:

@@ -99,6 +99,20 @@ class NoReplicaError(RolloutError, RuntimeError):
     kind = "no_replica"
 
 
+class OverloadedError(RolloutError, RuntimeError):
+    """The server holds as much waiting work as it may: try again after `retry_after`
+    seconds (HTTP 429 with Retry-After). Nothing of the request ran."""
+
+    kind = "overloaded"
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self):
+        return type(self), (self.message, self.retry_after)
+
+
 class RolloutTimeoutError(RolloutError, TimeoutError):
     kind = "timeout"
 

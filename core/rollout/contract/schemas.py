@@ -441,13 +441,24 @@ class Chunk:
 
 
 @attrs.frozen
+class Timing:
+    """When the engine made a request's output, in seconds from the moment it started
+    the request: its first token (None if it made none) and its end."""
+
+    first_token_s: float | None
+    total_s: float
+
+
+@attrs.frozen
 class Completion:
     """What one request produced: its `n` results in index order, or the error that
-    stopped it (the other requests of its batch are unaffected)."""
+    stopped it (the other requests of its batch are unaffected). `timing` is the
+    engine's, where it ran (not part of equality: two runs of a request are equal)."""
 
     request_id: str
     results: tuple[Result, ...] = ()
     error: RolloutError | None = None
+    timing: Timing | None = attrs.field(default=None, eq=False)
 
     @property
     def ok(self) -> bool:

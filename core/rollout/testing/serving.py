@@ -61,6 +61,24 @@ def http(url, body=None, key=KEY, data=None):
         return exc.code, json.loads(exc.read())
 
 
+def scrape(url: str, key: str | None = KEY) -> dict:
+    """The server's /metrics, parsed: {(sample name, frozenset of labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(f"{url}/metrics", headers={
+        "Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(scraped: dict, name: str, **labels) -> float:
+    """The sum of `name`'s samples that carry `labels` (0 where there are none)."""
+    wanted = set(labels.items())
+    return sum(v for (n, have), v in scraped.items() if n == name and wanted <= have)
+
+
 class ServerContract:
     @pytest.fixture(scope="class")
     @classmethod
@@ -530,6 +548,90 @@ class ServerContract:
                 assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
 
     # --- load -----------------------------------------------------------------------------------
+
+    # --- metrics and admission control ------------------------------------------------------
+
+    def test_metrics_count_what_the_server_served(self, server, client):
+        before = scrape(server.url)
+        texts = [client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=5,
+                                           temperature=0) for _ in range(2)]
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=5, stream=True,
+            stream_options={"include_usage": True}))
+        status, _ = http(f"{server.url}/v1/completions",
+                         {"model": MODEL, "prompt": "x", "temperature": -1})
+        after = scrape(server.url)
+
+        def grew(name, **labels):
+            return metric(after, name, **labels) - metric(before, name, **labels)
+
+        usages = [t.usage for t in texts] + [chunks[-1].usage]
+        reasons = [t.choices[0].finish_reason for t in texts] + [
+            c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert status == 400 and len(reasons) == 3
+        assert grew("rollout:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+        assert grew("rollout:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+        for reason in set(reasons):
+            assert grew("rollout:request_success_total", finished_reason=reason) == \
+                reasons.count(reason)
+        for histogram in ("e2e_request_latency_seconds", "time_to_first_token_seconds"):
+            assert grew(f"rollout:{histogram}_count", model_name=MODEL) == 3
+        assert grew("rollout:request_errors_total", kind="invalid_request") == 1
+        assert metric(after, "rollout:num_requests_running") == 0
+        assert metric(after, "rollout:weights_dirty") == 0
+
+    def test_metrics_need_the_key_like_every_route(self, server):
+        status, body = http(f"{server.url}/metrics", key=None)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+    def test_a_full_line_is_refused_at_once_with_429_and_retry_after(self, ro):
+        """One request runs, one waits, the next is refused (HTTP 429, Retry-After; a
+        Python client gets OverloadedError); once they are gone the server serves again."""
+        from rollout.apps.serving.admission import Limits
+        from rollout.apps.serving.client import RemoteService
+        from rollout.contract.errors import OverloadedError
+        from rollout.contract.schemas import Request
+        from rollout.testing.waiting import wait_for
+
+        service = LocalService(ro, MODEL, Limits(max_running=1, max_waiting=1))
+        # Long enough to still run when the third call comes (cancelled then).
+        long = {"model": MODEL, "prompt": "the", "max_tokens": MAX_MODEL_LEN - 16,
+                "ignore_eos": True, "temperature": 1.0}
+
+        async def hold_two_then_call_a_third(url):
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
+                held = [asyncio.ensure_future(s.post(f"{url}/v1/completions", json=long))]
+                await asyncio.to_thread(wait_for, lambda: service.gate.running == 1, 60,
+                                        "the first request to run")
+                held.append(asyncio.ensure_future(s.post(f"{url}/v1/completions", json=long)))
+                await asyncio.to_thread(wait_for, lambda: service.gate.waiting == 1, 60,
+                                        "the second request to wait")
+                async with s.post(f"{url}/v1/completions", json={**long, "max_tokens": 2}) as r:
+                    refused = r.status, r.headers.get("Retry-After"), await r.json()
+                gauges = await asyncio.to_thread(scrape, url, None)  # public here
+                remote = RemoteService(url, KEY)
+                try:
+                    with pytest.raises(OverloadedError):
+                        await remote.generate(Request(prompt="the"))
+                finally:
+                    await remote.close()
+                for call in held:
+                    call.cancel()
+                return refused, gauges
+
+        with ServerThread(service, api_key=KEY, public_metrics=True) as small:
+            (status, retry_after, body), gauges = asyncio.run(hold_two_then_call_a_third(
+                small.url))
+            assert status == 429 and retry_after == "1"
+            assert body["error"]["code"] == "overloaded" and "wait" in body["error"]["message"]
+            assert metric(gauges, "rollout:num_requests_running") == 1
+            assert metric(gauges, "rollout:num_requests_waiting") == 1
+            assert metric(gauges, "rollout:request_errors_total", kind="overloaded") >= 1
+            wait_for(lambda: service.gate.running == service.gate.waiting == 0, 120,
+                     "the cancelled requests to stop")
+            status, body = http(f"{small.url}/v1/completions",
+                                {"model": MODEL, "prompt": "the", "max_tokens": 2})
+            assert status == 200 and body["usage"]["completion_tokens"] >= 1
 
     def test_500_concurrent_chat_calls_all_succeed(self, server, ro):
         async def main():

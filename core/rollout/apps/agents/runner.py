@@ -24,7 +24,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
+from prometheus_client import Counter
+
 from rollout.api import Rollout
+from rollout.apps.serving.backoff import patiently
 from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError, RolloutError, UnknownImageError
 from rollout.contract.schemas import Message, Request, SamplingParams, ToolCall
@@ -36,6 +39,11 @@ from rollout.apps.tool_parsers import ParsedMessage, load_tool_parser, new_call_
 from rollout.kit.images import PromptImage, load_image, message_image_sources
 
 ON_TOOL_ERROR = ("message", "end")
+# In the process's default registry: `rollout serve` shows them on /metrics, a trainer
+# with its own Prometheus endpoint shows them there.
+TRAJECTORIES = Counter("rollout:agent_trajectories", "Agent trajectories ended, by end "
+                       "reason.", ["outcome"])
+TOOL_CALLS = Counter("rollout:agent_tool_calls", "Agent tool calls, by outcome.", ["outcome"])
 
 
 def _positive(name: str, optional: bool = False):
@@ -193,6 +201,7 @@ class AgentRunner:
             t.end("error", f"{type(exc).__name__}: {exc}")
         finally:
             del self._running[t.id]
+        TRAJECTORIES.labels(t.end_reason).inc()
         return t
 
     def abort(self, trajectory_id: str) -> bool:
@@ -389,6 +398,9 @@ class AgentRunner:
                 result = completion.results[0]
                 partial.append((result.token_ids, result.logprobs))
             return completion
+        return await patiently(lambda: self._stream_turn(request, partial))
+
+    async def _stream_turn(self, request: Request, partial: list):
         stream = self.target.stream(request)
         try:
             async for chunk in stream:
@@ -410,6 +422,8 @@ class AgentRunner:
         turn.tools_s = time.monotonic() - started
         turn.tool_calls = [ToolCallRecord(r.call.name, r.call.arguments, r.outcome, r.detail,
                                           r.seconds, r.truncated) for r in results]
+        for r in results:
+            TOOL_CALLS.labels(r.outcome).inc()
         failed = [r for r in results if r.outcome != "ok"]
         if failed and cfg.on_tool_error == "end":
             raise _Stop("tool_error", f"{failed[0].outcome}: {failed[0].detail}")

@@ -26,6 +26,7 @@ from rollout.contract.errors import EngineDeadError, InvalidRequestError, NoRepl
     RolloutError, RolloutTimeoutError
 from rollout.contract.schemas import Completion, Request
 from rollout.kit.images import refuse_paths
+from rollout.apps.serving.metrics import CONTENT_TYPE, Metered, ServerMetrics
 from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
     model_not_found
 from rollout.apps.serving.service import Service
@@ -51,12 +52,18 @@ TRL_NCCL_REASON = ("weight sync through vLLM's NCCL weight-transfer routes (TRL'
 
 
 def make_app(service: Service, model_name: str, api_key: str | None = None,
-             tool_parser: str = DEFAULT_PARSER) -> web.Application:
+             tool_parser: str = DEFAULT_PARSER, public_metrics: bool = False,
+             log_prompts: bool = False) -> web.Application:
+    """`public_metrics`: /metrics answers without the API key (for a scraper that has
+    none); `log_prompts`: the debug line of each finished request carries its prompt."""
     load_tool_parser(tool_parser)  # an unknown parser stops the server before it starts
-    routes = _Routes(service, model_name, tool_parser)
-    app = web.Application(client_max_size=MAX_BODY_BYTES,
-                          middlewares=[_errors_middleware, _auth_middleware(api_key)])
+    metrics = ServerMetrics(service, model_name, log_prompts)
+    routes = _Routes(Metered(service, metrics), model_name, tool_parser)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[
+        _errors_middleware(metrics),
+        _auth_middleware(api_key, {"/metrics"} if public_metrics else set())])
     app.add_routes([
+        web.get("/metrics", routes.metrics),
         web.post("/v1/completions", routes.completions),
         web.post("/v1/chat/completions", routes.chat),
         web.get("/v1/models", routes.models),
@@ -84,6 +91,7 @@ class _Routes:
         self.tool_parser = tool_parser
         self.started = int(time.time())
         self.updates = OpenUpdates()
+        self.update_started: dict[str, tuple[float, str]] = {}  # id -> (began, transport)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, CompletionsCall(await _json(request), self.model_name))
@@ -99,8 +107,12 @@ class _Routes:
         if call.stream:
             return await _stream(request, self.service, call)
         # A client that goes away cancels this handler, and so its requests in the engine.
-        completions = await asyncio.gather(*(self.service.generate(r) for r in call.requests))
-        return web.json_response(call.response(list(completions)))
+        completions = await _all(self.service.generate(r) for r in call.requests)
+        return web.json_response(call.response(completions))
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.service.metrics.render(),
+                            headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model()]})
@@ -135,7 +147,7 @@ class _Routes:
                 valid.append((i, refuse_paths(convert.structure(item, Request))))
             except InvalidRequestError as exc:
                 completions[i] = Completion(_raw_id(item, i), error=exc)
-        done = await asyncio.gather(*(self.service.generate(r) for _, r in valid))
+        done = await _all(self.service.generate(r) for _, r in valid)
         for (i, _), completion in zip(valid, done):
             completions[i] = completion
         return web.json_response({"completions": [convert.unstructure(c) for c in completions]})
@@ -176,11 +188,15 @@ class _Routes:
     # --- lifecycle: what a trainer calls between steps --------------------------------
 
     async def release(self, request: web.Request) -> web.Response:
-        await self.service.release(_tags_of(await _json(request)))
+        tags = _tags_of(await _json(request))
+        await self.service.release(tags)
+        log.info("released %s", ", ".join(tags or ["everything"]))
         return web.json_response({})
 
     async def resume(self, request: web.Request) -> web.Response:
-        await self.service.resume(_tags_of(await _json(request)))
+        tags = _tags_of(await _json(request))
+        await self.service.resume(tags)
+        log.info("resumed %s", ", ".join(tags or ["everything"]))
         return web.json_response({})
 
     async def weights(self, request: web.Request) -> web.Response:
@@ -204,6 +220,7 @@ class _Routes:
                 raise ApiError(409, "another weight update is open on this server",
                                code="update_open")
             update_id, update = opened
+            self.update_started = {update_id: (time.monotonic(), "")}  # the only one open
             return web.json_response({"update": update_id, "receivers": update.receivers,
                                       "nodes": sorted(update.nodes)})
         update_id = body.get("update")
@@ -219,16 +236,45 @@ class _Routes:
                 else:
                     await update.send(body.get("bucket"))
                 self.updates.touch(update_id)
+                self._note_transport(update_id, body)
             except BaseException:  # a half-sent update: the backend stays dirty until a full one
                 self.updates.close(update_id)
                 await update.cancel(f"the {step} step failed")
                 raise
             return web.json_response({})
         self.updates.close(update_id)
+        began, transport = self.update_started.pop(update_id, (time.monotonic(), ""))
         if step == "cancel":
-            await update.cancel(str(body.get("reason", "cancelled by the trainer")))
+            reason = str(body.get("reason", "cancelled by the trainer"))
+            await update.cancel(reason)
+            log.info("weight update cancelled: %s", reason)
             return web.json_response({})
-        return web.json_response({"version": await update.end()})
+        version = await update.end()
+        seconds = time.monotonic() - began
+        self.service.metrics.weight_update(transport or "none", seconds)
+        log.info("weights updated to version %s by %s in %.2f s", version, transport or
+                 "no bucket", seconds, extra={"weight_version": version})
+        return web.json_response({"version": version})
+
+    def _note_transport(self, update_id: str, body: dict) -> None:
+        """The update's transport: its group's backend, or its first bucket's."""
+        began, transport = self.update_started.get(update_id, (time.monotonic(), ""))
+        if not transport:
+            bucket = body.get("bucket")
+            transport = body.get("backend") if "backend" in body else \
+                bucket.get("transport") if isinstance(bucket, dict) else ""
+            self.update_started[update_id] = (began, str(transport or ""))
+
+
+async def _all(calls) -> list:
+    """Every call's result; the first that raises cancels the rest (their client gets the
+    error, so their work would be lost anyway)."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _tags_of(body) -> list[str] | None:
@@ -291,9 +337,10 @@ async def _stream(request: web.Request, service: Service, call: Call) -> web.Str
     except ConnectionResetError:  # the client went away
         return response
     except Exception as exc:  # noqa: BLE001 - reported to the client, as any other error
-        error = _api_error(exc, request)
         if not response.prepared:
-            raise error from None  # nothing sent yet: an ordinary error response
+            raise  # nothing sent yet: an ordinary error response
+        error = _api_error(exc, request)
+        service.metrics.error(exc, _error_kind(exc, error))
         await send(json.dumps(error.body()))
     finally:
         for task in pumps:
@@ -302,16 +349,21 @@ async def _stream(request: web.Request, service: Service, call: Call) -> web.Str
     return response
 
 
-@web.middleware
-async def _errors_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Every failure becomes an OpenAI error body; a traceback goes to the log only."""
-    try:
-        return await handler(request)
-    except Exception as exc:  # noqa: BLE001 - a bug fails this call, not the server
-        if isinstance(exc, web.HTTPException) and exc.status < 400:
-            raise  # a redirect is no error
-        error = _api_error(exc, request)
-    return web.json_response(error.body(), status=error.status)
+def _errors_middleware(metrics: ServerMetrics):
+    @web.middleware
+    async def errors(request: web.Request, handler) -> web.StreamResponse:
+        """Every failure becomes an OpenAI error body, counted by its kind; a traceback
+        goes to the log only."""
+        try:
+            return await handler(request)
+        except Exception as exc:  # noqa: BLE001 - a bug fails this call, not the server
+            if isinstance(exc, web.HTTPException) and exc.status < 400:
+                raise  # a redirect is no error
+            error = _api_error(exc, request)
+            metrics.error(exc, _error_kind(exc, error))
+        return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+    return errors
 
 
 def _api_error(exc: Exception, request: web.Request) -> ApiError:
@@ -326,13 +378,21 @@ def _api_error(exc: Exception, request: web.Request) -> ApiError:
     return ApiError(500, "internal server error (see the server log)", type="server_error")
 
 
-def _auth_middleware(api_key: str | None):
+def _error_kind(exc: Exception, error: ApiError) -> str:
+    """The metrics' name for an error: its rollout kind, else its HTTP error's code."""
+    if isinstance(exc, RolloutError):
+        return exc.kind
+    return error.code or ("invalid_request" if error.status == 400 else error.type)
+
+
+def _auth_middleware(api_key: str | None, public: set[str]):
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     @web.middleware
     async def auth(request: web.Request, handler) -> web.StreamResponse:
         given = request.headers.get("Authorization", "").encode()
-        if expected is not None and not hmac.compare_digest(given, expected):
+        if expected is not None and request.path not in public \
+                and not hmac.compare_digest(given, expected):
             raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
                            code="invalid_api_key")
         return await handler(request)
@@ -354,13 +414,14 @@ def listen(host: str, port: int) -> socket.socket:
 async def serve(service: Service, host: str = "127.0.0.1", port: int = 8000,
                 api_key: str | None = None, model_name: str | None = None,
                 on_started: Callable[[str], None] | None = None,
-                tool_parser: str = DEFAULT_PARSER, sock: socket.socket | None = None) -> None:
+                tool_parser: str = DEFAULT_PARSER, sock: socket.socket | None = None,
+                **app_options) -> None:
     """Serve until cancelled or SIGTERM, then stop taking calls, let running ones finish
     (a few seconds at most) and close the service. `port=0` picks a free port; `sock`, a
     socket from `listen`, is used instead of host and port; `on_started` gets the
     server's URL once it listens; `tool_parser` reads tool calls out of chat answers (an
-    entry point of `rollout.tool_parsers`)."""
-    app = make_app(service, model_name or service.name, api_key, tool_parser)
+    entry point of `rollout.tool_parsers`); `app_options` go to `make_app`."""
+    app = make_app(service, model_name or service.name, api_key, tool_parser, **app_options)
     # handler_cancellation: a client that disconnects cancels its call (and requests).
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
                            handler_cancellation=True)
@@ -404,9 +465,10 @@ class ServerThread:
 
     def __init__(self, service: Service, api_key: str | None = None,
                  model_name: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                 start_timeout: float = 30.0, tool_parser: str = DEFAULT_PARSER):
+                 start_timeout: float = 30.0, tool_parser: str = DEFAULT_PARSER,
+                 **app_options):
         self._args = dict(service=service, host=host, port=port, api_key=api_key,
-                          model_name=model_name, tool_parser=tool_parser)
+                          model_name=model_name, tool_parser=tool_parser, **app_options)
         self._start_timeout = start_timeout
         self._started = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 from rollout.contract import convert
 from rollout.kit.aio import client_session, lines
-from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutError, \
-    RolloutTimeoutError
+from rollout.contract.errors import EngineDeadError, NoReplicaError, OverloadedError, \
+    RolloutError, RolloutTimeoutError, WeightsDirtyError
 from rollout.contract.schemas import Chunk, Completion, Request
 
 
@@ -83,8 +83,9 @@ class RemoteService:
                 data = await response.json(content_type=None)
                 if response.status == 200:
                     return data
-                raise EngineDeadError(f"{self.url}/health answered {response.status}: "
-                                      f"{_error_message(data)}")
+                dirty = _error_code(data) == WeightsDirtyError.kind
+                raise (WeightsDirtyError if dirty else EngineDeadError)(
+                    f"{self.url}/health answered {response.status}: {_error_message(data)}")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise NoReplicaError(f"{self.url} is unreachable: {exc!r}") from None
 
@@ -195,6 +196,8 @@ def _refusal(url: str, status: int, data) -> Exception:
         return ReplicaDown(f"{url} answered 503: {message}")
     if status == 401:
         return RolloutError(f"{url} refused the API key: {message}")
+    if status == 429:
+        return OverloadedError(f"{url}: {message}")
     if status == 504:
         return RolloutTimeoutError(f"{url} timed out: {message}")
     return RolloutError(f"{url} answered {status}: {message}")
@@ -214,6 +217,12 @@ def _typed_refusal(url: str, status: int, data) -> Exception:
         cls = cls if issubclass(cls, InvalidRequestError) else InvalidRequestError
         return cls(field, str(error.get("message")).removeprefix(f"{field}: "))
     return from_dict({"kind": error.get("code"), "message": f"{url}: {error.get('message')}"})
+
+
+def _error_code(data) -> str | None:
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        return data["error"].get("code")
+    return None
 
 
 def _error_message(data) -> str:

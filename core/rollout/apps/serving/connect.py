@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Mapping
 
 from rollout.contract.errors import InvalidRequestError
+from rollout.apps.serving.admission import UNBOUNDED, Limits
 from rollout.apps.serving.service import Service
 
 MODES = ("hybrid", "colocated", "standalone")
@@ -40,9 +41,11 @@ async def connect(backend: str | None = None, model: str | None = None,
                   placement: str = "local", server: str | None = None,
                   api_key: str | None = None, mode: str | None = None,
                   restarts: int = 3, keep_weights: bool = True,
-                  ray: Mapping | None = None) -> Service:
+                  ray: Mapping | None = None, limits: Limits | None = None) -> Service:
     """`ray`: what each replica asks a Ray cluster for and how replicas spread over its
-    nodes (rollout.apps.serving.ray_placement.RayPlacement's fields), with placement="ray"."""
+    nodes (rollout.apps.serving.ray_placement.RayPlacement's fields), with placement="ray".
+    `limits`: admission control, for a server (rollout.apps.serving.admission); without
+    them nothing is refused and replicas take 64 requests each at once."""
     from rollout.apps.serving.pool import Replica, ReplicaPool
 
     mode = resolve_mode(mode, replicas, placement, server)
@@ -57,11 +60,13 @@ async def connect(backend: str | None = None, model: str | None = None,
     if mode != "hybrid":
         from rollout.apps.serving.replicas import start_replicas
 
+        bounds = {} if limits is None else {"max_in_flight": limits.max_running or 2**31,
+                                            "max_waiting": limits.max_waiting}
         return await start_replicas(backend, model, dict(options or {}), replicas or 1,
                                     placement, restarts=restarts, keep_weights=keep_weights,
-                                    ray=ray)
+                                    ray=ray, **bounds)
     from rollout.api import load_backend
     from rollout.apps.serving.service import LocalService
 
     rollout = await asyncio.to_thread(load_backend, backend, model=model, **dict(options or {}))
-    return LocalService(rollout, name=model)
+    return LocalService(rollout, name=model, limits=limits or UNBOUNDED)

@@ -12,6 +12,7 @@ one character are not.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -22,6 +23,7 @@ from rollout.contract.errors import (
     EngineDeadError,
     InvalidRequestError,
     NoReplicaError,
+    OverloadedError,
     RolloutError,
     RolloutTimeoutError,
     UnsupportedError,
@@ -80,10 +82,12 @@ class ApiError(Exception):
     """An error answered with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type, param, code)
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -102,6 +106,9 @@ def api_error(exc: RolloutError, param: str | None = None) -> ApiError:
         message = exc.message.removeprefix(f"{exc.field}: ")
         code = None if type(exc) is InvalidRequestError else exc.kind  # a narrower kind
         return ApiError(400, f"{param}: {message}", param=param, code=code)
+    if isinstance(exc, OverloadedError):  # as OpenAI's own: clients back off and retry
+        return ApiError(429, exc.message, type="rate_limit_exceeded", code=exc.kind,
+                        headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
     if isinstance(exc, (NoReplicaError, EngineDeadError, WeightsDirtyError)):
         status = 503
     elif isinstance(exc, RolloutTimeoutError):

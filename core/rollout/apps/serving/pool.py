@@ -5,7 +5,7 @@ drops as soon as that request finishes, so replicas stuck on long responses get 
 ones. The requests of one session (`Request.session_id`) go to the replica its first
 request went to, while that replica is healthy, so later turns reuse its prefix cache.
 Each replica takes at most `max_in_flight` requests; the rest wait here for the first free
-slot. A health monitor takes a replica out of rotation when its process dies or it stops
+slot, at most `max_waiting` of them (then OverloadedError). A health monitor takes a replica out of rotation when its process dies or it stops
 answering; its requests in flight are sent again to a healthy replica (a stream only if it
 has yielded nothing yet: tokens already given out cannot be taken back). With none left,
 calls fail with NoReplicaError.
@@ -20,9 +20,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutError
+from rollout.contract.errors import EngineDeadError, NoReplicaError, OverloadedError, \
+    RolloutError, WeightsDirtyError
 from rollout.contract.schemas import Chunk, Completion, Request
 from rollout.kit.transfer.collective import address_towards
+from rollout.apps.serving.admission import overloaded
 from rollout.apps.serving.client import ReplicaDown, RemoteService
 from rollout.apps.serving.weights import BUCKET_WAIT_S, KeepingUpdate, KeptWeights, push_weights
 
@@ -55,6 +57,7 @@ class Replica:
         self.catch_ups_left = MAX_CATCH_UPS
         self.in_flight = 0
         self.healthy = True
+        self.dirty = False  # its health check says its weights are half-updated
         self.down_reason = ""
         self.failed_checks = 0
         self.weight_version: int | None = None  # as its health last said, or its last update
@@ -64,11 +67,13 @@ class Replica:
 class ReplicaPool:
     def __init__(self, replicas: list[Replica], name: str, max_in_flight: int = 64,
                  health_interval: float = 1.0, keep_weights: bool = False,
-                 on_close: Callable[[], None] | None = None):
+                 on_close: Callable[[], None] | None = None, max_waiting: int | None = None):
         self.replicas = replicas
         self.on_close = on_close  # frees what the replicas were placed in (blocking)
         self.name = name
         self.max_in_flight = max_in_flight
+        self.max_waiting = max_waiting
+        self.waiting = 0  # requests waiting here for a replica's free slot
         self.health_interval = health_interval
         self._changed: asyncio.Condition | None = None
         self._monitor: asyncio.Task | None = None
@@ -105,6 +110,8 @@ class ReplicaPool:
                 return call.result()
             except ReplicaDown as exc:
                 await self._take_out(replica, str(exc))
+            except OverloadedError:  # the replica's own line is full (other clients)
+                raise
             except RolloutError as exc:
                 return Completion(request.id, error=exc)
         return Completion(request.id, error=EngineDeadError(
@@ -136,7 +143,13 @@ class ReplicaPool:
                         if len(self._sessions) > MAX_SESSIONS:
                             self._sessions.popitem(last=False)  # the least recently used
                     return best
-                await self._changed.wait()
+                if self.max_waiting is not None and self.waiting >= self.max_waiting:
+                    raise overloaded(self.waiting, self.max_waiting)
+                self.waiting += 1
+                try:
+                    await self._changed.wait()
+                finally:
+                    self.waiting -= 1
 
     def _serves(self, replica: Replica) -> bool:
         return replica.healthy and (not self._versioned
@@ -185,11 +198,12 @@ class ReplicaPool:
         try:
             state = await replica.service.health()
         except RolloutError as exc:
+            replica.dirty = isinstance(exc, WeightsDirtyError)
             replica.failed_checks += 1
             if replica.failed_checks >= HEALTH_STRIKES:
                 await self._take_out(replica, str(exc))
         else:
-            replica.failed_checks = 0
+            replica.failed_checks, replica.dirty = 0, False
             replica.weight_version = state.get("weight_version")
             if not replica.healthy:
                 await self._put_back(replica)
@@ -268,6 +282,14 @@ class ReplicaPool:
             raise NoReplicaError(self._no_replica_message())
         return {"replicas": states, "healthy": sum(self._serves(r) for r in self.replicas),
                 "weight_version": self.weight_version}
+
+    def state(self) -> dict:
+        return {"running": sum(r.in_flight for r in self.replicas), "waiting": self.waiting,
+                "weight_version": self.weight_version,
+                "weights_dirty": any(r.dirty for r in self.replicas),
+                "replicas": [{"replica": str(i), "url": r.service.url,
+                              "healthy": self._serves(r), "restarts": r.restarts,
+                              "running": r.in_flight} for i, r in enumerate(self.replicas)]}
 
     # --- lifecycle, on every replica at once ------------------------------------------
 

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Mapping
 
 from rollout.contract.errors import InvalidRequestError
+from rollout.kit.logs import REPLICA_VARIABLE, log_settings
 from rollout.kit.process import HOST, ServerProcess, free_port
 from rollout.kit.transfer.nodes import NODE_VARIABLE, this_node
 from rollout.apps.serving.client import RemoteService
@@ -41,7 +42,8 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
                          placement: str = "local", startup_timeout: float = 900.0,
                          request_timeout: float = 3600.0, max_in_flight: int = 64,
                          ray: RayPlacement | dict | None = None, restarts: int = 3,
-                         keep_weights: bool = True) -> ReplicaPool:
+                         keep_weights: bool = True, max_waiting: int | None = None
+                         ) -> ReplicaPool:
     if placement not in PLACEMENTS:
         raise InvalidRequestError("placement", f"got {placement!r}", ", ".join(PLACEMENTS))
     if not isinstance(count, int) or count < 1:
@@ -73,7 +75,7 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
     # in this process); without them it waits, serving nothing, for the next update.
     return await ReplicaPool(replicas, name=model, max_in_flight=max_in_flight,
                              keep_weights=keep_weights and bool(restart) and restarts > 0,
-                             on_close=on_close).start()
+                             on_close=on_close, max_waiting=max_waiting).start()
 
 
 def _restarter(name: str, backend: str, model: str, options: Mapping, env: dict,
@@ -96,7 +98,8 @@ def _thread_share(count: int) -> dict[str, str]:
 def _start_local(name: str, backend: str, model: str, options: Mapping, env: dict,
                  timeout: float) -> tuple[str, ServerProcess]:
     port = free_port()
-    process = ServerProcess(name, replica_argv(backend, model, options, HOST, port), env=env)
+    process = ServerProcess(name, replica_argv(backend, model, options, HOST, port),
+                            env={**env, REPLICA_VARIABLE: name})
     url = f"http://{HOST}:{port}"
     process.wait_healthy(f"{url}/health", timeout,
                          {"Authorization": f"Bearer {env[KEY_VARIABLE]}"})
@@ -108,13 +111,15 @@ def _start_local(name: str, backend: str, model: str, options: Mapping, env: dic
 class ReplicaHost:
     """A Ray actor that starts one replica on its node and owns its process."""
 
-    def start(self, backend: str, model: str, options: dict, key: str, timeout: float) -> str:
+    def start(self, backend: str, model: str, options: dict, key: str, timeout: float,
+              env: dict | None = None) -> str:
         import ray
 
         host = ray.util.get_node_ip_address()
         port = free_port()
         self.process = ServerProcess("replica", replica_argv(backend, model, options, host, port),
-                                     env={KEY_VARIABLE: key, NODE_VARIABLE: this_node()})
+                                     env={KEY_VARIABLE: key, NODE_VARIABLE: this_node(),
+                                          **(env or {})})
         url = f"http://{host}:{port}"
         self.process.wait_healthy(f"{url}/health", timeout, {"Authorization": f"Bearer {key}"})
         return url
@@ -178,7 +183,8 @@ class RayReplicas:
         hosts = [self._host(i) for i in range(count)]
         timeout = self.args[-1] + self.placement.ready_timeout
         try:
-            urls = ray.get([h.start.remote(*self.args) for h in hosts], timeout=timeout)
+            urls = ray.get([h.start.remote(*self.args, env=self._env(i))
+                            for i, h in enumerate(hosts)], timeout=timeout)
         except BaseException:
             for host in hosts:
                 ray.kill(host)
@@ -205,12 +211,18 @@ class RayReplicas:
 
         host = self._host(index)
         try:
-            url = ray.get(host.start.remote(*self.args),
+            url = ray.get(host.start.remote(*self.args, env=self._env(index)),
                           timeout=self.args[-1] + self.placement.ready_timeout)
         except BaseException:
             ray.kill(host)
             raise
         return url, RayReplicaProcess(host)
+
+    @staticmethod
+    def _env(index: int) -> dict:
+        """A replica's name in its logs, and this process's log settings (an actor's
+        environment is its node's, not this process's)."""
+        return {REPLICA_VARIABLE: f"replica-{index}", **log_settings()}
 
     def _host(self, index: int):
         import ray

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from rollout.api import Rollout
 from rollout.contract.schemas import Chunk, Completion, Request
+from rollout.apps.serving.admission import UNBOUNDED, Gate, Limits
 from rollout.apps.serving.weights import LocalUpdate, WeightUpdate
 
 
@@ -46,21 +47,34 @@ class Service(Protocol):
         """Start a weight update (see `rollout.apps.serving.weights`); `timeout`: the
         longest wait for the trainer's next bucket before the update fails."""
 
+    def state(self) -> dict:
+        """What the metrics read, without waiting: requests `running` and `waiting`,
+        `weight_version`, `weights_dirty`, and `replicas` (each with `replica`, `healthy`,
+        `restarts`, `running`)."""
+
     async def close(self) -> None: ...
 
 
 class LocalService:
-    """A Rollout in this process: every request goes straight to its engine loop."""
+    """A Rollout in this process: every request goes straight to its engine loop, once
+    `limits` give it a turn (by default none are set: the caller bounds what it sends)."""
 
-    def __init__(self, rollout: Rollout, name: str):
+    def __init__(self, rollout: Rollout, name: str, limits: Limits = UNBOUNDED):
         self.rollout = rollout
         self.name = name
+        self.gate = Gate(limits)
 
     async def generate(self, request: Request) -> Completion:
-        return await self.rollout.agenerate(request)
+        async with self.gate.turn():
+            return await self.rollout.agenerate(request)
 
     def stream(self, request: Request) -> ChunkStream:
-        return self.rollout.stream(request)
+        return GatedStream(self.gate, self.rollout.stream(request))
+
+    def state(self) -> dict:
+        return {"running": self.gate.running, "waiting": self.gate.waiting,
+                "weight_version": self.rollout.weight_version,
+                "weights_dirty": self.rollout.weights_dirty, "replicas": []}
 
     async def health(self) -> dict:
         # Off the loop: a backend's stats may ask its engine (vLLM's server: its /metrics).
@@ -78,3 +92,31 @@ class LocalService:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.rollout.close)
+
+
+class GatedStream:
+    """A stream that waits for a turn at the gate before its first chunk, and holds the
+    turn until it ends."""
+
+    def __init__(self, gate: Gate, stream: ChunkStream):
+        self.gate = gate
+        self.stream = stream
+        self._chunks_iter = None
+
+    @property
+    def completion(self) -> Completion | None:
+        return self.stream.completion
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        self._chunks_iter = self._chunks()
+        return self._chunks_iter
+
+    async def _chunks(self) -> AsyncIterator[Chunk]:
+        async with self.gate.turn():
+            async for chunk in self.stream:
+                yield chunk
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+        if self._chunks_iter is not None:
+            await self._chunks_iter.aclose()
