@@ -4,6 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# tests/test_operability.py scrapes the server with a real Prometheus server (Debian's).
+if ! command -v prometheus >/dev/null; then
+  sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+  $sudo apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    prometheus >/dev/null
+fi
 # The HF environment also holds Ray and the OpenAI Agents SDK; the SDK's Python is the
 # client of the other engines' servers too.
 HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"

@@ -23,6 +23,7 @@ from rollout.apps.job import GenerateConfig, Job  # noqa: E402
 from rollout.contract.errors import InvalidRequestError  # noqa: E402
 from rollout.apps.serving.connect import resolve_mode  # noqa: E402
 from rollout.apps.serving.replicas import start_replicas  # noqa: E402
+from rollout.testing.waiting import wait_for  # noqa: E402
 
 LONG = {"max_tokens": 48, "ignore_eos": True, "temperature": 0.7, "seed": 5}
 
@@ -83,13 +84,18 @@ def test_killed_job_with_replicas_reruns_to_exact_counts(tiny_model, tmp_path):
     config = tmp_path / "job.yaml"  # the CLI has no flag for ignore_eos
     config.write_text("sampling: {ignore_eos: true}\n")
     command = [sys.executable, "-m", "rollout", *map(str, args), "--config", str(config)]
-    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "job.log"
+    with open(log, "wb") as sink:
+        job = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     parts = Path(str(out) + ".parts")
-    deadline = time.monotonic() + 180
-    while len(list(parts.glob("part-*.parquet"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+
+    def two_parts_written():
+        assert job.poll() is None, f"the job ended early:\n{log.read_text()[-3000:]}"
+        return len(list(parts.glob("part-*.parquet"))) >= 2
+
+    wait_for(two_parts_written, 300, "the job's first two parts", interval=0.05)
     replicas = replicas_of(job.pid)
-    assert len(replicas) == 2
+    assert len(replicas) == 2, log.read_text()[-3000:]
     os.kill(job.pid, signal.SIGKILL)
     job.wait(30)
     done_before = len(list(parts.glob("part-*.parquet")))

@@ -4,19 +4,21 @@ later calls at once."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterable
 
 import pytest
 
-from rollout import EngineDeadError, Rollout
+from rollout import EngineDeadError, Rollout, RolloutError
 from rollout.kit.aio import engine_loop
 
-# 32 x 4 samples of 2000 tokens: tens of seconds of engine work (vLLM's tests also cap a
-# step at 4 sequences, the most samples a request may then ask for), so a failure a second
-# in comes while they run.
+# 32 x 4 samples of 2000 tokens: minutes of engine work (vLLM's tests also cap a step at 4
+# sequences, the most samples a request may then ask for).
 BATCH, SAMPLES = 32, 4
 LONG = {"prompt": "the ka lo", "sampling": {"temperature": 1.0, "n": SAMPLES, "max_tokens": 2000,
                                             "ignore_eos": True}}
@@ -24,45 +26,69 @@ LONG = {"prompt": "the ka lo", "sampling": {"temperature": 1.0, "n": SAMPLES, "m
 # failure surfaces, this process still reads what the engine made until then, which on a
 # loaded machine has taken a minute (the engine makes tokens faster than Python reads them).
 FAIL_WITHIN_S = 300
-KILL_AFTER_S = 1.0
+ARM_TIMEOUT_S = 300  # for the engine's first token, then for the batch to be taken in
 
 
-def kill_later(pids: Iterable[int], group: bool = False, delay: float = KILL_AFTER_S) -> None:
-    """SIGKILL `pids` (their process groups, with `group`) `delay` seconds from now, from the
-    engine loop's thread. Not from another thread of this process: while a batch streams
-    in, the loop's thread can keep them from running for as long as the batch lasts."""
+def kill_when_running(backend: Rollout, pids: Iterable[int], group: bool = False
+                      ) -> Callable[[], concurrent.futures.Future]:
+    """An `arm` for `check_failure_fails_calls`: SIGKILL `pids` (their process groups, with
+    `group`) while the engine streams a long probe request and the batch waits on it.
+
+    On events, not on a clock: a timer on the engine loop once fired two minutes late on a
+    loaded machine (the process got no CPU), by when the batch had ended. Arming streams
+    the probe and returns at its first token; the kill then comes from the engine loop in
+    the turn after the batch's requests are taken in, so whatever the machine's load, the
+    batch cannot have run and the probe is cut mid-stream. The future arm returns holds
+    the probe's error (EngineDeadError expected)."""
     kill, targets, loop = os.killpg if group else os.kill, list(pids), engine_loop().loop
 
-    def fire():
-        for pid in targets:
-            with contextlib.suppress(ProcessLookupError):
-                kill(pid, signal.SIGKILL)
+    def arm() -> concurrent.futures.Future:
+        first_token = threading.Event()
 
-    loop.call_soon_threadsafe(loop.call_later, delay, fire)
+        async def probe() -> BaseException | None:
+            stream = backend.stream(LONG)
+            try:
+                async for chunk in stream:
+                    if chunk.token_ids and not first_token.is_set():
+                        first_token.set()
+                        taken_in_by = loop.time() + ARM_TIMEOUT_S
+                        while backend.running < 1 + BATCH and loop.time() < taken_in_by:
+                            await asyncio.sleep(0.001)
+                        for pid in targets:
+                            with contextlib.suppress(ProcessLookupError):
+                                kill(pid, signal.SIGKILL)
+            except RolloutError as exc:
+                return exc
+            finally:
+                first_token.set()
+                await stream.aclose()
+            return None
+
+        outcome = asyncio.run_coroutine_threadsafe(probe(), loop)
+        if not first_token.wait(ARM_TIMEOUT_S):
+            pytest.fail(f"the engine made no token within {ARM_TIMEOUT_S} s")
+        return outcome
+
+    return arm
 
 
 def check_killed_server_fails_fast(backend: Rollout, server_pid: int) -> None:
-    check_failure_fails_calls(backend, lambda: kill_later([server_pid], group=True),
+    check_failure_fails_calls(backend, kill_when_running(backend, [server_pid], group=True),
                               ("exited with code", "end of its log"))
 
 
 def check_failure_fails_calls(backend: Rollout, arm: Callable[[], None],
                               clues: tuple[str, ...]) -> None:
-    """`arm()` arranges a failure that comes while a long batch runs (a kill from another
-    process after a second; a step that fails after some steps). The waiting call must
-    raise EngineDeadError (not finish, not time out) with every one of `clues` in its
-    message, and a later call must fail the same way at once."""
-    arm()
-    try:
-        done = backend.generate([LONG] * BATCH, timeout=FAIL_WITHIN_S)
-    except EngineDeadError as failed:
-        assert all(clue in str(failed) for clue in clues), str(failed)
-    else:
-        # Every sample whole (unwrap raises a request's own error, which fails the test):
-        # the engine made the batch before the failure took effect, and nothing was left
-        # to fail. Seen in vLLM's full suite only; not a pass either.
-        results = [r for c in done for r in c.unwrap()]
-        assert all(r.finish_reason == "length" for r in results), results
-        pytest.skip("the engine finished the whole batch before the failure took effect")
+    """`arm()` arranges a failure that comes while a long batch waits on the engine (a
+    kill once it is taken in; a step that fails after some steps), and may return a future
+    of a probe request's error. The waiting call must raise EngineDeadError (not finish,
+    not time out) with every one of `clues` in its message, so must the probe, and a later
+    call must fail the same way at once."""
+    probe = arm()
+    with pytest.raises(EngineDeadError) as failed:
+        backend.generate([LONG] * BATCH, timeout=FAIL_WITHIN_S)
+    assert all(clue in str(failed.value) for clue in clues), str(failed.value)
+    if probe is not None:
+        assert isinstance(probe.result(FAIL_WITHIN_S), EngineDeadError), probe.result()
     with pytest.raises(EngineDeadError):
         backend.generate([{"prompt": "x"}], timeout=FAIL_WITHIN_S)

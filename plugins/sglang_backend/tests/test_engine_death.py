@@ -10,7 +10,7 @@ import psutil
 from conftest import ENGINE
 
 import rollout
-from rollout.testing.server_death import check_failure_fails_calls, kill_later
+from rollout.testing.server_death import check_failure_fails_calls, kill_when_running
 
 
 def test_killed_scheduler_fails_waiting_calls_within_seconds(tiny_model):
@@ -20,7 +20,8 @@ def test_killed_scheduler_fails_waiting_calls_within_seconds(tiny_model):
                                   **ENGINE) as backend:
             engine = backend._backend.engine
             schedulers = engine.llm.get_all_child_pids()
-            check_failure_fails_calls(backend, lambda: kill_later(schedulers), ("SIGQUIT",))
+            check_failure_fails_calls(backend, kill_when_running(backend, schedulers),
+                                      ("SIGQUIT",))
         assert engine._children, "the engine's processes were not recorded"
         assert not [pid for pid in engine._children if psutil.pid_exists(pid)
                     and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]

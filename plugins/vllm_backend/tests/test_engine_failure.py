@@ -8,7 +8,7 @@ import signal
 from conftest import ENGINE
 
 import rollout
-from rollout.testing.server_death import check_failure_fails_calls, kill_later
+from rollout.testing.server_death import check_failure_fails_calls, kill_when_running
 
 # 4 sequences a step: the failing batch runs for tens of seconds.
 SLOW = {"max_num_seqs": 4}
@@ -38,5 +38,5 @@ def test_killed_engine_core_fails_waiting_and_later_calls(tiny_model):
         manager = backend._backend.engine.engine.engine_core.resources.engine_manager
         (core,) = manager.processes
 
-        check_failure_fails_calls(backend, lambda: kill_later([core.pid]),
+        check_failure_fails_calls(backend, kill_when_running(backend, [core.pid]),
                                   ("engine core", f"exited with code {-signal.SIGKILL}"))
