@@ -216,22 +216,29 @@ class ReplicaPool:
         (which reaches it) brings it to the pool's version."""
         tail = getattr(replica.process, "log_tail", lambda: "")()
         log.warning("replica %s exited; restarting it (%d more times at most). Its log "
-                    "ends:\n%s", replica.service.url, replica.restarts_left - 1, tail)
+                    "ends:\n%s", replica.service.url, replica.restarts_left - 1, tail,
+                    extra=self._context(replica))
         await asyncio.sleep(RESTART_BACKOFF_S * 2 ** replica.restarts)
         replica.restarts += 1
         replica.restarts_left -= 1
         try:
             service, process = await replica.restart()
         except Exception as exc:  # noqa: BLE001 - logged; the next check tries again
-            log.warning("restarting replica %s failed: %r", replica.service.url, exc)
+            log.warning("restarting replica %s failed: %r", replica.service.url, exc,
+                        extra=self._context(replica))
         else:
             await replica.service.close()
+            log.info("replica restarted at %s", service.url, extra=self._context(replica))
             replica.service, replica.process = service, process
             replica.weight_version, replica.failed_checks = None, 0
             replica.catch_ups_left = MAX_CATCH_UPS
             replica.down_reason = "restarted; waiting for its first health check"
         finally:
             replica.recovering = None
+
+    def _context(self, replica: Replica) -> dict:
+        """A log line's context: the replica's name, as in its own log lines."""
+        return {"replica": f"replica-{self.replicas.index(replica)}"}
 
     def _can_catch_up(self, replica: Replica) -> bool:
         """A replica behind the pool's weights, which the pool has kept."""
@@ -257,7 +264,7 @@ class ReplicaPool:
                                    address=address_towards(urlsplit(replica.service.url).hostname))
                 replica.weight_version = version
                 log.info("replica %s brought to weight version %s", replica.service.url,
-                         version)
+                         version, extra={**self._context(replica), "weight_version": version})
         except Exception as exc:  # noqa: BLE001 - logged; the next check tries again
             log.warning("bringing replica %s to weight version %s failed: %r",
                         replica.service.url, version, exc)
