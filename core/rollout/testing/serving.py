@@ -79,6 +79,14 @@ def metric(scraped: dict, name: str, **labels) -> float:
     return sum(v for (n, have), v in scraped.items() if n == name and wanted <= have)
 
 
+class BorrowedService(LocalService):
+    """The class's backend behind a server of a test's own: closing the server leaves it
+    open for the other tests."""
+
+    async def close(self) -> None:
+        pass
+
+
 class ServerContract:
     @pytest.fixture(scope="class")
     @classmethod
@@ -593,7 +601,7 @@ class ServerContract:
         from rollout.contract.schemas import Request
         from rollout.testing.waiting import wait_for
 
-        service = LocalService(ro, MODEL, Limits(max_running=1, max_waiting=1))
+        service = BorrowedService(ro, MODEL, Limits(max_running=1, max_waiting=1))
         # Long enough to still run when the third call comes (cancelled then).
         long = {"model": MODEL, "prompt": "the", "max_tokens": MAX_MODEL_LEN - 16,
                 "ignore_eos": True, "temperature": 1.0}

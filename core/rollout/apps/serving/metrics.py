@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rollout.contract.errors import RolloutError
 from rollout.contract.schemas import Chunk, Completion, Request
+from rollout.apps.serving.service import WrappedStream
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80,
@@ -181,20 +182,11 @@ class Metered:
         return MeteredStream(self.metrics, request, self._service.stream(request))
 
 
-class MeteredStream:
+class MeteredStream(WrappedStream):
     def __init__(self, metrics: ServerMetrics, request: Request, stream):
+        super().__init__(stream)
         self.metrics = metrics
         self.request = request
-        self.stream = stream
-        self._chunks_iter = None
-
-    @property
-    def completion(self) -> Completion | None:
-        return self.stream.completion
-
-    def __aiter__(self) -> AsyncIterator[Chunk]:
-        self._chunks_iter = self._chunks()
-        return self._chunks_iter
 
     async def _chunks(self) -> AsyncIterator[Chunk]:
         started, first_token = time.monotonic(), None
@@ -209,11 +201,6 @@ class MeteredStream:
         if self.stream.completion is not None:
             self.metrics.finished(self.request, self.stream.completion,
                                   time.monotonic() - started, first_token)
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-        if self._chunks_iter is not None:
-            await self._chunks_iter.aclose()
 
 
 def _log_request(request: Request, completion: Completion, e2e: float,

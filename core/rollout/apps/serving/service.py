@@ -94,12 +94,11 @@ class LocalService:
         await asyncio.to_thread(self.rollout.close)
 
 
-class GatedStream:
-    """A stream that waits for a turn at the gate before its first chunk, and holds the
-    turn until it ends."""
+class WrappedStream:
+    """A stream around another: its chunks pass through `_chunks`; `completion` and
+    `aclose` are the inner stream's."""
 
-    def __init__(self, gate: Gate, stream: ChunkStream):
-        self.gate = gate
+    def __init__(self, stream: ChunkStream):
         self.stream = stream
         self._chunks_iter = None
 
@@ -112,11 +111,24 @@ class GatedStream:
         return self._chunks_iter
 
     async def _chunks(self) -> AsyncIterator[Chunk]:
-        async with self.gate.turn():
-            async for chunk in self.stream:
-                yield chunk
+        async for chunk in self.stream:
+            yield chunk
 
     async def aclose(self) -> None:
         await self.stream.aclose()
         if self._chunks_iter is not None:
             await self._chunks_iter.aclose()
+
+
+class GatedStream(WrappedStream):
+    """A stream that waits for a turn at the gate before its first chunk, and holds the
+    turn until it ends."""
+
+    def __init__(self, gate: Gate, stream: ChunkStream):
+        super().__init__(stream)
+        self.gate = gate
+
+    async def _chunks(self) -> AsyncIterator[Chunk]:
+        async with self.gate.turn():
+            async for chunk in self.stream:
+                yield chunk
