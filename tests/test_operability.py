@@ -2,6 +2,7 @@
 Prometheus server scraping `rollout serve --replicas 2`, a batch job backing off from a
 server that refuses work, and the JSON log lines."""
 
+import asyncio
 import json
 import os
 import shutil
@@ -115,6 +116,43 @@ def test_batch_job_backs_off_from_a_refusing_server_and_loses_nothing(tiny_model
     out = pq.read_table(tmp_path / "out.parquet").to_pylist()
     assert len(out) == 12 and all(row["error"] is None for row in out)
     assert refused >= 1  # the job was refused, and came back
+
+
+def test_agent_runner_backs_off_from_a_refusing_server_to_the_same_trajectories(tiny_model):
+    """Eight trajectories at once against a server that runs one turn and lets none wait:
+    refused turns are sent again after a backoff, and every trajectory ends as it does in
+    process; the agent counters count them."""
+    from prometheus_client import REGISTRY
+
+    from rollout.apps.agents import AgentConfig, AgentRunner
+    from rollout.apps.serving.connect import connect
+    from rollout.testing.agents import GREEDY, ROWS, ToolTask, run
+
+    def done_count():
+        return REGISTRY.get_sample_value("rollout:agent_trajectories_total",
+                                         {"outcome": "done"}) or 0
+
+    ro = rollout.load_backend("hf", model=str(tiny_model))
+    local = run(ro, ToolTask(), ROWS * 2, sampling=GREEDY)
+    counted = done_count()
+    with ServerThread(LocalService(ro, "tiny", Limits(max_running=1, max_waiting=0)),
+                      api_key=KEY) as server:
+        async def main():
+            client = await connect(server=server.url, api_key=KEY)
+            try:
+                runner = AgentRunner(client, ToolTask(), AgentConfig(sampling=GREEDY),
+                                     tokenizer=str(tiny_model))
+                return await runner.run_many(ROWS * 2)
+            finally:
+                await client.close()
+
+        remote = asyncio.run(main())
+        refused = metric(scrape(server.url, KEY), "rollout:request_errors_total",
+                         kind="overloaded")
+    assert [t.end_reason for t in remote] == ["done"] * len(local)
+    assert [t.response_ids for t in remote] == [t.response_ids for t in local]
+    assert refused >= 1
+    assert done_count() - counted == len(remote)
 
 
 def test_json_logs_carry_request_and_session_but_no_prompt(tiny_model):
