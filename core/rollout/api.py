@@ -236,6 +236,9 @@ class Rollout:
         request, s = flight.request, flight.request.sampling
         try:
             prompt = self.encoder.encode(request)
+            if s.max_tokens is None:  # the room left in the context
+                s = attrs.evolve(s, max_tokens=self.encoder.max_model_len - len(prompt))
+                request = attrs.evolve(request, sampling=s)
             # Decoding images takes a while: not on the loop.
             images = await asyncio.to_thread(self.images.load, request) \
                 if image_sources(request) else ()

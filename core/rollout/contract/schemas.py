@@ -108,7 +108,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the room left in the model's context
     n: int = 1
     stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
@@ -131,8 +131,10 @@ class SamplingParams:
                f"got {self.top_p!r}", "a number in (0, 1]")
         _check("top_k", self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
                f"got {self.top_k!r}", "None (no limit) or an integer >= 1")
-        _check("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1,
-               f"got {self.max_tokens!r}", "an integer >= 1")
+        _check("max_tokens", self.max_tokens is None
+               or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               f"got {self.max_tokens!r}", "an integer >= 1, or null for the room left in "
+               "the context")
         _check("n", _is_int(self.n) and self.n >= 1, f"got {self.n!r}", "an integer >= 1")
         _check("n", self.n == 1 or self.temperature > 0,
                f"n={self.n} samples with temperature 0 would all be identical",
@@ -160,7 +162,8 @@ class SamplingParams:
                    f"got {value!r}", f"a number from {-PENALTY_RANGE} to {PENALTY_RANGE}")
         _check("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1,
                f"got {self.min_p!r}", "a number in [0, 1]; 0 means none")
-        _check("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        _check("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens
+               and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
                f"got {self.min_tokens!r}", f"an integer from 0 to max_tokens ({self.max_tokens})")
         _check("logit_bias", isinstance(self.logit_bias, dict), f"got {self.logit_bias!r}",
                "a mapping of token id to bias")

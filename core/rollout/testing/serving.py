@@ -343,13 +343,17 @@ class ServerContract:
                                             tokenize=True, return_dict=False)
         assert final["prompt_tokens"] == len(ids)
 
+    @pytest.mark.parametrize("strict", [False, True])
     @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                      "function": {"name": "add"}}])
-    def test_required_and_named_tool_choice_force_a_valid_call(self, client, ro, choice):
+    def test_required_and_named_tool_choice_force_a_valid_call(self, client, ro, choice,
+                                                                strict):
+        """Strict tools too: the forced call is held to the schema either way."""
         import jsonschema
 
+        tools = [{**t, "function": {**t["function"], "strict": strict}} for t in TOOLS]
         response = client.chat.completions.create(
-            model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice, max_tokens=128,
+            model=MODEL, messages=CHAT, tools=tools, tool_choice=choice, max_tokens=128,
             temperature=1.0, n=2, seed=seed(ro, 3), parallel_tool_calls=False)
         for answer in response.choices:
             assert answer.finish_reason == "tool_calls"
@@ -389,13 +393,32 @@ class ServerContract:
             function = call["function"]
             jsonschema.validate(json.loads(function["arguments"]), schemas[function["name"]])
 
+    def test_a_cut_tool_call_comes_back_as_a_length_finish_with_the_reason(self, client):
+        """A client that reads finish_reason (LangChain, the Agents SDK) sees a cut answer,
+        not a final one."""
+        response = client.chat.completions.create(
+            model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=4)
+        (choice,) = response.choices
+        assert choice.finish_reason == "length" and not choice.message.tool_calls
+        (error,) = choice.message.model_extra["tool_call_errors"]
+        assert choice.message.content == error["text"] and error["reason"]
+
+    def test_chat_without_max_tokens_may_use_the_room_left_completions_keep_16(self, client):
+        chat = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        assert chat.choices[0].finish_reason == "length"
+        assert chat.usage.prompt_tokens + chat.usage.completion_tokens == MAX_MODEL_LEN
+        text = client.completions.create(model=MODEL, prompt="def", temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert text.usage.completion_tokens == 16
+
     def test_a_malformed_tool_call_is_reported_not_answered(self, client):
         regex = r'<tool_call>\{"name": "subtract", "arguments": \{\}\}</tool_call>'
         response = client.chat.completions.create(
             model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=128, temperature=0,
             extra_body={"structured_outputs": {"regex": regex}})
         (choice,) = response.choices
-        assert choice.finish_reason == "tool_call_error"
+        assert choice.finish_reason == "stop"  # a standard reason: the text is the answer
         assert not choice.message.tool_calls
         (error,) = choice.message.model_extra["tool_call_errors"]
         assert "unknown tool 'subtract'" in error["reason"]

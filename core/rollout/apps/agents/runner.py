@@ -300,7 +300,9 @@ class AgentRunner:
             else None
         if changes:
             base = self._changed(changes)
-        limit = min(base.max_tokens, self.max_model_len - context)
+        limit = self.max_model_len - context
+        if base.max_tokens is not None:
+            limit = min(limit, base.max_tokens)
         if self.config.max_tokens is not None:
             limit = min(limit, self.config.max_tokens - used)
         if limit <= 0:

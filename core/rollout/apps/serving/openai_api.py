@@ -75,7 +75,6 @@ MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 EMPTY_MESSAGE_FIELDS = ("refusal", "function_call", "audio", "annotations")
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
 # The finish reason of a sample whose text looks like a tool call but is not a valid one.
-TOOL_CALL_ERROR = "tool_call_error"
 
 
 class ApiError(Exception):
@@ -285,6 +284,9 @@ class ChatCall(Call):
 
     def __init__(self, body: Any, model_name: str, tool_parser: str = DEFAULT_PARSER):
         super().__init__(body, model_name, CHAT_FIELDS)
+        # As OpenAI's chat and vLLM's: no limit given is the room left in the context
+        # (completions keep the legacy 16).
+        self.sampling.setdefault("max_tokens", None)
         self.tools = ToolUse(body, tool_parser, "structured_outputs" in self.sampling)
         if self.tools.constraint is not None:
             self.sampling["structured_outputs"] = self.tools.constraint
@@ -429,11 +431,11 @@ class ToolUse:
         if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": c.arguments}} for c in calls]
-        if parsed.errors:  # a call that failed to parse is no final answer: say so
+        if parsed.errors:  # text, as what it is (cut: `length`), with why it is no call
             message["content"] = result.text
             message["tool_call_errors"] = [{"text": e.text, "reason": e.reason}
                                            for e in parsed.errors]
-            return message, TOOL_CALL_ERROR
+            return message, result.finish_reason
         if not calls:
             return {"role": "assistant", "content": result.text}, result.finish_reason
         return message, "tool_calls"
