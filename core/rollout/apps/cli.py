@@ -303,6 +303,9 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
 @click.option("--max-waiting", type=click.IntRange(min=0), default=1024, show_default=True,
               help="Requests that may wait for a turn; past it, calls get 429 with "
                    "Retry-After.")
+@click.option("--responses-kept", type=click.IntRange(min=0), default=1000, show_default=True,
+              help="/v1/responses answers kept for previous_response_id (the oldest goes "
+                   "first).")
 @click.option("--public-metrics", is_flag=True,
               help="Answer /metrics without the API key (for a scraper that has none).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), envvar="ROLLOUT_LOG_FORMAT",
@@ -317,7 +320,8 @@ async def _run_job(job, settings, options: dict, progress: bool) -> dict:
 @ray_options
 def serve(backend, model, mode, replicas, placement, host, port, served_model_name, api_key,
           backend_option, tool_call_parser, replica_restarts, replica_keep_weights,
-          max_running, max_waiting, public_metrics, log_format, log_level, log_prompts,
+          max_running, max_waiting, responses_kept, public_metrics, log_format, log_level,
+          log_prompts,
           watch_parent, ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource,
           ray_strategy) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
@@ -353,7 +357,8 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
                                 limits=Limits(max_running, max_waiting))
         await serve_http(service, model_name=served_model_name or model,
                          api_key=api_key, tool_parser=tool_call_parser, sock=sock,
-                         public_metrics=public_metrics, log_prompts=log_prompts)
+                         public_metrics=public_metrics, log_prompts=log_prompts,
+                         responses_kept=responses_kept)
 
     try:
         _run_on_engine_loop(run())

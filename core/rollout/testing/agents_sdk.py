@@ -5,12 +5,15 @@ the first turn asks for one call (`tool_choice="required"`, which forces a valid
 from a random model), the SDK runs the tools and, as it does by default, sends the next turn with
 `tool_choice="auto"`, strict tools and all; the model then answers in text (a random
 model's stray `<tool_call>` tag is banned by a logit bias, so the loop ends). Every call's
-arguments must match its tool's schema.
+arguments must match its tool's schema. It runs twice: with the SDK's default model class,
+which speaks the Responses API (`/v1/responses`), sending no `max_tokens` as the SDK does by
+default (the SDK fails a response cut short; EOS is favoured, so that a random model's
+answer ends by itself), and with its chat-completions model class.
 
-`python -m rollout.testing.agents_sdk URL MODEL OPENING_TOKEN_ID` runs the agent and prints
-one JSON line; `check_agents_sdk` starts `rollout serve` on a backend and runs that in the
-Python given (one with the SDK installed, which may be another environment's than the
-server's).
+`python -m rollout.testing.agents_sdk URL MODEL OPENING_TOKEN_ID EOS_TOKEN_ID API` runs the
+agent and prints one JSON line; `check_agents_sdk` starts `rollout serve` on a backend and
+runs that in the Python given (one with the SDK installed, which may be another
+environment's than the server's).
 """
 
 import sys
@@ -21,12 +24,12 @@ from rollout.testing.served import MODEL_NAME, print_result, rollout_serve, run_
 # name types imported inside run_agent.
 
 
-def run_agent(url: str, model: str, opening: int) -> dict:
+def run_agent(url: str, model: str, opening: int, eos: int, api: str) -> dict:
     import asyncio
     from typing import Annotated, Literal
 
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner,
-                        function_tool, set_tracing_disabled)
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel,
+                        OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled)
     from openai import AsyncOpenAI
     from pydantic import Field
 
@@ -46,13 +49,19 @@ def run_agent(url: str, model: str, opening: int) -> dict:
         calls.append(("weather", {"city": city}))
         return f"sunny in {city}"
 
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    agent = Agent(
-        name="assistant", instructions="Use the tools, then answer.", tools=[add, weather],
-        model=OpenAIChatCompletionsModel(model=model, openai_client=client),
-        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
-                                     max_tokens=96, temperature=1.0,
-                                     extra_body={"logit_bias": {str(opening): -100}}))
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    if api == "responses":  # the SDK's defaults: no max_tokens
+        chosen = OpenAIResponsesModel(model=model, openai_client=client)
+        settings = ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                 temperature=1.0, extra_body={
+                                     "logit_bias": {str(opening): -100, str(eos): 3}})
+    else:
+        chosen = OpenAIChatCompletionsModel(model=model, openai_client=client)
+        settings = ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                 max_tokens=96, temperature=1.0,
+                                 extra_body={"logit_bias": {str(opening): -100}})
+    agent = Agent(name="assistant", instructions="Use the tools, then answer.",
+                  tools=[add, weather], model=chosen, model_settings=settings)
     result = asyncio.run(Runner.run(agent, "What is 2 + 3, and the weather in Paris?",
                                     max_turns=4))
     schemas = {t.name: t.params_json_schema for t in (add, weather)}
@@ -62,23 +71,26 @@ def run_agent(url: str, model: str, opening: int) -> dict:
 
 
 def check_agents_sdk(python: str, backend: str, model_dir: str, options: dict | None = None,
-                     timeout: float = 600) -> dict:
-    """Serve `backend`, run the agent against it with `python`: strict tools, at least one
-    call, each call's arguments valid for its tool, a text answer at the end."""
+                     timeout: float = 600) -> None:
+    """Serve `backend`, run the agent against it with `python`, by each API: strict
+    tools, at least one call, each call's arguments valid for its tool, a text answer at
+    the end."""
     import jsonschema
     from transformers import AutoTokenizer
 
-    opening = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<tool_call>")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    opening = tokenizer.convert_tokens_to_ids("<tool_call>")
     with rollout_serve(backend, model_dir, options) as url:
-        run = run_client([python, "-m", "rollout.testing.agents_sdk", url, MODEL_NAME,
-                          str(opening)], timeout)
-    assert run["strict"] == [True, True], run  # the SDK's default: the case that failed
-    assert run["calls"], run
-    for name, arguments in run["calls"]:
-        jsonschema.validate(arguments, run["schemas"][name])
-    assert isinstance(run["final_output"], str) and run["turns"] >= 2, run
-    return run
+        for api in ("responses", "chat"):
+            run = run_client([python, "-m", "rollout.testing.agents_sdk", url, MODEL_NAME,
+                              str(opening), str(tokenizer.eos_token_id), api], timeout)
+            assert run["strict"] == [True, True], run  # the SDK's default: the case that failed
+            assert run["calls"], run
+            for name, arguments in run["calls"]:
+                jsonschema.validate(arguments, run["schemas"][name])
+            assert isinstance(run["final_output"], str) and run["turns"] >= 2, run
 
 
 if __name__ == "__main__":
-    print_result(run_agent(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+    print_result(run_agent(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                           sys.argv[5]))

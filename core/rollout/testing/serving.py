@@ -580,6 +580,96 @@ class ServerContract:
 
     # --- load -----------------------------------------------------------------------------------
 
+    # --- the Responses API ------------------------------------------------------------------
+
+    def test_responses_continue_a_conversation_by_previous_response_id(self, client):
+        first = client.responses.create(model=MODEL, input="def add(a, b):", temperature=0,
+                                        instructions="Answer briefly.", max_output_tokens=8)
+        second = client.responses.create(model=MODEL, input="and again", temperature=0,
+                                         previous_response_id=first.id, max_output_tokens=8)
+        # The same conversation sent whole (instructions are not carried over, as OpenAI's).
+        chat = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": "def add(a, b):"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "and again"}])
+        assert second.previous_response_id == first.id
+        assert second.usage.input_tokens == chat.usage.prompt_tokens
+        assert second.output_text == chat.choices[0].message.content
+        assert first.usage.output_tokens <= 8 and first.status in ("completed", "incomplete")
+
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_responses_force_a_valid_function_call_and_take_its_output(self, client, stream):
+        import jsonschema
+
+        schema = TOOLS[0]["function"]["parameters"]
+        tools = [{"type": "function", "name": "add", "parameters": schema, "strict": True}]
+        call = dict(model=MODEL, input="add two digits", tools=tools, tool_choice="required",
+                    parallel_tool_calls=False, max_output_tokens=128, temperature=1.0)
+        if stream:
+            with client.responses.stream(**call) as events:
+                kinds = [event.type for event in events]
+                response = events.get_final_response()
+            assert kinds[:2] == ["response.created", "response.in_progress"]
+            assert "response.function_call_arguments.done" in kinds
+            assert kinds[-1] == "response.completed"
+        else:
+            response = client.responses.create(**call)
+        (called,) = [item for item in response.output if item.type == "function_call"]
+        assert called.name == "add" and response.status == "completed"
+        jsonschema.validate(json.loads(called.arguments), schema)
+        after = client.responses.create(
+            model=MODEL, previous_response_id=response.id, max_output_tokens=8, input=[
+                {"type": "function_call_output", "call_id": called.call_id, "output": "7"}])
+        same = client.chat.completions.create(model=MODEL, max_tokens=8, messages=[
+            {"role": "user", "content": "add two digits"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": called.call_id, "type": "function",
+                "function": {"name": "add", "arguments": called.arguments}}]},
+            {"role": "tool", "tool_call_id": called.call_id, "content": "7"}])
+        assert after.usage.input_tokens == same.usage.prompt_tokens
+
+    def test_responses_stream_the_same_text_as_a_whole_answer(self, client):
+        call = dict(model=MODEL, input="def add(a, b):", max_output_tokens=12, temperature=0)
+        with client.responses.stream(**call) as events:
+            deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+            streamed = events.get_final_response()
+        whole = client.responses.create(**call)
+        assert "".join(deltas) == streamed.output_text == whole.output_text
+        assert streamed.usage.output_tokens == whole.usage.output_tokens
+
+    def test_responses_without_max_output_tokens_may_use_the_room_left(self, client):
+        response = client.responses.create(model=MODEL, input="def", temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert response.status == "incomplete"
+        assert response.incomplete_details.reason == "max_output_tokens"
+        assert response.usage.input_tokens + response.usage.output_tokens == MAX_MODEL_LEN
+
+    def test_an_unknown_or_evicted_previous_response_is_a_404(self, ro, client):
+        with pytest.raises(openai.NotFoundError) as unknown:
+            client.responses.create(model=MODEL, input="x", previous_response_id="resp_none")
+        assert unknown.value.body["code"] == "previous_response_not_found"
+        with ServerThread(BorrowedService(ro, MODEL), api_key=KEY, responses_kept=1) as small:
+            kept = openai.OpenAI(base_url=f"{small.url}/v1", api_key=KEY, max_retries=0)
+            older, newer = (kept.responses.create(model=MODEL, input=text, max_output_tokens=2)
+                            for text in ("one", "two"))
+            unstored = kept.responses.create(model=MODEL, input="three", max_output_tokens=2,
+                                             store=False)
+            for gone in (older, unstored):
+                with pytest.raises(openai.NotFoundError, match="keeps the last 1 responses"):
+                    kept.responses.create(model=MODEL, input="x", previous_response_id=gone.id)
+            assert kept.responses.retrieve(newer.id).output_text == newer.output_text
+            kept.responses.create(model=MODEL, input="x", previous_response_id=newer.id,
+                                  max_output_tokens=2)
+
+    @pytest.mark.parametrize("field, value", [
+        ("reasoning", {"effort": "high"}), ("tools", [{"type": "web_search"}]),
+        ("include", ["reasoning.encrypted_content"]), ("truncation", "auto"),
+        ("background", True)])
+    def test_responses_refuse_what_they_do_not_offer_naming_it(self, server, field, value):
+        status, body = http(f"{server.url}/v1/responses",
+                            {"model": MODEL, "input": "x", field: value})
+        assert status == 400 and body["error"]["param"].startswith(field), body
+
     # --- metrics and admission control ------------------------------------------------------
 
     def test_metrics_count_what_the_server_served(self, server, client):

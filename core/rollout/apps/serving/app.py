@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 import attrs
@@ -29,6 +30,8 @@ from rollout.kit.images import refuse_paths
 from rollout.apps.serving.metrics import CONTENT_TYPE, Metered, ServerMetrics
 from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
     model_not_found
+from rollout.apps.serving.responses_api import STORE_SIZE, ResponsesCall, ResponseStore, \
+    message_item, output_text
 from rollout.apps.serving.service import Service
 from rollout.apps.serving.weights import BUCKET_WAIT_S, OpenUpdates, check_group, \
     check_update_options
@@ -53,12 +56,14 @@ TRL_NCCL_REASON = ("weight sync through vLLM's NCCL weight-transfer routes (TRL'
 
 def make_app(service: Service, model_name: str, api_key: str | None = None,
              tool_parser: str = DEFAULT_PARSER, public_metrics: bool = False,
-             log_prompts: bool = False) -> web.Application:
+             log_prompts: bool = False, responses_kept: int = STORE_SIZE) -> web.Application:
     """`public_metrics`: /metrics answers without the API key (for a scraper that has
-    none); `log_prompts`: the debug line of each finished request carries its prompt."""
+    none); `log_prompts`: the debug line of each finished request carries its prompt;
+    `responses_kept`: how many /v1/responses answers previous_response_id can name."""
     load_tool_parser(tool_parser)  # an unknown parser stops the server before it starts
     metrics = ServerMetrics(service, model_name, log_prompts)
-    routes = _Routes(Metered(service, metrics), model_name, tool_parser)
+    routes = _Routes(Metered(service, metrics), model_name, tool_parser,
+                     ResponseStore(responses_kept))
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[
         _errors_middleware(metrics),
         _auth_middleware(api_key, {"/metrics"} if public_metrics else set())])
@@ -66,6 +71,8 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
         web.get("/metrics", routes.metrics),
         web.post("/v1/completions", routes.completions),
         web.post("/v1/chat/completions", routes.chat),
+        web.post("/v1/responses", routes.responses),
+        web.get("/v1/responses/{id}", routes.stored_response),
         web.get("/v1/models", routes.models),
         web.get("/v1/models/{model}", routes.model),
         web.get("/health", routes.health),
@@ -85,8 +92,10 @@ async def _not_served(request: web.Request) -> web.Response:
 
 
 class _Routes:
-    def __init__(self, service: Service, model_name: str, tool_parser: str):
+    def __init__(self, service: Service, model_name: str, tool_parser: str,
+                 responses: ResponseStore):
         self.service = service
+        self.responses_kept = responses
         self.model_name = model_name
         self.tool_parser = tool_parser
         self.started = int(time.time())
@@ -99,6 +108,19 @@ class _Routes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, ChatCall(await _json(request), self.model_name,
                                                     self.tool_parser))
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        call = ResponsesCall(await _json(request), self.model_name, self.tool_parser,
+                             self.responses_kept)
+        session = request.headers.get(SESSION_HEADER)
+        (one,) = [attrs.evolve(r, session_id=session) if session else r for r in call.requests]
+        if call.stream:
+            return await _stream_response(request, self.service, call, one)
+        (completion,) = await _all([self.service.generate(one)])
+        return web.json_response(call.response(completion))
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        return web.json_response(self.responses_kept.get(request.match_info["id"], "id")[1])
 
     async def _openai(self, request: web.Request, call: Call) -> web.StreamResponse:
         session = request.headers.get(SESSION_HEADER)
@@ -345,6 +367,83 @@ async def _stream(request: web.Request, service: Service, call: Call) -> web.Str
     finally:
         for task in pumps:
             task.cancel()
+    await response.write_eof()
+    return response
+
+
+async def _stream_response(request: web.Request, service: Service, call: ResponsesCall,
+                           one: Request) -> web.StreamResponse:
+    """A /v1/responses stream: Responses events (`event:` and `data:` lines). Text comes
+    as it is made; an answer read for tool calls, when it is done. Until the first event,
+    a call that fails answers with an ordinary error response."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    sequence = iter(range(1 << 62))
+
+    async def send(kind: str, **fields) -> None:
+        if not response.prepared:
+            await response.prepare(request)
+            for opening in ("response.created", "response.in_progress"):
+                await send(opening, response=call.skeleton("in_progress"))
+        event = {"type": kind, "sequence_number": next(sequence), **fields}
+        await response.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
+
+    where = {"output_index": 0, "content_index": 0}
+    message_id = f"msg_{uuid.uuid4().hex}"
+    streams_text = call.chat.tools.mode == "none"
+    stream = service.stream(one)
+    try:
+        async for chunk in stream:
+            if not (streams_text and chunk.text):
+                continue
+            if where.get("item_id") is None:  # the first text opens the message
+                where["item_id"] = message_id
+                await send("response.output_item.added", output_index=0,
+                           item={**message_item("", "in_progress", message_id), "content": []})
+                await send("response.content_part.added", **where, part=output_text(""))
+            await send("response.output_text.delta", **where, delta=chunk.text, logprobs=[])
+        completion = stream.completion
+    except RolloutError as exc:
+        if not response.prepared:
+            raise
+        completion = Completion(one.id, error=exc)
+    except ConnectionResetError:  # the client went away
+        return response
+    finally:
+        await stream.aclose()
+    try:
+        body = call.response(completion, message_id)
+    except ApiError as error:
+        if not response.prepared:
+            raise
+        service.metrics.error(error, _error_kind(error, error))
+        await send("error", code=error.code or error.type, message=error.message,
+                   param=error.param)
+        await response.write_eof()
+        return response
+    for index, item in enumerate(body["output"]):
+        at = {"output_index": index}
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            part = {**at, "item_id": item["id"], "content_index": 0}
+            if item["id"] != where.get("item_id"):  # not streamed: all of it now
+                await send("response.output_item.added", **at,
+                           item={**item, "status": "in_progress", "content": []})
+                await send("response.content_part.added", **part, part=output_text(""))
+                await send("response.output_text.delta", **part, delta=text, logprobs=[])
+            await send("response.output_text.done", **part, text=text, logprobs=[])
+            await send("response.content_part.done", **part, part=output_text(text))
+        else:
+            await send("response.output_item.added", **at,
+                       item={**item, "arguments": "", "status": "in_progress"})
+            await send("response.function_call_arguments.delta", **at, item_id=item["id"],
+                       delta=item["arguments"])
+            await send("response.function_call_arguments.done", **at, item_id=item["id"],
+                       arguments=item["arguments"])
+        await send("response.output_item.done", **at, item=item)
+    # `completed` also for an incomplete one (its status says so), as vLLM's server does:
+    # the openai SDK's and the Agents SDK's streams end on that event.
+    await send("response.completed", response=body)
     await response.write_eof()
     return response
 

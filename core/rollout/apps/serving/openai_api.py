@@ -74,7 +74,6 @@ MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 # What the openai client puts in a returned message: fine to send back while empty.
 EMPTY_MESSAGE_FIELDS = ("refusal", "function_call", "audio", "annotations")
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
-# The finish reason of a sample whose text looks like a tool call but is not a valid one.
 
 
 class ApiError(Exception):
