@@ -8,7 +8,8 @@ model's stray `<tool_call>` tag is banned by a logit bias, so the loop ends). Ev
 arguments must match its tool's schema. It runs twice: with the SDK's default model class,
 which speaks the Responses API (`/v1/responses`), sending no `max_tokens` as the SDK does by
 default (the SDK fails a response cut short; EOS is favoured, so that a random model's
-answer ends by itself), and with its chat-completions model class.
+answer ends by itself), and with its chat-completions model class. Then a forced call cut short by its token
+limit must reach the SDK as cut (it raises), not as a final answer.
 
 `python -m rollout.testing.agents_sdk URL MODEL OPENING_TOKEN_ID EOS_TOKEN_ID API` runs the
 agent and prints one JSON line; `check_agents_sdk` starts `rollout serve` on a backend and
@@ -62,6 +63,14 @@ def run_agent(url: str, model: str, opening: int, eos: int, api: str) -> dict:
                                  extra_body={"logit_bias": {str(opening): -100}})
     agent = Agent(name="assistant", instructions="Use the tools, then answer.",
                   tools=[add, weather], model=chosen, model_settings=settings)
+    if api == "cut":  # a forced call cut by max_tokens: an error, not a final answer
+        agent = agent.clone(model=OpenAIResponsesModel(model=model, openai_client=client),
+                            model_settings=ModelSettings(tool_choice="required", max_tokens=4))
+        try:
+            result = asyncio.run(Runner.run(agent, "What is 2 + 3?", max_turns=2))
+        except Exception as exc:  # noqa: BLE001 - what the SDK makes of it is the answer
+            return {"raised": type(exc).__name__, "message": str(exc)[:500]}
+        return {"final_output": result.final_output}
     result = asyncio.run(Runner.run(agent, "What is 2 + 3, and the weather in Paris?",
                                     max_turns=4))
     schemas = {t.name: t.params_json_schema for t in (add, weather)}
@@ -89,6 +98,9 @@ def check_agents_sdk(python: str, backend: str, model_dir: str, options: dict | 
             for name, arguments in run["calls"]:
                 jsonschema.validate(arguments, run["schemas"][name])
             assert isinstance(run["final_output"], str) and run["turns"] >= 2, run
+        cut = run_client([python, "-m", "rollout.testing.agents_sdk", url, MODEL_NAME,
+                          str(opening), str(tokenizer.eos_token_id), "cut"], timeout)
+        assert "max_output_tokens" in cut.get("message", ""), cut
 
 
 if __name__ == "__main__":
