@@ -107,6 +107,7 @@ class Load:
         self.texts = texts
         self.rng = random.Random(seed)
         self.outcomes: Counter = Counter()  # (kind, outcome)
+        self.unexpected: list[str] = []  # the first few odd answers, to print
         self.done = 0
 
     def body(self, kind: str) -> tuple[str, dict, int]:
@@ -133,7 +134,10 @@ class Load:
             async with session.post(f"{self.url}/v1/{route}", json=body,
                                     timeout=aiohttp.ClientTimeout(total=120)) as response:
                 if response.status != expected:
+                    self.note(kind, response.status, await response.text())
                     return f"http_{response.status}"
+                if kind == "bad":  # refused, as it should be
+                    return "ok"
                 if kind == "stream_dropped":  # two events, then the client goes away
                     for _ in range(2):
                         line = await response.content.readline()
@@ -141,9 +145,16 @@ class Load:
                             return "stream_error"
                     return "ok"
                 data = await response.json()
-                return "ok" if data["choices"] else "no_choices"
+                if not data.get("choices"):
+                    self.note(kind, response.status, json.dumps(data))
+                    return "no_choices"
+                return "ok"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return f"lost_{type(exc).__name__}"
+
+    def note(self, kind: str, status: int, body: str) -> None:
+        if len(self.unexpected) < 5:
+            self.unexpected.append(f"{kind}: {status} {body[:300]}")
 
     async def client(self, stop: asyncio.Event) -> None:
         import aiohttp
@@ -275,7 +286,8 @@ def report(args, samples: list[dict], events, load: Load, left: list[str]) -> in
     bad = {f"{k}/{o}": n for (k, o), n in load.outcomes.items()
            if o != "ok" and not (k == "stream_dropped" and o == "stream_error")}
     if bad:
-        failures.append(f"requests failed or lost: {bad}")
+        failures.append(f"requests failed or lost: {bad}; the first odd answers: "
+                        f"{load.unexpected}")
     if left:
         failures.append(f"weight files left in /dev/shm: {left}")
     if not any(what == "replica killed" for _, what in events):
