@@ -95,7 +95,7 @@ class _Routes:
     def __init__(self, service: Service, model_name: str, tool_parser: str,
                  responses: ResponseStore):
         self.service = service
-        self.responses_kept = responses
+        self.stored = responses
         self.model_name = model_name
         self.tool_parser = tool_parser
         self.started = int(time.time())
@@ -111,7 +111,7 @@ class _Routes:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         call = ResponsesCall(await _json(request), self.model_name, self.tool_parser,
-                             self.responses_kept)
+                             self.stored)
         session = request.headers.get(SESSION_HEADER)
         (one,) = [attrs.evolve(r, session_id=session) if session else r for r in call.requests]
         if call.stream:
@@ -120,7 +120,7 @@ class _Routes:
         return web.json_response(call.response(completion))
 
     async def stored_response(self, request: web.Request) -> web.Response:
-        return web.json_response(self.responses_kept.get(request.match_info["id"], "id")[1])
+        return web.json_response(self.stored.get(request.match_info["id"], "id")[1])
 
     async def _openai(self, request: web.Request, call: Call) -> web.StreamResponse:
         session = request.headers.get(SESSION_HEADER)
