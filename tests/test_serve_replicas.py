@@ -63,6 +63,11 @@ def test_replicas_behind_one_server_survive_one_death_and_503_after_all(front, t
         extra_body={"structured_outputs": {"regex": CALL_REGEX}, "logit_bias": {"7": -100}})
     assert called.choices[0].finish_reason == "tool_calls"
     assert called.choices[0].message.tool_calls[0].function.name == "add"
+    # The Responses API through the pool: a conversation continued by its id.
+    first = client.responses.create(model="tiny", input="hi", max_output_tokens=4)
+    second = client.responses.create(model="tiny", input="again", max_output_tokens=4,
+                                     previous_response_id=first.id)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     status, body = health(url)
     assert status == 200 and body["healthy"] == 2
     # Streams pass through the front server in pieces, not in one. (A loaded machine lets

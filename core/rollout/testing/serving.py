@@ -631,6 +631,18 @@ class ServerContract:
             {"role": "tool", "tool_call_id": called.call_id, "content": "7"}])
         assert after.usage.input_tokens == same.usage.prompt_tokens
 
+    def test_responses_text_format_holds_the_answer_to_a_json_schema(self, client):
+        import jsonschema
+
+        schema = {"type": "object", "properties": {"digit": DIGIT}, "required": ["digit"],
+                  "additionalProperties": False}
+        response = client.responses.create(
+            model=MODEL, input="a digit, as JSON", max_output_tokens=64, temperature=1.0,
+            text={"format": {"type": "json_schema", "name": "digit", "schema": schema,
+                             "strict": True}})
+        assert response.status == "completed"
+        jsonschema.validate(json.loads(response.output_text), schema)
+
     def test_responses_stream_the_same_text_as_a_whole_answer(self, client):
         call = dict(model=MODEL, input="def add(a, b):", max_output_tokens=12, temperature=0)
         with client.responses.stream(**call) as events:
