@@ -22,8 +22,10 @@ from processes import replicas_of
 import rollout
 from rollout.apps.serving.admission import Limits
 from rollout.apps.serving.app import ServerThread
+from rollout.apps.serving.remote import ServedRollout
 from rollout.apps.serving.service import LocalService
 from rollout.kit.process import HOST, ServerProcess, free_port
+from rollout.testing.models import load_weights
 from rollout.testing.serving import metric, scrape
 from rollout.testing.waiting import wait_for
 
@@ -47,7 +49,8 @@ def serve(tiny_model, *args) -> tuple[ServerProcess, str]:
 
 def test_prometheus_scrapes_requests_and_replica_restarts(tiny_model, tmp_path):
     """Debian's prometheus, on a free loopback port, scrapes the server each second; its
-    queries give back what the test sent, then the restart of a killed replica."""
+    queries give back what the test sent, a weight update, then the restart of a killed
+    replica."""
     binary = shutil.which("prometheus")
     assert binary, "the prometheus server is missing: scripts/test.sh installs Debian's"
     server, url = serve(tiny_model, "--replicas", "2")
@@ -82,6 +85,14 @@ def test_prometheus_scrapes_requests_and_replica_restarts(tiny_model, tmp_path):
         assert query("rollout:time_to_first_token_seconds_count") == 5
         assert query("sum(rollout:replica_healthy)") == 2
         assert query('up{job="rollout"}') == 1
+
+        with ServedRollout.connect(url, KEY) as trainer:  # a weight update, by shm
+            trainer.update_weights(load_weights(tiny_model).items(), version=1)
+        wait_for(lambda: query("rollout:weight_version") == 1, 60,
+                 "Prometheus to see the new weight version")
+        assert query('rollout:weight_updates_total{transport="shm"}') == 1
+        assert query('rollout:weight_update_duration_seconds_count{transport="shm"}') == 1
+        assert query("rollout:weights_dirty") == 0
 
         os.kill(replicas_of(server.proc.pid)[0], signal.SIGKILL)
         wait_for(lambda: query("sum(rollout:replica_restarts_total)") == 1, 180,
