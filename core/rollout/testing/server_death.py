@@ -26,20 +26,22 @@ LONG = {"prompt": "the ka lo", "sampling": {"temperature": 1.0, "n": SAMPLES, "m
 # failure surfaces, this process still reads what the engine made until then, which on a
 # loaded machine has taken a minute (the engine makes tokens faster than Python reads them).
 FAIL_WITHIN_S = 300
-ARM_TIMEOUT_S = 300  # for the engine's first token, then for the batch to be taken in
+ARM_TIMEOUT_S = 300  # for the engine's first token
 
 
 def kill_when_running(backend: Rollout, pids: Iterable[int], group: bool = False
                       ) -> Callable[[], concurrent.futures.Future]:
     """An `arm` for `check_failure_fails_calls`: SIGKILL `pids` (their process groups, with
-    `group`) while the engine streams a long probe request and the batch waits on it.
+    `group`) while the engine streams a long probe request.
 
-    On events, not on a clock: a timer on the engine loop once fired two minutes late on a
-    loaded machine (the process got no CPU), by when the batch had ended. Arming streams
-    the probe and returns at its first token; the kill then comes from the engine loop in
-    the turn after the batch's requests are taken in, so whatever the machine's load, the
-    batch cannot have run and the probe is cut mid-stream. The future arm returns holds
-    the probe's error (EngineDeadError expected)."""
+    On an event, not on a clock: a timer on the engine loop once fired two minutes late on
+    a loaded machine (the process got no CPU), by when the batch it was meant to cut had
+    ended; and waiting for anything this process does after the first token (taking the
+    batch in) lets a starved process see the probe end first. So the kill comes from the
+    engine loop at the probe's first token, and arming returns then: the probe, with
+    thousands of tokens to go, is cut mid-stream whatever the machine's load, and the batch
+    that follows meets a dead engine (waiting on it, or at once). The future arm returns
+    holds the probe's error."""
     kill, targets, loop = os.killpg if group else os.kill, list(pids), engine_loop().loop
 
     def arm() -> concurrent.futures.Future:
@@ -50,13 +52,10 @@ def kill_when_running(backend: Rollout, pids: Iterable[int], group: bool = False
             try:
                 async for chunk in stream:
                     if chunk.token_ids and not first_token.is_set():
-                        first_token.set()
-                        taken_in_by = loop.time() + ARM_TIMEOUT_S
-                        while backend.running < 1 + BATCH and loop.time() < taken_in_by:
-                            await asyncio.sleep(0.001)
                         for pid in targets:
                             with contextlib.suppress(ProcessLookupError):
                                 kill(pid, signal.SIGKILL)
+                        first_token.set()
             except RolloutError as exc:
                 return exc
             finally:
@@ -79,16 +78,18 @@ def check_killed_server_fails_fast(backend: Rollout, server_pid: int) -> None:
 
 def check_failure_fails_calls(backend: Rollout, arm: Callable[[], None],
                               clues: tuple[str, ...]) -> None:
-    """`arm()` arranges a failure that comes while a long batch waits on the engine (a
-    kill once it is taken in; a step that fails after some steps), and may return a future
-    of a probe request's error. The waiting call must raise EngineDeadError (not finish,
-    not time out) with every one of `clues` in its message, so must the probe, and a later
-    call must fail the same way at once."""
+    """`arm()` arranges a failure that comes while a long request runs (a kill at a probe's
+    first token; a step that fails after some steps), and may return a future of the
+    probe's error. The batch sent after must raise EngineDeadError (not finish, not time
+    out) with every one of `clues` in its message, and so must the probe, cut mid-stream;
+    a later call fails the same way at once."""
     probe = arm()
     with pytest.raises(EngineDeadError) as failed:
         backend.generate([LONG] * BATCH, timeout=FAIL_WITHIN_S)
     assert all(clue in str(failed.value) for clue in clues), str(failed.value)
     if probe is not None:
-        assert isinstance(probe.result(FAIL_WITHIN_S), EngineDeadError), probe.result()
+        cut = probe.result(FAIL_WITHIN_S)
+        assert isinstance(cut, EngineDeadError), cut
+        assert all(clue in str(cut) for clue in clues), str(cut)
     with pytest.raises(EngineDeadError):
         backend.generate([{"prompt": "x"}], timeout=FAIL_WITHIN_S)
