@@ -504,12 +504,15 @@ def _structured_outputs(body: dict) -> tuple[dict, str] | None:
     return (fmt, "response_format") if fmt is not None else None
 
 
-def _check_fields(body: dict, fields: tuple[str, ...]) -> None:
+def _check_fields(body: dict, fields: tuple[str, ...],
+                  unsupported: dict[str, tuple[tuple, str]] = UNSUPPORTED_FIELDS) -> None:
+    """Every field known: taken (`fields`), ignored, or, if `unsupported`, only at one of
+    its default values."""
     for name, value in body.items():
         if name in fields or name in IGNORED_FIELDS:
             continue
-        if name in UNSUPPORTED_FIELDS:
-            defaults, why = UNSUPPORTED_FIELDS[name]
+        if name in unsupported:
+            defaults, why = unsupported[name]
             if value not in defaults:
                 allowed = [json.dumps(v) for v in defaults if v is not None]
                 raise bad_field(name, why, " or ".join(["left out", *allowed]))

@@ -6,7 +6,6 @@ conversation of a response kept in a bounded store of recent ones.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -14,8 +13,9 @@ from collections import OrderedDict
 from typing import Any
 
 from rollout.contract.schemas import Completion, Result
-from rollout.apps.serving.openai_api import ApiError, ChatCall, IGNORED_FIELDS, \
-    UNSUPPORTED_FIELDS, _short, bad_field, model_not_found
+from rollout.apps.serving.openai_api import UNSUPPORTED_FIELDS, ApiError, ChatCall, _short, \
+    bad_field, model_not_found
+from rollout.apps.serving.openai_api import _check_fields as check_fields
 
 STORE_SIZE = 1000  # responses kept for previous_response_id; the oldest goes first
 FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
@@ -176,17 +176,7 @@ def _usage(result: Result) -> dict:
 
 
 def _check_fields(body: dict) -> None:
-    for name, value in body.items():
-        if name in FIELDS or name in IGNORED_FIELDS:
-            continue
-        refused = REFUSED.get(name) or UNSUPPORTED_FIELDS.get(name)
-        if refused is not None:
-            defaults, why = refused
-            if value not in defaults:
-                raise bad_field(name, why, " or ".join(
-                    ["left out", *(json.dumps(v) for v in defaults if v is not None)]))
-            continue
-        raise bad_field(name, "unknown field", ", ".join(sorted(FIELDS)))
+    check_fields(body, FIELDS, {**UNSUPPORTED_FIELDS, **REFUSED})
     include = body.get("include")
     if include not in (None, []):
         raise bad_field("include", f"got {_short(include)}: no extra output is offered",
