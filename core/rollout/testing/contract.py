@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import threading
-import time
 
 import attrs
 import pytest
@@ -438,29 +437,40 @@ class BackendContract(SamplingContract):
 
     def test_an_update_that_aborts_returns_running_requests_partial(self, harness):
         skip_unless(harness.caps, "update_weights")
+        rollout = harness.rollout
         request = self._long_request(harness, "cut-by-update")
         weights = load_weights(harness.model_dir)
+        stopped = threading.Event()
 
-        async def run():
-            task = asyncio.ensure_future(harness.rollout.agenerate(request, timeout=300))
-            deadline = time.monotonic() + 60
-            while not harness.rollout.health()["running"]:  # the engine has the request
-                assert not task.done(), f"the long request ended first: {task.result()}"
-                assert time.monotonic() < deadline, "the long request never started"
-                await asyncio.sleep(0.01)
-            await asyncio.wait_for(asyncio.to_thread(
-                harness.rollout.update_weights, weights.items(), version=3, pause="abort"), 120)
-            return await asyncio.wait_for(task, 60)
+        def abort_and_tell(request_ids=None):
+            type(rollout).abort(rollout, request_ids)
+            stopped.set()
 
+        async def run():  # on the engine loop: see on_engine_loop
+            stream = rollout.stream(request)
+            update = None
+            async for chunk in stream:
+                if chunk.token_ids and update is None:
+                    update = asyncio.get_running_loop().run_in_executor(None, lambda: (
+                        rollout.update_weights(weights.items(), version=3, pause="abort")))
+                    # The loop holds still until the update has stopped the request: its
+                    # last output cannot be read first, however late the update's thread runs.
+                    assert stopped.wait(120), "the update never stopped running requests"
+            await asyncio.wait_for(update, 120)
+            return stream.completion
+
+        rollout.abort = abort_and_tell  # the update's own call to abort tells the loop
         try:
-            for result in asyncio.run(run()).unwrap():
+            for result in on_engine_loop(run()).unwrap():
                 assert result.finish_reason == "abort"
+                assert result.completion_tokens < request["sampling"]["max_tokens"]
                 assert result.weight_version is None  # made under the weights before
-            assert probe_versions(harness.rollout) == {3}
+            assert probe_versions(rollout) == {3}
         finally:
-            harness.rollout.update_weights(weights.items())
+            del rollout.abort
+            rollout.update_weights(weights.items())
         with pytest.raises(InvalidRequestError, match="pause"):
-            harness.rollout.update_weights(weights.items(), pause="later")
+            rollout.update_weights(weights.items(), pause="later")
 
     def test_generate_while_released(self, harness):
         skip_unless(harness.caps, "release")
