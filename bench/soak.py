@@ -79,10 +79,11 @@ def shm_files_of(pid: int) -> set[str]:
     return found
 
 
-def resources(root: int) -> dict[str, float]:
+def resources(root: int, seen: set[int]) -> dict[str, float]:
     rss = threads = fds = 0
     shm: set[str] = set()
     for pid in tree(root):
+        seen.add(pid)
         try:
             status = Path(f"/proc/{pid}/status").read_text()
             fds += len(os.listdir(f"/proc/{pid}/fd"))
@@ -200,6 +201,7 @@ def run(args) -> int:
     trainer = ServedRollout.connect(url, KEY)
     load = Load(url, prompts(64), args.seed)
     samples: list[dict] = []
+    ours = {os.getpid()}  # every process of this soak, the server tree as sampled
     events: list[tuple[float, str]] = []
     started = time.monotonic()
     stop_sampling = threading.Event()
@@ -207,7 +209,7 @@ def run(args) -> int:
     def sample():
         while not stop_sampling.is_set():
             samples.append({"t": time.monotonic() - started, "requests": load.done,
-                            **resources(server.proc.pid)})
+                            **resources(server.proc.pid, ours)})
             stop_sampling.wait(args.sample_every)
 
     def chores():
@@ -254,7 +256,9 @@ def run(args) -> int:
             thread.join(120)
         trainer.close()
         server.stop()
-    left = sorted(p.name for p in Path("/dev/shm").glob("rollout-weights-*"))
+    # Only our processes' files: other work on the machine may be pushing weights too.
+    left = sorted(p.name for p in Path("/dev/shm").glob("rollout-weights-*")
+                  if int(p.name.split("-")[2]) in ours)
     return report(args, samples, events, load, left)
 
 

@@ -33,7 +33,8 @@ def server(tiny_model, tmp_path_factory):
 
 
 def shm_files() -> set[str]:
-    return {p.name for p in shm.SHM_DIR.glob("rollout-weights-*")}
+    """This process's weight files (other work on the machine may be pushing weights too)."""
+    return {p.name for p in shm.SHM_DIR.glob(f"rollout-weights-{os.getpid()}-*")}
 
 
 def kept(backend) -> set[str]:
