@@ -11,6 +11,8 @@ file may be left in /dev/shm.
 It prints each resource's growth per 10k requests after the warm-up (a least-squares
 slope) and from the start of that window to its end (medians of its first and last
 quarters), the requests by kind and outcome, and writes a PNG of the samples over time.
+The front's own RSS and the GPU memory of the tree (replicas on CUDA, by nvidia-smi) are
+printed too, not checked.
 With `--check` it exits 1 on growth past the limits, any 5xx, or any request lost.
 
     python bench/soak.py --duration 1800 --png soak.png         # the 30-minute soak
@@ -24,8 +26,10 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -44,6 +48,8 @@ TOOLS = [{"type": "function", "function": {
 KINDS = {"completion": 30, "chat": 25, "stream_dropped": 15, "tool_call": 15, "bad": 15}
 # Growth from the start of the measured window to its end that fails --check.
 LIMITS = {"rss_mb": (64.0, 0.05), "threads": (4, 0.0), "fds": (16, 0.0), "shm_files": (0, 0.0)}
+# Printed, not checked: the front's share of the RSS, and GPU memory where replicas use one.
+SHOWN = ["front_rss_mb", "gpu_mb"]
 
 
 # --- the process tree's resources ---------------------------------------------------------
@@ -79,10 +85,22 @@ def shm_files_of(pid: int) -> set[str]:
     return found
 
 
+def gpu_mb(pids: list[int]) -> float:
+    """GPU memory the processes hold, by nvidia-smi (0 where there is no NVIDIA GPU)."""
+    if not shutil.which("nvidia-smi"):
+        return 0.0
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         timeout=30).stdout
+    used = (line.split(",") for line in out.splitlines() if "," in line)
+    return float(sum(int(mb) for pid, mb in used if int(pid) in pids))
+
+
 def resources(root: int, seen: set[int]) -> dict[str, float]:
-    rss = threads = fds = 0
+    rss = threads = fds = front_rss = 0
     shm: set[str] = set()
-    for pid in tree(root):
+    pids = tree(root)
+    for pid in pids:
         seen.add(pid)
         try:
             status = Path(f"/proc/{pid}/status").read_text()
@@ -93,10 +111,11 @@ def resources(root: int, seen: set[int]) -> dict[str, float]:
         for line in status.splitlines():
             if line.startswith("VmRSS:"):
                 rss += int(line.split()[1])
+                front_rss += int(line.split()[1]) if pid == root else 0
             elif line.startswith("Threads:"):
                 threads += int(line.split()[1])
     return {"rss_mb": rss / 1024, "threads": threads, "fds": fds,
-            "shm_files": len(shm)}
+            "shm_files": len(shm), "front_rss_mb": front_rss / 1024, "gpu_mb": gpu_mb(pids)}
 
 
 # --- the load -----------------------------------------------------------------------------
@@ -277,12 +296,13 @@ def report(args, samples: list[dict], events, load: Load, left: list[str]) -> in
     failures = []
     print(f"{load.done} requests in {args.duration:.0f} s ({load.done / args.duration:.1f}/s), "
           f"{len(samples)} samples, measured after {args.warmup * args.duration:.0f} s")
-    print(f"{'resource':<10} {'start':>10} {'end':>10} {'growth':>10} {'per 10k req':>12}")
-    for name, (absolute, relative) in LIMITS.items():
+    print(f"{'resource':<12} {'start':>10} {'end':>10} {'growth':>10} {'per 10k req':>12}")
+    for name in [*LIMITS, *SHOWN]:
         per_10k, grew = growth(window, name)
         start = statistics.median(s[name] for s in window[:max(1, len(window) // 4)])
-        print(f"{name:<10} {start:>10.1f} {window[-1][name]:>10.1f} {grew:>10.1f} "
+        print(f"{name:<12} {start:>10.1f} {window[-1][name]:>10.1f} {grew:>10.1f} "
               f"{per_10k:>12.2f}")
+        absolute, relative = LIMITS.get(name, (float("inf"), 0.0))
         if grew > max(absolute, relative * start):
             failures.append(f"{name} grew by {grew:.1f} (limit {max(absolute, relative * start):.1f})")
     print("requests:", json.dumps({f"{k}/{o}": n for (k, o), n in sorted(load.outcomes.items())}))
