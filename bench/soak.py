@@ -110,8 +110,9 @@ def resources(root: int, seen: set[int]) -> dict[str, float]:
             continue
         for line in status.splitlines():
             if line.startswith("VmRSS:"):
-                rss += int(line.split()[1])
-                front_rss += int(line.split()[1]) if pid == root else 0
+                kb = int(line.split()[1])
+                rss += kb
+                front_rss += kb if pid == root else 0
             elif line.startswith("Threads:"):
                 threads += int(line.split()[1])
     return {"rss_mb": rss / 1024, "threads": threads, "fds": fds,
@@ -211,6 +212,7 @@ def replica_pids(front: int) -> list[int]:
 
 def run(args) -> int:
     from rollout.apps.serving.remote import ServedRollout
+    from rollout.kit.transfer.shm import SHM_DIR
     from rollout.testing.models import load_weights
 
     tmp = tempfile.mkdtemp(prefix="soak-")
@@ -276,8 +278,7 @@ def run(args) -> int:
         trainer.close()
         server.stop()
     # Only our processes' files: other work on the machine may be pushing weights too.
-    left = sorted(p.name for p in Path("/dev/shm").glob("rollout-weights-*")
-                  if int(p.name.split("-")[2]) in ours)
+    left = sorted(p.name for pid in ours for p in SHM_DIR.glob(f"rollout-weights-{pid}-*"))
     return report(args, samples, events, load, left)
 
 

@@ -341,11 +341,6 @@ class Rollout:
         return frozenset(self._released)
 
     @property
-    def running(self) -> int:
-        """Requests taken in and not yet done."""
-        return self._running
-
-    @property
     def weights_dirty(self) -> bool:
         """A weight update failed midway: no request runs until a full one succeeds."""
         return self._dirty is not None
