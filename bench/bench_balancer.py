@@ -19,8 +19,8 @@ import time
 
 from rollout.contract import convert
 from rollout.contract.schemas import Request
-from rollout.apps.serving.pool import ReplicaPool
-from rollout.apps.serving.replicas import start_replicas
+from rollout.service.pool import ReplicaPool
+from rollout.service.replicas import start_replicas
 from rollout.kit.tiny_model import build_tiny_model
 
 from common import prompts

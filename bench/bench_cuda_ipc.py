@@ -1,5 +1,5 @@
-"""Weight pushes on one GPU: CUDA IPC (rollout.kit.transfer.cuda_ipc) against shared memory
-(rollout.kit.transfer.shm), from tensors on this process's GPU into another process.
+"""Weight pushes on one GPU: CUDA IPC (rollout.weights.transports.cuda_ipc) against shared memory
+(rollout.weights.transports.shm), from tensors on this process's GPU into another process.
 
 raw: --gib GiB of bfloat16 tensors (64 MiB each) on the GPU, packed into buckets of
 --bucket-mib and sent to a receiver child, which copies each bucket out before it answers
@@ -33,8 +33,8 @@ import torch
 
 RECEIVER = """
 import json, sys, torch
-from rollout.kit.transfer.cuda_ipc import receive_cuda_ipc
-from rollout.kit.transfer.shm import receive_shm
+from rollout.weights.transports.cuda_ipc import receive_cuda_ipc
+from rollout.weights.transports.shm import receive_shm
 to_gpu = sys.argv[1] == "shm-gpu"
 for line in sys.stdin:
     message = json.loads(line)
@@ -76,14 +76,14 @@ def one_round(sender, groups, child, checksum: bool = False) -> tuple[float, lis
 
 
 def raw(named: list, bucket_bytes: int, repeats: int, cuda: bool) -> dict[str, list[float]]:
-    from rollout.kit.transfer.shm import ShmSender
+    from rollout.weights.transports.shm import ShmSender
 
     groups = groups_of(named, bucket_bytes)
     expected = [sum(int(t.contiguous().view(torch.uint8).sum(dtype=torch.int64))
                     for _, t in g) for g in groups]
     paths = {"shm (child keeps host copy)": ("shm", ShmSender)}
     if cuda:
-        from rollout.kit.transfer.cuda_ipc import CudaIpcSender
+        from rollout.weights.transports.cuda_ipc import CudaIpcSender
 
         paths = {"cuda_ipc (GPU->GPU)": ("cuda_ipc", CudaIpcSender),
                  **paths, "shm + child .to(cuda)": ("shm-gpu", ShmSender)}
@@ -107,7 +107,7 @@ def served(layers: int, repeats: int, cuda: bool) -> dict[str, list[float]]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from bench_weight_sync import build_model, load_state
 
-    from rollout.apps.serving.remote import ServedRollout
+    from rollout.service.served import ServedRollout
 
     probe = [{"prompt": "the ka lo", "sampling": {"temperature": 0.0, "max_tokens": 8}}]
     transports = ["cuda_ipc", "shm"] if cuda else ["shm"]

@@ -42,7 +42,7 @@ def main() -> None:
 
     import rollout
     from rollout.apps.agents import AgentConfig, AgentRunner, Environment, Reply
-    from rollout.apps.serving.replicas import start_replicas
+    from rollout.service.replicas import start_replicas
     from rollout.kit.tiny_model import build_tiny_model
 
     class GoOn(Environment):

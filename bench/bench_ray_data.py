@@ -53,7 +53,7 @@ def run_driver_job(config, batch: int) -> dict:
     import asyncio
 
     from rollout.apps.job import Job
-    from rollout.apps.serving.replicas import start_replicas
+    from rollout.service.replicas import start_replicas
 
     async def main():
         pool = await start_replicas(config.backend, config.model,

@@ -40,7 +40,7 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the direct LLM runs in this process
 
     import rollout
-    from rollout.testing.models import load_weights
+    from rollout.testing.model_folders import load_weights
     from vllm import LLM, SamplingParams, TokensPrompt
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -75,7 +75,7 @@ def load_state(model: Path) -> dict:
 
 RECEIVER = """
 import sys, json
-from rollout.kit.transfer.shm import receive_shm
+from rollout.weights.transports.shm import receive_shm
 for line in sys.stdin:
     receive_shm(json.loads(line))
     print("ok", flush=True)
@@ -85,7 +85,7 @@ for line in sys.stdin:
 def raw_shm(buckets: list, child: subprocess.Popen) -> float:
     """Seconds to move `buckets` through a fresh shared-memory file into `child`, which
     copies each out before it answers (as an engine's receiver does)."""
-    from rollout.kit.transfer.shm import ShmSender
+    from rollout.weights.transports.shm import ShmSender
 
     started = time.perf_counter()
     with ShmSender() as sender:  # a fresh file, as each update makes
@@ -114,7 +114,7 @@ def receiver_beside(backend, transport: str):
     `backend`: yields (child, group), group None for shm. The same weights go in every
     round, so the backend's greedy output must come out unchanged at the end. The child,
     the group and the backend are all closed on the way out."""
-    from rollout.kit.transfer import collective
+    from rollout.weights.transports import collective
 
     with closing(backend):
         child, group = (start_receiver(), None) if transport == "shm" else start_gloo_receiver()
@@ -170,7 +170,7 @@ def old_vllm_update(url: str, groups: list[dict]) -> None:
 
 def bench_vllm(model: Path, repeats: int) -> dict[str, list[float]]:
     import rollout
-    from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
+    from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
     from rollout_vllm.weights import layer_groups
 
     # The server imports this module (the old path's extension) from here.
@@ -219,8 +219,8 @@ def bench_hf(model: Path, repeats: int) -> dict[str, list[float]]:
     """Through `rollout serve` in a replica process: `ServedRollout.update_weights` (packing
     straight into shared memory, one HTTP message per bucket) against the raw transport
     moving the same buckets."""
-    from rollout.apps.serving.remote import ServedRollout
-    from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
+    from rollout.service.served import ServedRollout
+    from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
 
     state = load_state(model)
     buckets = list(iter_buckets(state.items(), DEFAULT_BUCKET_BYTES))
@@ -237,7 +237,7 @@ def bench_hf(model: Path, repeats: int) -> dict[str, list[float]]:
 
 GLOO_RECEIVER = """
 import sys, json
-from rollout.kit.transfer import collective
+from rollout.weights.transports import collective
 group = collective.open_group("127.0.0.1", int(sys.argv[1]), 1, 2, sys.argv[2], "gloo", 120)
 print("joined", flush=True)
 buffer = None  # reused unless told (SGLang receives into new tensors every time)
@@ -253,7 +253,7 @@ collective.close(group)
 def start_gloo_receiver():
     """A child process joined to a fresh gloo group with this one (rank 0 here)."""
     from rollout.kit.process import HOST, free_port
-    from rollout.kit.transfer import collective
+    from rollout.weights.transports import collective
 
     port, name = free_port(), collective.unique_group_name()
     child = subprocess.Popen([sys.executable, "-c", GLOO_RECEIVER, str(port), name],
@@ -267,8 +267,8 @@ def raw_gloo(buckets: list, child: subprocess.Popen, group, fresh: bool) -> floa
     """Seconds to broadcast `buckets` to `child` tensor by tensor, the layout announced
     first on its stdin, as SGLang's receiver takes them; into a buffer the child reuses
     (the transport alone), or `fresh` ones (its page faults too, as SGLang's receiver)."""
-    from rollout.kit.buckets import layout
-    from rollout.kit.transfer import collective
+    from rollout.weights.buckets import layout
+    from rollout.weights.transports import collective
 
     started = time.perf_counter()
     for bucket in buckets:
@@ -284,7 +284,7 @@ def bench_sglang(model: Path, repeats: int) -> dict[str, list[float]]:
     """gloo (the update group) and tensor (`update_weights_from_tensor`) into one SGLang
     server, against the raw gloo broadcast of the same groups into a child process."""
     import rollout
-    from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
+    from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
     from rollout_sglang.transport import make_sender
     from rollout_sglang.weights import checked_groups
 

@@ -211,9 +211,9 @@ def replica_pids(front: int) -> list[int]:
 
 
 def run(args) -> int:
-    from rollout.apps.serving.remote import ServedRollout
-    from rollout.kit.transfer.shm import SHM_DIR
-    from rollout.testing.models import load_weights
+    from rollout.service.served import ServedRollout
+    from rollout.weights.transports.shm import SHM_DIR
+    from rollout.testing.model_folders import load_weights
 
     tmp = tempfile.mkdtemp(prefix="soak-")
     model = model_folder(args.model, tmp)

@@ -42,7 +42,7 @@ import yaml
 import rollout
 import rollout.kit.models
 from rollout.apps.datasets import sums
-from rollout.apps.serving.remote import ServedRollout
+from rollout.service.served import ServedRollout
 
 WORDS = "the ka lo mi ne su ta ri po def return print x y if for".split()
 

@@ -247,7 +247,7 @@ def test_function_schemas_come_from_signature_and_docstring():
 
 
 def test_trajectories_over_a_replica_pool_stay_on_one_replica_each(tiny_model):
-    from rollout.apps.serving.replicas import start_replicas
+    from rollout.service.replicas import start_replicas
     from rollout.testing.agents import ROWS, ToolTask
 
     async def main():

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.kit.buckets import ALIGN, iter_buckets, iter_unpacked, unpack
+from rollout.weights.buckets import ALIGN, iter_buckets, iter_unpacked, unpack
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.float64]
 

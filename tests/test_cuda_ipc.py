@@ -12,14 +12,14 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("CUDA IPC needs a GPU; this machine has none", allow_module_level=True)
 
-from rollout.kit.transfer.cuda_ipc import CudaIpcSender  # noqa: E402
+from rollout.weights.transports.cuda_ipc import CudaIpcSender  # noqa: E402
 
 # Keeps every bucket it received and answers the sums of all of them: a bucket that were
 # still a view of the sender's buffer would change when the sender packs the next one.
 RECEIVER = """
 import json, sys
-from rollout.kit.buckets import unpack
-from rollout.kit.transfer.cuda_ipc import receive_cuda_ipc
+from rollout.weights.buckets import unpack
+from rollout.weights.transports.cuda_ipc import receive_cuda_ipc
 kept = []
 for line in sys.stdin:
     kept.append(receive_cuda_ipc(json.loads(line)))

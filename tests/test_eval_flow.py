@@ -19,7 +19,7 @@ import pytest
 from rollout.contract.errors import InvalidRequestError
 from rollout.apps.judges import STATUSES, ProgramTests, StdioTests, parse_tests
 from rollout.apps.judges.extract import extract_code, syntax_error
-from rollout.apps.metrics import ks_for, pass_at_k, summarize
+from rollout.apps.pass_at_k import ks_for, pass_at_k, summarize
 from test_generate_job import rollout_cli
 
 

@@ -173,7 +173,7 @@ def test_the_image_store_forgets_the_least_recently_used_first():
 
 
 def test_unknown_image_errors_keep_their_kind_over_http():
-    from rollout.apps.serving.client import _typed_refusal
+    from rollout.service.client import _typed_refusal
     from rollout.contract.errors import from_dict
 
     error = images.UnknownImageError("images[1]", "no image with uuid 'x'", "send it")

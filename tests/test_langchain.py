@@ -9,8 +9,8 @@ pytest.importorskip("langchain_openai", reason="langchain-openai is not installe
 
 import rollout  # noqa: E402
 from rollout.apps.serving.app import ServerThread  # noqa: E402
-from rollout.apps.serving.service import LocalService  # noqa: E402
-from rollout.testing.serving import TOOLS  # noqa: E402
+from rollout.service.service import LocalService  # noqa: E402
+from rollout.testing.server_contract import TOOLS  # noqa: E402
 
 KEY = "lc-key"
 CONTEXT = 512  # room for the tools in the chat template

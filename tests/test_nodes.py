@@ -2,9 +2,9 @@
 import subprocess
 import sys
 
-from rollout.kit.transfer.nodes import NODE_VARIABLE, same_node, this_node
+from rollout.weights.transports.nodes import NODE_VARIABLE, same_node, this_node
 
-ASK = "from rollout.kit.transfer.nodes import this_node; print(this_node())"
+ASK = "from rollout.weights.transports.nodes import this_node; print(this_node())"
 
 
 def node_of_child(**env) -> str:

@@ -20,13 +20,13 @@ import pytest
 from processes import replicas_of
 
 import rollout
-from rollout.apps.serving.admission import Limits
+from rollout.service.admission import Limits
 from rollout.apps.serving.app import ServerThread
-from rollout.apps.serving.remote import ServedRollout
-from rollout.apps.serving.service import LocalService
+from rollout.service.served import ServedRollout
+from rollout.service.service import LocalService
 from rollout.kit.process import HOST, ServerProcess, free_port
-from rollout.testing.models import load_weights
-from rollout.testing.serving import metric, scrape
+from rollout.testing.model_folders import load_weights
+from rollout.testing.server_contract import metric, scrape
 from rollout.testing.waiting import wait_for
 
 KEY = "ops-key"
@@ -136,7 +136,7 @@ def test_agent_runner_backs_off_from_a_refusing_server_to_the_same_trajectories(
     from prometheus_client import REGISTRY
 
     from rollout.apps.agents import AgentConfig, AgentRunner
-    from rollout.apps.serving.connect import connect
+    from rollout.service.connect import connect
     from rollout.testing.agents import GREEDY, ROWS, ToolTask, run
 
     def done_count():

@@ -8,9 +8,9 @@ import signal
 import time
 
 from rollout import load_backend
-from rollout.apps.serving.remote import ServedRollout
+from rollout.service.served import ServedRollout
 from rollout.testing.contract import probe_requests
-from rollout.testing.models import load_weights, perturbed_copy
+from rollout.testing.model_folders import load_weights, perturbed_copy
 from rollout.testing.waiting import wait_for
 
 

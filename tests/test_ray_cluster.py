@@ -15,11 +15,11 @@ ray = pytest.importorskip("ray", reason='Ray is not installed (pip install "roll
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from rollout import load_backend  # noqa: E402
-from rollout.apps.serving.ray_placement import RayPlacement, check_fits  # noqa: E402
-from rollout.apps.serving.remote import ServedRollout  # noqa: E402
+from rollout.service.ray_placement import RayPlacement, check_fits  # noqa: E402
+from rollout.service.served import ServedRollout  # noqa: E402
 from rollout.contract.errors import InvalidRequestError  # noqa: E402
 from rollout.testing.contract import probe_requests  # noqa: E402
-from rollout.testing.models import load_weights, perturbed_copy  # noqa: E402
+from rollout.testing.model_folders import load_weights, perturbed_copy  # noqa: E402
 from rollout.testing.waiting import wait_for  # noqa: E402
 
 SLOT = {"replica_slot": 1}  # only the worker nodes have it
@@ -152,7 +152,7 @@ def run_losing_a_node(cluster, tiny_model, job) -> dict:
     that replica has requests in flight (a spare node is added first to take it)."""
     import asyncio
 
-    from rollout.apps.serving.replicas import start_replicas
+    from rollout.service.replicas import start_replicas
 
     cluster, workers = cluster
     workers.append(cluster.add_node(num_cpus=1, resources=dict(SLOT)))

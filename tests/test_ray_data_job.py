@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from rollout import load_backend  # noqa: E402
 from rollout.apps.job import GenerateConfig, Job  # noqa: E402
 from rollout.apps.ray_data_job import Plan, RayDataJob  # noqa: E402
-from rollout.apps.serving.service import LocalService  # noqa: E402
+from rollout.service.service import LocalService  # noqa: E402
 from rollout.contract import convert  # noqa: E402
 from rollout.contract.errors import InvalidRequestError  # noqa: E402
 

@@ -9,7 +9,7 @@ ray = pytest.importorskip("ray", reason='Ray is not installed (pip install "roll
 
 from rollout.contract import convert  # noqa: E402
 from rollout.contract.schemas import Request  # noqa: E402
-from rollout.apps.serving.replicas import RayReplicaProcess, start_replicas  # noqa: E402
+from rollout.service.replicas import RayReplicaProcess, start_replicas  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from processes import replicas_of  # noqa: E402
 from rollout.contract import convert  # noqa: E402
 from rollout.apps.job import GenerateConfig, Job  # noqa: E402
 from rollout.contract.errors import InvalidRequestError  # noqa: E402
-from rollout.apps.serving.connect import resolve_mode  # noqa: E402
-from rollout.apps.serving.replicas import start_replicas  # noqa: E402
+from rollout.service.connect import resolve_mode  # noqa: E402
+from rollout.service.replicas import start_replicas  # noqa: E402
 from rollout.testing.waiting import wait_for  # noqa: E402
 
 LONG = {"max_tokens": 48, "ignore_eos": True, "temperature": 0.7, "seed": 5}

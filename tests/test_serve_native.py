@@ -12,8 +12,8 @@ from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError
 from rollout.contract.schemas import Completion, Request
 from rollout.apps.serving.app import ServerThread
-from rollout.apps.serving.client import RemoteService
-from rollout.apps.serving.service import LocalService
+from rollout.service.client import RemoteService
+from rollout.service.service import LocalService
 
 
 @pytest.fixture(scope="module")

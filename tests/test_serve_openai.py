@@ -12,7 +12,7 @@ import pytest
 import rollout
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutTimeoutError
 from rollout.apps.serving.app import ServerThread
-from rollout.testing.serving import CHAT, ServerContract, http
+from rollout.testing.server_contract import CHAT, ServerContract, http
 
 
 class TestHFServer(ServerContract):
@@ -88,7 +88,7 @@ def test_a_service_that_cannot_serve_is_a_503_or_504(error, status):
 SERVE_SCRIPT = """
 import asyncio, sys, rollout
 from rollout.apps.serving.app import serve
-from rollout.apps.serving.service import LocalService
+from rollout.service.service import LocalService
 
 class Service(LocalService):
     async def close(self):

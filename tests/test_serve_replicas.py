@@ -17,7 +17,7 @@ import pytest
 from processes import replicas_of
 
 from rollout.kit.process import HOST, ServerProcess, free_port
-from rollout.testing.serving import CALL_REGEX, TOOLS
+from rollout.testing.server_contract import CALL_REGEX, TOOLS
 
 KEY = "front-key"
 

@@ -14,13 +14,13 @@ import pytest
 
 from rollout import InvalidRequestError, UnsupportedError, load_backend
 from rollout.apps.serving.app import ServerThread
-from rollout.apps.serving.remote import ServedRollout
-from rollout.apps.serving.service import LocalService
-from rollout.kit.buckets import iter_buckets
-from rollout.kit.transfer.nodes import this_node
-from rollout.kit.transfer.shm import SHM_DIR, ShmSender
+from rollout.service.served import ServedRollout
+from rollout.service.service import LocalService
+from rollout.weights.buckets import iter_buckets
+from rollout.weights.transports.nodes import this_node
+from rollout.weights.transports.shm import SHM_DIR, ShmSender
 from rollout.testing.contract import probe_requests
-from rollout.testing.models import load_weights, perturbed_copy
+from rollout.testing.model_folders import load_weights, perturbed_copy
 
 KEY = "weights-key"
 
@@ -210,8 +210,8 @@ def test_bad_update_options_are_refused_naming_the_field(served):
 
 TRAINER = """
 import sys, time
-from rollout.apps.serving.remote import ServedRollout
-from rollout.testing.models import load_weights
+from rollout.service.served import ServedRollout
+from rollout.testing.model_folders import load_weights
 
 weights = list(load_weights(sys.argv[3]).items())
 

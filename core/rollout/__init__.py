@@ -37,6 +37,9 @@ from rollout.contract.schemas import (
 )
 from rollout.api import Rollout, Stream, load_backend
 from rollout.contract.plugins import available_backends
+from rollout import _moved
+
+_moved.install()
 
 __version__ = "0.1.0"
 

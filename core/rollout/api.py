@@ -37,11 +37,11 @@ from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Requ
 from rollout.kit.aio import Relay, engine_loop, on_loop
 from rollout.kit.images import ImageStore, image_sources
 from rollout.kit.text import TextStream, final_text
+from rollout.weights.update import check_update
 
 # A supported capability needs these hooks implemented.
 HOOKS_FOR = {"release": ("release", "resume"), "update_weights": ("update_weights",)}
 LIFECYCLE_TIMEOUT_S = 600.0
-PAUSES = ("wait", "abort")  # what a weight update does to running requests
 
 
 class Rollout:
@@ -373,7 +373,7 @@ class Rollout:
         weights). An update that fails midway leaves the weights dirty: no request runs
         until a full update succeeds.
         """
-        from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
+        from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
 
         check_update(version, pause)
         self.capabilities.require("update_weights")
@@ -555,19 +555,11 @@ def _aborted_results(request: Request) -> tuple[Result, ...]:
                  for i in range(request.sampling.n))
 
 
-def check_update(version, pause) -> None:
-    """A weight update's version and pause, checked before anything moves."""
-    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-        raise InvalidRequestError("version", f"got {version!r}", "an integer or null")
-    if pause not in PAUSES:
-        raise InvalidRequestError("pause", f"got {pause!r}", ", ".join(PAUSES))
-
-
 def _packed(weights: Iterable, bucket_bytes: int) -> Iterator:
     """Buckets as they come, or (name, tensor) pairs grouped into buckets, which pack only
     for a backend that reads their bytes. A first item that fails (nothing was sent yet)
     is raised from here, before the backend is called: the weights are not dirty."""
-    from rollout.kit.buckets import Bucket, iter_groups
+    from rollout.weights.buckets import Bucket, iter_groups
 
     items = iter(weights)
     first = next(items, None)

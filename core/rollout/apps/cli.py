@@ -10,7 +10,7 @@ from pathlib import Path
 import attrs
 import click
 
-from rollout.apps.serving.ray_placement import STRATEGIES
+from rollout.service.ray_placement import STRATEGIES
 from rollout.contract.errors import InvalidRequestError, RolloutError
 
 
@@ -258,7 +258,7 @@ def generate(config, backend, model, input_, output, n, temperature, top_p, top_
 
 
 async def _run_job(job, settings, options: dict, progress: bool) -> dict:
-    from rollout.apps.serving.connect import connect
+    from rollout.service.connect import connect
 
     service = await connect(settings.backend, settings.model, options, settings.replicas,
                             settings.placement, settings.server, settings.api_key,
@@ -326,10 +326,10 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
           ray_strategy) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
     _require_serving("rollout serve")
-    from rollout.apps.serving.admission import Limits
+    from rollout.service.admission import Limits
     from rollout.apps.serving.app import listen
     from rollout.apps.serving.app import serve as serve_http
-    from rollout.apps.serving.connect import connect
+    from rollout.service.connect import connect
     from rollout.apps.tool_parsers import load_tool_parser
     from rollout.kit.logs import configure
 

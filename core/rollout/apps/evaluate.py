@@ -23,7 +23,7 @@ import attrs
 from rollout.contract.errors import InvalidRequestError
 from rollout.apps.parts import Parts, atomic_write, atomic_write_table
 from rollout.apps.judges import DEFAULT_JUDGE, Sample, Verdict, load_judge, parse_tests
-from rollout.apps.metrics import summarize
+from rollout.apps.pass_at_k import summarize
 
 REQUIRED = ("responses", "tests")
 ID_COLUMNS = ("task_id", "id")  # the problem id, when the input has one; else the row number

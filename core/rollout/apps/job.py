@@ -20,8 +20,8 @@ from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError, RolloutError
 from rollout.apps.parts import Parts, atomic_write_table
 from rollout.contract.schemas import Completion, Message, Request, SamplingParams
-from rollout.apps.serving.backoff import patiently
-from rollout.apps.serving.service import Service
+from rollout.service.backoff import patiently
+from rollout.service.service import Service
 
 PROMPT_COLUMN = "prompt"
 ANSWER_COLUMN = "answer"  # optional: the summary then counts the responses that give it
@@ -31,7 +31,7 @@ OUTPUT_COLUMNS = ("responses", "response_token_ids", "prompt_tokens", "completio
 
 @attrs.frozen
 class GenerateConfig:
-    """Where the job runs (see rollout.apps.serving.connect for the modes): a backend in this
+    """Where the job runs (see rollout.service.connect for the modes): a backend in this
     process (the default), `replicas` processes of it (placed locally or by Ray), or a
     running `rollout serve` at `server`."""
 
@@ -66,7 +66,7 @@ class GenerateConfig:
         if self.placement not in ("local", "ray"):
             raise InvalidRequestError("placement", f"got {self.placement!r}", "local, ray")
         if self.ray:
-            from rollout.apps.serving.ray_placement import RayPlacement
+            from rollout.service.ray_placement import RayPlacement
 
             RayPlacement.of(self.ray)  # its errors name the setting, before anything starts
         if self.ray_data and self.mode not in (None, "standalone"):

@@ -32,7 +32,7 @@ from rollout.apps.job import (ANSWER_COLUMN, OUTPUT_COLUMNS, PROMPT_COLUMN, Gene
                               answer_counts, fingerprint, output_row, output_schema,
                               to_request)
 from rollout.apps.parts import Parts, atomic_write_table
-from rollout.apps.serving.ray_placement import RayPlacement
+from rollout.service.ray_placement import RayPlacement
 
 COUNTS = ("rows", "samples", "completion_tokens", "errors")
 MAX_BLOCKS = 4096
@@ -192,7 +192,7 @@ class RayDataJob:
     def run(self, options: dict, progress: bool = True) -> dict:
         import ray
 
-        from rollout.apps.serving.ray_placement import check_fits
+        from rollout.service.ray_placement import check_fits
 
         placement = self.placement
         replicas = self.config.replicas or 1

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterable
 
     from rollout.contract.schemas import Capabilities, Chunk, Request
-    from rollout.kit.buckets import Bucket
+    from rollout.weights.buckets import Bucket
     from rollout.kit.images import PromptImage
     from rollout.kit.prompts import PromptEncoder
 
@@ -103,7 +103,7 @@ def resume(tags: tuple[str, ...]) -> None:
 
 @hookspec(firstresult=True)
 def update_weights(buckets: Iterable[Bucket]) -> None:
-    """Replace weights in place from buckets packed by `rollout.kit.buckets`. Called only
+    """Replace weights in place from buckets packed by `rollout.weights.buckets`. Called only
     while no request runs.
 
     :param buckets: an iterator; each bucket holds whole tensors, in the trainer's order.

@@ -73,7 +73,7 @@ class Server:
     def __init__(self, config: Any, model_config: Any, replica_rank: int):
         import rollout
         from rollout.apps.serving.app import ServerThread
-        from rollout.apps.serving.service import LocalService
+        from rollout.service.service import LocalService
 
         self.config = config
         spec = dict((config.engine_kwargs or {}).get(NAME) or {})

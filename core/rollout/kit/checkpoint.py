@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollout.kit.buckets import Bucket, iter_unpacked
+from rollout.weights.buckets import Bucket, iter_unpacked
 from rollout.contract.errors import InvalidRequestError
 
 if TYPE_CHECKING:

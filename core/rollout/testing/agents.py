@@ -22,7 +22,7 @@ import pytest
 
 from rollout import Rollout, SamplingParams
 from rollout.apps.agents import AgentConfig, AgentRunner, Environment, Trajectory
-from rollout.testing.serving import ANSWER_REGEX, CALL_REGEX
+from rollout.testing.server_contract import ANSWER_REGEX, CALL_REGEX
 
 ROWS = [{"prompt": f"what is {a} + {b}?"} for a, b in ((1, 2), (3, 4), (5, 0), (2, 2))]
 LOGPROB_TOLERANCE = 1e-3

@@ -19,7 +19,7 @@ environment's than the server's).
 
 import sys
 
-from rollout.testing.served import MODEL_NAME, print_result, rollout_serve, run_client
+from rollout.testing.serve_child import MODEL_NAME, print_result, rollout_serve, run_client
 
 # No `from __future__ import annotations` here: the SDK reads the tools' annotations, which
 # name types imported inside run_agent.

@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 from rollout import (BackendReleasedError, Capabilities, InvalidRequestError, Rollout,
                      WeightsDirtyError)
 from rollout.kit.aio import engine_loop
-from rollout.testing.models import load_weights, perturbed_copy, tiny_model_dir
+from rollout.testing.model_folders import load_weights, perturbed_copy, tiny_model_dir
 from rollout.testing.sampling import SamplingContract
 from rollout.testing.strategies import invalid_requests, requests
 from rollout.testing.weights import trainer_that_dies

@@ -4,7 +4,7 @@ the real model folder (rollout.kit.models)."""
 
 import pytest
 
-from rollout.testing.models import tiny_model_dir
+from rollout.testing.model_folders import tiny_model_dir
 
 
 @pytest.fixture(scope="session")

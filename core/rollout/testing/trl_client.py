@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from rollout.testing.served import MODEL_NAME, print_result, rollout_serve, run_client
-from rollout.testing.serving import http
+from rollout.testing.serve_child import MODEL_NAME, print_result, rollout_serve, run_client
+from rollout.testing.server_contract import http
 
 PROMPTS = [[5, 17, 42], [7, 8, 9, 10]]
 CHAT = [{"role": "user", "content": "def add(a, b):"}]

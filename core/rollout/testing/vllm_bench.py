@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from rollout.testing.served import MODEL_NAME, print_result, rollout_serve, run_client
+from rollout.testing.serve_child import MODEL_NAME, print_result, rollout_serve, run_client
 
 ENDPOINTS = (("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions"))
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import rollout
 from rollout import Capabilities, Chunk, InvalidRequestError, TokenLogprob
-from rollout.kit.buckets import unpack
+from rollout.weights.buckets import unpack
 from rollout.kit.prompts import PromptEncoder
 from rollout.kit.sampler import Grammars, LogitsProcessor, next_tokens, rows_for, uses_processing
 

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import rollout
 from rollout import Capabilities, InvalidRequestError, Request
-from rollout.kit.buckets import copy_tensor, unpack
+from rollout.weights.buckets import copy_tensor, unpack
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.sampler import Grammars, Row, rows_for
 

@@ -84,7 +84,7 @@ def test_over_a_replica_pool_each_image_travels_once_or_again_where_missing(vlm_
     A turn that reaches a replica which never saw the earlier images (here every turn goes
     to the other replica than the last one) is answered `unknown_image` there, and goes
     again with every image's pixels. Tokens are the same."""
-    from rollout.apps.serving.replicas import start_replicas
+    from rollout.service.replicas import start_replicas
 
     async def main():
         pool = await start_replicas("hf", str(vlm_dir), {"dtype": "float32"}, 2)

@@ -19,7 +19,7 @@ import attrs
 
 import rollout
 from rollout import Capabilities, Chunk, GenerationError, InvalidRequestError, RolloutError
-from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
+from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
 from rollout.kit.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.structured import constraint_error

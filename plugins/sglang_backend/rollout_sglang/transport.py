@@ -14,7 +14,7 @@ import contextlib
 
 from rollout import GenerationError
 from rollout.kit.process import HOST, free_port
-from rollout.kit.transfer import collective
+from rollout.weights.transports import collective
 
 from rollout_sglang import protocol
 

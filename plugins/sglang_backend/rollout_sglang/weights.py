@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from rollout.kit.buckets import Bucket
+from rollout.weights.buckets import Bucket
 from rollout.kit.checkpoint import checked_tensors
 
 

@@ -6,7 +6,7 @@ import pytest
 from conftest import ENGINE
 
 import rollout
-from rollout.testing.serving import ServerContract
+from rollout.testing.server_contract import ServerContract
 
 
 class TestSGLangServer(ServerContract):

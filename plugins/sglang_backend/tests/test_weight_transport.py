@@ -9,8 +9,8 @@ from conftest import ENGINE
 
 import rollout
 from rollout.testing.contract import probe
-from rollout.kit.transfer import collective
-from rollout.testing.models import load_weights, perturbed_copy
+from rollout.weights.transports import collective
+from rollout.testing.model_folders import load_weights, perturbed_copy
 from rollout_sglang import transport
 
 

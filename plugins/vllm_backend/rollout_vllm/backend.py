@@ -11,7 +11,7 @@ from contextlib import aclosing
 import rollout
 from rollout import Capabilities, EngineDeadError, InvalidRequestError, RolloutError
 from rollout.kit.aio import engine_loop
-from rollout.kit.buckets import DEFAULT_BUCKET_BYTES
+from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
 from rollout.kit.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
 from rollout.contract.schemas import SamplingParams, StructuredOutputs

@@ -11,7 +11,7 @@ All run on the engine loop (`rollout.kit.aio.engine_loop()`). `generate` is an a
 iterator of `rollout.Chunk`s as vLLM makes tokens; cancelling it stops the request in vLLM.
 All load weights through `rollout_vllm.worker.WeightUpdateExtension`: in process as
 tensors (`in_process`), to another process as a bucket in shared memory named by a JSON
-message (`rollout.kit.transfer.shm`; never pickle), one message per group of whole layers;
+message (`rollout.weights.transports.shm`; never pickle), one message per group of whole layers;
 or, with `weight_transport="gloo"` in server mode, through vLLM's weight-transfer routes
 (`rollout_vllm.transport`).
 After every update the backend resets vLLM's prefix cache: KV computed under the old

@@ -1,7 +1,7 @@
 """A gloo weight-transfer engine for vLLM's own protocol (`--weight-transfer-config
 '{"backend": "rollout_gloo"}'`), registered from `rollout_vllm.worker`. vLLM's nccl and ipc
 engines need CUDA; this one joins a gloo group with the trainer (the trainer rank 0, this
-worker rank 1, built by `rollout.kit.transfer.collective` as the trainer builds its side).
+worker rank 1, built by `rollout.weights.transports.collective` as the trainer builds its side).
 
 Per update vLLM calls `start_weight_update` (its layer-by-layer reload: each layer is
 rebuilt once all its tensors came, so a fused q/k/v may span chunks), `update_weights` once
@@ -64,7 +64,7 @@ class GlooTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         self.received: list[str] = []  # names loaded in this update
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        from rollout.kit.transfer import collective
+        from rollout.weights.transports import collective
 
         if init_info.group_name in _JOINED:
             raise ValueError(f"weight transfer group {init_info.group_name!r} was used before "
@@ -94,7 +94,7 @@ class GlooTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        from rollout.kit.transfer import collective
+        from rollout.weights.transports import collective
 
         if self.group is None:
             raise RuntimeError("no weight transfer group: init_weight_transfer_engine first")
@@ -126,7 +126,7 @@ class GlooTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
             raise
 
     def shutdown(self) -> None:
-        from rollout.kit.transfer import collective
+        from rollout.weights.transports import collective
 
         group, self.group = self.group, None
         if group is not None:

@@ -31,8 +31,8 @@ from collections.abc import Iterable
 
 from rollout import GenerationError
 from rollout.kit.process import HOST, free_port
-from rollout.kit.transfer import collective
-from rollout.kit.transfer.shm import ShmSender
+from rollout.weights.transports import collective
+from rollout.weights.transports.shm import ShmSender
 
 TRANSPORTS = ("shm", "gloo")
 ENGINE_NAME = "rollout_gloo"  # rollout_vllm.transfer_engine.NAME, without importing vLLM

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-from rollout.kit.buckets import Bucket
+from rollout.weights.buckets import Bucket
 from rollout.kit.checkpoint import checked_tensors
 
 LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")

@@ -38,8 +38,8 @@ def refresh_tied_output(model, names) -> None:
 
 class WeightUpdateExtension:
     def rollout_receive_shm(self, message: dict) -> int:
-        from rollout.kit.buckets import unpack
-        from rollout.kit.transfer.shm import map_shm
+        from rollout.weights.buckets import unpack
+        from rollout.weights.transports.shm import map_shm
 
         # Loaded from views into the sender's file, not copied out first (a copy of the
         # whole model, as long as vLLM's reload itself). Safe because the sender reuses

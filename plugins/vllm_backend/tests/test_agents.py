@@ -20,7 +20,7 @@ class TestVLLMAgents(AgentContract):
 
 def test_two_replicas_with_sessions_serve_later_turns_from_the_prefix_cache(tiny_model):
     from rollout.apps.agents import AgentConfig, AgentRunner
-    from rollout.apps.serving.replicas import start_replicas
+    from rollout.service.replicas import start_replicas
 
     async def main():
         pool = await start_replicas("vllm", str(tiny_model), ENGINE, 2)

@@ -6,9 +6,9 @@ updating back restores the original."""
 from conftest import ENGINE
 
 import rollout
-from rollout.apps.serving.remote import ServedRollout
+from rollout.service.served import ServedRollout
 from rollout.testing.contract import probe_requests
-from rollout.testing.models import load_weights, perturbed_copy
+from rollout.testing.model_folders import load_weights, perturbed_copy
 
 
 def greedy(sampler) -> list:

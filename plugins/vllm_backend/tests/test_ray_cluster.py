@@ -13,9 +13,9 @@ from conftest import ENGINE  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import rollout  # noqa: E402
-from rollout.apps.serving.remote import ServedRollout  # noqa: E402
+from rollout.service.served import ServedRollout  # noqa: E402
 from rollout.testing.contract import probe_requests  # noqa: E402
-from rollout.testing.models import load_weights, perturbed_copy  # noqa: E402
+from rollout.testing.model_folders import load_weights, perturbed_copy  # noqa: E402
 from rollout.testing.waiting import wait_for  # noqa: E402
 
 SLOT = {"replica_slot": 1}  # only the worker nodes have it

@@ -10,7 +10,7 @@ from conftest import ENGINE
 
 import rollout
 from rollout.apps.serving.app import ServerThread
-from rollout.apps.serving.service import LocalService
+from rollout.service.service import LocalService
 
 vllm_client = pytest.importorskip("trl.generation.vllm_client",
                                   reason="TRL is not installed in this environment")

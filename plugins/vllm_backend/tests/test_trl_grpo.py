@@ -7,7 +7,7 @@ import pytest
 from conftest import ENGINE
 
 import rollout
-from rollout.apps.serving.remote import ServedRollout
+from rollout.service.served import ServedRollout
 
 pytest.importorskip("trl", reason="TRL is not installed in this environment")
 from rollout.testing import trl as checks  # noqa: E402

@@ -15,9 +15,9 @@ from conftest import ENGINE
 
 import rollout
 from rollout import GenerationError, WeightsDirtyError
-from rollout.kit.transfer import shm
+from rollout.weights.transports import shm
 from rollout.testing.contract import probe
-from rollout.testing.models import load_weights, perturbed_copy
+from rollout.testing.model_folders import load_weights, perturbed_copy
 from rollout.testing.weights import trainer_that_dies
 
 
@@ -137,7 +137,7 @@ def test_a_load_that_fails_inside_a_layer(server):
     layer is left in, a full update repairs it."""
     import torch
 
-    from rollout.kit.buckets import iter_buckets
+    from rollout.weights.buckets import iter_buckets
 
     backend, base, other, baseline = server
     layer = [(n, t) for n, t in other.items() if ".layers.0." in n]

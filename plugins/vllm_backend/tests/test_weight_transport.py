@@ -14,7 +14,7 @@ from conftest import ENGINE
 import rollout
 from rollout import GenerationError, WeightsDirtyError
 from rollout.testing.contract import probe
-from rollout.testing.models import load_weights, perturbed_copy
+from rollout.testing.model_folders import load_weights, perturbed_copy
 from rollout.testing.weights import trainer_that_dies
 
 from rollout_vllm import transport

@@ -27,7 +27,7 @@ import attrs
 from prometheus_client import Counter
 
 from rollout.api import Rollout
-from rollout.apps.serving.backoff import patiently
+from rollout.service.backoff import patiently
 from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError, RolloutError, UnknownImageError
 from rollout.contract.schemas import Message, Request, SamplingParams, ToolCall

@@ -27,14 +27,14 @@ from rollout.contract.errors import EngineDeadError, InvalidRequestError, NoRepl
     RolloutError, RolloutTimeoutError
 from rollout.contract.schemas import Completion, Request
 from rollout.kit.images import refuse_paths
-from rollout.apps.serving.metrics import CONTENT_TYPE, Metered, ServerMetrics
+from rollout.apps.serving.prometheus import CONTENT_TYPE, Metered, ServerMetrics
 from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
     model_not_found
 from rollout.apps.serving.responses_api import STORE_SIZE, ResponsesCall, ResponseStore, \
     message_item, output_text
-from rollout.apps.serving.service import Service
-from rollout.apps.serving.weights import BUCKET_WAIT_S, OpenUpdates, check_group, \
-    check_update_options
+from rollout.service.service import Service
+from rollout.weights.receive import OpenUpdates
+from rollout.weights.update import BUCKET_WAIT_S, check_group, check_update_options
 from rollout.apps.tool_parsers import DEFAULT_PARSER, load_tool_parser
 
 log = logging.getLogger("rollout.serve")

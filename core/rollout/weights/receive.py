@@ -1,47 +1,30 @@
-"""Weight updates into a served backend: begin, one message per bucket, end.
-
-The trainer's process sends each bucket's layout as JSON and its bytes by a transport:
-shared memory on one host (`ShmSender`: every replica copies the bytes out before it
-answers, so the trainer reuses its buffer for the next bucket), or a gloo group that the
-trainer (rank 0) and every replica join for the update (`group` step), across hosts. `LocalUpdate` feeds the received buckets to
-`Rollout.update_weights` on a thread of its own (one per update, not per bucket); a
-trainer that stops sending fails the update after `BUCKET_WAIT_S`, which leaves the
-backend dirty (it refuses requests) until a full update succeeds.
-"""
+"""The receiving side of a weight update, in the process that serves a backend: the
+buckets' bytes taken off a transport, and fed to `Rollout.update_weights` (`LocalUpdate`,
+on a thread of its own, one per update); a server's open update (`OpenUpdates`); and the
+copy a pool keeps for a restarted replica (`KeptWeights`). A trainer that stops sending
+fails the update after its timeout, which leaves the backend dirty (it refuses requests)
+until a full update succeeds."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterable
-from typing import Protocol
 
-from rollout.api import Rollout, check_update
+from rollout.api import Rollout
 from rollout.contract.errors import InvalidRequestError, RolloutError, RolloutTimeoutError
-from rollout.kit.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_groups, layout, unpack
-from rollout.kit.process import free_port
-from rollout.kit.transfer.collective import (broadcast_announced, close, open_group, open_with,
-                                             receive_bucket, require, unique_group_name)
-from rollout.kit.transfer.cuda_ipc import CudaIpcSender, receive_cuda_ipc
-from rollout.kit.transfer.cuda_ipc import require as require_cuda_ipc
-from rollout.kit.transfer.nodes import same_node, this_node
-from rollout.kit.transfer.shm import ShmSender, receive_shm
+from rollout.weights.buckets import Bucket, unpack
+from rollout.weights.transports.collective import close, open_group, receive_bucket, require
+from rollout.weights.transports.cuda_ipc import receive_cuda_ipc
+from rollout.weights.transports.nodes import this_node
+from rollout.weights.transports.shm import receive_shm
+from rollout.weights.update import BUCKET_WAIT_S, TRANSPORTS, WeightUpdate, check_group, \
+    check_update_options
 
-BUCKET_WAIT_S = 120.0  # the longest a backend waits for a trainer's next bucket
-# nccl: GPUs on both sides; cuda_ipc: one GPU shared with an engine (neither run on CPU CI)
-TRANSPORTS = ("shm", "gloo", "nccl", "cuda_ipc")
-# what a trainer may ask for: "auto" is shm where every receiver is on the trainer's node,
-# gloo otherwise
-CHOICES = ("auto",) + TRANSPORTS
-SENDERS = {"shm": ShmSender, "cuda_ipc": CudaIpcSender}  # the rest go through a group
-GROUP_FIELDS = ("host", "port", "name", "world_size", "first_rank", "backend")
 _END = object()
-log = logging.getLogger("rollout.weights")
 # Copies out of shared memory or CUDA IPC all run on this one thread: torch gives each
 # thread that runs its parallel kernels a team of worker threads (one per core) for as long
 # as the thread lives, so copies on whichever executor thread was free grew a server by a
@@ -52,59 +35,6 @@ _RECEIVING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollou
 
 async def _receiving(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(_RECEIVING, fn, *args)
-
-
-class WeightUpdate(Protocol):
-    """One update in progress on a service."""
-
-    receivers: int  # the ranks it brings to a collective group
-    nodes: frozenset[str]  # where its receivers run (rollout.kit.transfer.nodes)
-
-    async def join(self, group: dict) -> None:
-        """Join the trainer's group (`GROUP_FIELDS`) from rank `first_rank` on."""
-
-    async def send(self, message: dict) -> None:
-        """Load one bucket (a `ShmSender.put` message, or a layout whose bytes the
-        trainer broadcasts in the group); returns when the bytes are here."""
-
-    async def end(self) -> int | None:
-        """Finish; returns the new weight version. Raises what failed the update."""
-
-    async def cancel(self, reason: str) -> None:
-        """Give up: the backend is left dirty until a full update succeeds."""
-
-
-def check_group(group) -> dict:
-    """A `group` step's body, checked: it names where the trainer's store listens."""
-    if not isinstance(group, dict) or set(group) - set(GROUP_FIELDS) - {"update"}:
-        raise InvalidRequestError("group", f"got {group!r:.120}",
-                                  "an object with " + ", ".join(GROUP_FIELDS))
-    for field in GROUP_FIELDS:
-        value = group.get(field)
-        kind = str if field in ("host", "name", "backend") else int
-        if not isinstance(value, kind) or isinstance(value, bool) or (
-                kind is int and value < (1 if field == "world_size" else 0)):
-            raise InvalidRequestError(f"group.{field}", f"got {value!r}",
-                                      "a string" if kind is str else "an integer >= 0")
-    return {field: group[field] for field in GROUP_FIELDS}
-
-
-def require_transport(transport: str) -> None:
-    """Raise, before anything is sent, where this process cannot use `transport`."""
-    if transport not in CHOICES:
-        raise InvalidRequestError("transport", f"got {transport!r}", ", ".join(CHOICES))
-    if transport == "auto":
-        require("gloo")
-    elif transport == "cuda_ipc":
-        require_cuda_ipc()
-    elif transport not in SENDERS:
-        require(transport)
-
-
-def check_update_options(version, pause, timeout=BUCKET_WAIT_S) -> None:
-    check_update(version, pause)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidRequestError("timeout", f"got {timeout!r}", "seconds > 0")
 
 
 class _Receiver:
@@ -287,58 +217,3 @@ class KeepingUpdate(_Receiver):
         self._leave()
 
 
-async def push_weights(update: WeightUpdate, named_tensors: Iterable,
-                       bucket_bytes: int | None = None, transport: str = "auto",
-                       address: str = "127.0.0.1", timeout: float = BUCKET_WAIT_S
-                       ) -> int | None:
-    """The trainer's side: each bucket's layout to the receivers, its bytes by `transport`
-    (for gloo, the receivers reach this process's store at `address`), then end. Any
-    failure cancels the update (the receivers are then dirty, not half-updated)."""
-    groups = iter_groups(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
-    if transport == "auto":
-        transport = choose_transport(update)
-    try:
-        if transport in SENDERS:
-            await _push_by_sender(update, groups, SENDERS[transport])
-        else:
-            await _push_by_group(update, groups, transport, address, timeout)
-    except BaseException as exc:
-        await update.cancel(repr(exc))
-        raise
-    return await update.end()
-
-
-def choose_transport(update: WeightUpdate) -> str:
-    """Shared memory where every receiver runs on this node, else a gloo group."""
-    transport = "shm" if same_node(update.nodes) else "gloo"
-    log.info("weights go by %s to %d receivers on nodes %s", transport, update.receivers,
-             ", ".join(sorted(update.nodes)) or "unknown")
-    return transport
-
-
-async def _push_by_sender(update: WeightUpdate, groups, sender_class) -> None:
-    """One reused buffer (a shared-memory file, a CUDA buffer); every receiver copies a
-    bucket out before it answers, so the next one may overwrite it."""
-    with sender_class() as sender:
-        for group in groups:
-            await update.send(sender.put_tensors(group))
-
-
-async def _push_by_group(update: WeightUpdate, groups, backend: str, address: str,
-                         timeout: float) -> None:
-    loop = asyncio.get_running_loop()
-    spec = {"host": address, "port": free_port(), "name": unique_group_name(),
-            "world_size": 1 + update.receivers, "first_rank": 1, "backend": backend}
-    group = await asyncio.to_thread(
-        open_with, lambda: asyncio.run_coroutine_threadsafe(update.join(spec), loop).result(),
-        address, spec["port"], spec["world_size"], spec["name"], timeout, timeout, backend)
-    try:
-        for named in groups:
-            bucket = Bucket.of(named)  # its layout; the tensors go as they are, one by one
-            sending = asyncio.run_coroutine_threadsafe(update.send(
-                {"transport": backend, **layout(bucket.tensors, bucket.nbytes)}), loop)
-            await asyncio.to_thread(broadcast_announced, group,
-                                    [t for _, t in unpack(bucket)], sending, timeout)
-            await asyncio.wrap_future(sending)
-    finally:
-        close(group)

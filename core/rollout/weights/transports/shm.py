@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollout.contract.errors import InvalidRequestError
-from rollout.kit.buckets import Bucket, layout, metas_from_layout, pack_into, packed_layout
+from rollout.weights.buckets import Bucket, layout, metas_from_layout, pack_into, packed_layout
 
 if TYPE_CHECKING:
     import torch

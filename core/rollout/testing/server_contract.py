@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from rollout.apps.serving.app import ServerThread
-from rollout.apps.serving.service import LocalService
+from rollout.service.service import LocalService
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -521,9 +521,9 @@ class ServerContract:
             self, server, ro, tiny_model, tmp_path):
         if not ro.capabilities.supports("update_weights"):
             pytest.skip(f"update_weights: {ro.capabilities.unsupported['update_weights']}")
-        from rollout.apps.serving.remote import ServedRollout
+        from rollout.service.served import ServedRollout
         from rollout.testing.contract import probe, probe_requests
-        from rollout.testing.models import load_weights, perturbed_copy
+        from rollout.testing.model_folders import load_weights, perturbed_copy
 
         base = load_weights(tiny_model)
         other = load_weights(perturbed_copy(tiny_model, tmp_path / "other"))
@@ -724,8 +724,8 @@ class ServerContract:
     def test_a_full_line_is_refused_at_once_with_429_and_retry_after(self, ro):
         """One request runs, one waits, the next is refused (HTTP 429, Retry-After; a
         Python client gets OverloadedError); once they are gone the server serves again."""
-        from rollout.apps.serving.admission import Limits
-        from rollout.apps.serving.client import RemoteService
+        from rollout.service.admission import Limits
+        from rollout.service.client import RemoteService
         from rollout.contract.errors import OverloadedError
         from rollout.contract.schemas import Request
         from rollout.testing.waiting import wait_for

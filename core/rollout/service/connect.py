@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Mapping
 
 from rollout.contract.errors import InvalidRequestError
-from rollout.apps.serving.admission import UNBOUNDED, Limits
-from rollout.apps.serving.service import Service
+from rollout.service.admission import UNBOUNDED, Limits
+from rollout.service.service import Service
 
 MODES = ("hybrid", "colocated", "standalone")
 
@@ -43,22 +43,22 @@ async def connect(backend: str | None = None, model: str | None = None,
                   restarts: int = 3, keep_weights: bool = True,
                   ray: Mapping | None = None, limits: Limits | None = None) -> Service:
     """`ray`: what each replica asks a Ray cluster for and how replicas spread over its
-    nodes (rollout.apps.serving.ray_placement.RayPlacement's fields), with placement="ray".
-    `limits`: admission control, for a server (rollout.apps.serving.admission); without
+    nodes (rollout.service.ray_placement.RayPlacement's fields), with placement="ray".
+    `limits`: admission control, for a server (rollout.service.admission); without
     them nothing is refused and replicas take 64 requests each at once."""
-    from rollout.apps.serving.pool import Replica, ReplicaPool
+    from rollout.service.pool import Replica, ReplicaPool
 
     mode = resolve_mode(mode, replicas, placement, server)
     if ray and placement != "ray":
         raise InvalidRequestError("ray", "Ray settings given without placement ray",
                                   "--placement ray, or no --ray-* settings")
     if server:
-        from rollout.apps.serving.client import RemoteService
+        from rollout.service.client import RemoteService
 
         pool = ReplicaPool([Replica(RemoteService(server, api_key))], name=server)
         return await pool.start()
     if mode != "hybrid":
-        from rollout.apps.serving.replicas import start_replicas
+        from rollout.service.replicas import start_replicas
 
         bounds = {} if limits is None else {"max_in_flight": limits.max_running or 2**31,
                                             "max_waiting": limits.max_waiting}
@@ -66,7 +66,7 @@ async def connect(backend: str | None = None, model: str | None = None,
                                     placement, restarts=restarts, keep_weights=keep_weights,
                                     ray=ray, **bounds)
     from rollout.api import load_backend
-    from rollout.apps.serving.service import LocalService
+    from rollout.service.service import LocalService
 
     rollout = await asyncio.to_thread(load_backend, backend, model=model, **dict(options or {}))
     return LocalService(rollout, name=model, limits=limits or UNBOUNDED)

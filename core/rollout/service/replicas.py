@@ -1,7 +1,7 @@
 """Starting replicas: each one is a `rollout serve` process with the backend in it, reached
 over loopback HTTP with a key of the pool's own (other local users cannot call it). The
 local default starts them as child processes; with Ray (`placement="ray"`) each is started
-by an actor in a placement group's bundle (rollout.apps.serving.ray_placement). Either
+by an actor in a placement group's bundle (rollout.service.ray_placement). Either
 way the pool restarts a replica that died, by its own rules.
 
 A replica watches the process that started it and exits when that one is gone, so a batch
@@ -20,10 +20,10 @@ from collections.abc import Mapping
 from rollout.contract.errors import InvalidRequestError
 from rollout.kit.logs import REPLICA_VARIABLE, log_settings
 from rollout.kit.process import HOST, ServerProcess, free_port
-from rollout.kit.transfer.nodes import NODE_VARIABLE, this_node
-from rollout.apps.serving.client import RemoteService
-from rollout.apps.serving.pool import Replica, ReplicaPool
-from rollout.apps.serving.ray_placement import RayPlacement, placement_group
+from rollout.weights.transports.nodes import NODE_VARIABLE, this_node
+from rollout.service.client import RemoteService
+from rollout.service.pool import Replica, ReplicaPool
+from rollout.service.ray_placement import RayPlacement, placement_group
 
 PLACEMENTS = ("local", "ray")
 KEY_VARIABLE = "ROLLOUT_API_KEY"

@@ -16,7 +16,7 @@ import base64
 from typing import TYPE_CHECKING
 
 from rollout.contract.errors import InvalidRequestError, UnsupportedError
-from rollout.kit.buckets import Bucket, layout, metas_from_layout, pack_into, packed_layout
+from rollout.weights.buckets import Bucket, layout, metas_from_layout, pack_into, packed_layout
 
 if TYPE_CHECKING:
     import torch

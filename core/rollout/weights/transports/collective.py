@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from rollout.kit.buckets import Bucket, metas_from_layout, unpack
+from rollout.weights.buckets import Bucket, metas_from_layout, unpack
 
 if TYPE_CHECKING:
     import torch

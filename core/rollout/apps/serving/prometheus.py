@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rollout.contract.errors import RolloutError
 from rollout.contract.schemas import Chunk, Completion, Request
-from rollout.apps.serving.service import WrappedStream
+from rollout.service.service import WrappedStream
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80,

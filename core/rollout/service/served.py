@@ -9,9 +9,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from rollout.contract import convert
 from rollout.contract.schemas import Completion, Request
 from rollout.kit.aio import LoopThread, Relay
-from rollout.apps.serving.service import Service
-from rollout.apps.serving.weights import BUCKET_WAIT_S, check_update_options, push_weights, \
-    require_transport
+from rollout.service.service import Service
+from rollout.weights.send import push_weights, require_transport
+from rollout.weights.update import BUCKET_WAIT_S, check_update_options
 
 CALL_TIMEOUT_S = 3600.0
 
@@ -43,7 +43,7 @@ class ServedRollout:
 
     @classmethod
     def _open(cls, **how) -> ServedRollout:
-        from rollout.apps.serving.connect import connect
+        from rollout.service.connect import connect
 
         loop = LoopThread("rollout-served")
         try:
@@ -108,7 +108,7 @@ class ServedRollout:
         """This host's address on the way to the first replica's server."""
         from urllib.parse import urlsplit
 
-        from rollout.kit.transfer.collective import address_towards
+        from rollout.weights.transports.collective import address_towards
 
         urls = [r.service.url for r in getattr(self.service, "replicas", ())]
         return address_towards(urlsplit(urls[0]).hostname if urls else "127.0.0.1")

@@ -10,8 +10,9 @@ from typing import Protocol
 
 from rollout.api import Rollout
 from rollout.contract.schemas import Chunk, Completion, Request
-from rollout.apps.serving.admission import UNBOUNDED, Gate, Limits
-from rollout.apps.serving.weights import LocalUpdate, WeightUpdate
+from rollout.service.admission import UNBOUNDED, Gate, Limits
+from rollout.weights.receive import LocalUpdate
+from rollout.weights.update import WeightUpdate
 
 
 class ChunkStream(Protocol):
@@ -44,7 +45,7 @@ class Service(Protocol):
 
     async def begin_update(self, version: int | None, pause: str,
                            timeout: float) -> WeightUpdate:
-        """Start a weight update (see `rollout.apps.serving.weights`); `timeout`: the
+        """Start a weight update (see `rollout.weights`); `timeout`: the
         longest wait for the trainer's next bucket before the update fails."""
 
     def state(self) -> dict:

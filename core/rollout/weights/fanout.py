@@ -1,0 +1,110 @@
+"""One weight update over every replica of a pool, and the pool's own kept copy."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from rollout.contract.errors import RolloutError
+from rollout.weights.receive import KeepingUpdate
+
+if TYPE_CHECKING:
+    from rollout.service.pool import Replica, ReplicaPool
+
+log = logging.getLogger("rollout.pool")
+
+
+class PoolUpdate:
+    """A weight update on every replica at once. A replica that fails drops out of it (it
+    is dirty, or gone, and takes no requests); the others go on. `end` returns when all
+    have the new version, or raises naming the ones that failed. Where the pool keeps
+    weights, it receives them too, as one more receiver."""
+
+    def __init__(self, pool: ReplicaPool, version: int | None, timeout: float):
+        self.pool = pool
+        self.version = version
+        self.updates: dict[Replica, object] = {}  # the replicas still in the update
+        self.failed: dict[str, str] = {}  # url -> why
+        self.keeping = None if pool.kept is None else KeepingUpdate(pool.kept, version,
+                                                                     timeout)
+        self._open = True  # holds the pool's update lock until it ends or is cancelled
+
+    async def each(self, replicas: list[Replica], call) -> None:
+        results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
+        for replica, result in zip(replicas, results):
+            if isinstance(result, BaseException):
+                self.failed[replica.service.url] = str(result) or repr(result)
+                self.updates.pop(replica, None)
+            elif replica not in self.updates:
+                self.updates[replica] = result
+        if not self.updates:
+            raise RolloutError("the weight update failed on every replica: " + self._why())
+
+    def _why(self) -> str:
+        return "; ".join(f"{url}: {why}" for url, why in self.failed.items())
+
+    @property
+    def receivers(self) -> int:
+        return sum(u.receivers for u in self.updates.values()) + (self.keeping is not None)
+
+    @property
+    def nodes(self) -> frozenset[str]:
+        keeping = () if self.keeping is None else (self.keeping.nodes,)
+        return frozenset().union(*(u.nodes for u in self.updates.values()), *keeping)
+
+    async def join(self, group: dict) -> None:
+        """Every replica joins, each from its own first rank (the ranks are handed out
+        before anyone joins: a replica that fails leaves the group short, and the
+        others then fail within the group's timeout)."""
+        first, ranks = group["first_rank"], {}
+        if self.keeping is not None:
+            keeper_rank, first = first, first + 1
+        for replica, update in self.updates.items():
+            ranks[replica], first = first, first + update.receivers
+        await asyncio.gather(
+            self.each(list(self.updates), lambda r: self.updates[r].join(
+                {**group, "first_rank": ranks[r]})),
+            self._keep(lambda k: k.join({**group, "first_rank": keeper_rank})))
+
+    async def send(self, message: dict) -> None:
+        await asyncio.gather(self.each(list(self.updates), lambda r: self.updates[r].send(
+            message)), self._keep(lambda k: k.send(message)))
+
+    async def _keep(self, step) -> None:
+        """A step of the pool's own copy; where it fails, the pool keeps no copy of this
+        version (a restarted replica then waits for the next update), and the replicas'
+        update goes on."""
+        if self.keeping is None:
+            return
+        try:
+            await step(self.keeping)
+        except Exception as exc:  # noqa: BLE001 - logged; the replicas matter
+            log.warning("the pool could not keep weight version %s: %r", self.version, exc)
+            await self.keeping.cancel(repr(exc))
+            self.keeping = None
+
+    async def end(self) -> int | None:
+        try:
+            await self.each(list(self.updates), lambda r: self.updates[r].end())
+            await self._keep(lambda k: k.end())
+            await self.pool.updated(list(self.updates), self.version)
+        finally:
+            self._close()
+        if self.failed:
+            raise RolloutError(f"weights updated on {len(self.updates)} replicas, failed on "
+                               f"{len(self.failed)}: {self._why()}")
+        return self.version
+
+    async def cancel(self, reason: str) -> None:
+        try:
+            await asyncio.gather(*(u.cancel(reason) for u in self.updates.values()),
+                                 self._keep(lambda k: k.cancel(reason)),
+                                 return_exceptions=True)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._open:
+            self._open = False
+            self.pool.update_ended()
