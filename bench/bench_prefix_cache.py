@@ -42,7 +42,6 @@ def main() -> None:
 
     import rollout
     from rollout.apps.agents import AgentConfig, AgentRunner, Environment, Reply
-    from rollout.service.replicas import start_replicas
     from rollout.kit.tiny_model import build_tiny_model
 
     class GoOn(Environment):
@@ -80,14 +79,12 @@ def main() -> None:
         cold = sum(turn.cached_tokens < turn.prompt_tokens // 2 for turn in later)
         return cached / prompt, best / prompt, cold / len(later)
 
-    async def run(model: str) -> None:
-        pool = await start_replicas(args.backend, model, dict(args.options), 2)
-        try:
+    def run(model: str) -> None:
+        with rollout.ServedRollout.start(args.backend, model, 2, dict(args.options)) as pool:
             results = {}
             for offset, sessions in enumerate((True, False)):
-                results[sessions] = await measure(pool, model, sessions, 1000 * (offset + 1))
-        finally:
-            await pool.close()
+                results[sessions] = asyncio.run(measure(pool, model, sessions,
+                                                        1000 * (offset + 1)))
         print(f"{args.backend}, 2 replicas, {args.trajectories} trajectories x 3 turns, "
               f"turns after the first:")
         for sessions, (rate, best, cold) in results.items():
@@ -97,7 +94,7 @@ def main() -> None:
         print(f"  target with sessions: >= {TARGET}")
 
     with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(run(str(build_tiny_model(tmp))))
+        run(str(build_tiny_model(tmp)))
 
 
 if __name__ == "__main__":

@@ -247,26 +247,19 @@ def test_function_schemas_come_from_signature_and_docstring():
 
 
 def test_trajectories_over_a_replica_pool_stay_on_one_replica_each(tiny_model):
-    from rollout.service.replicas import start_replicas
     from rollout.testing.agents import ROWS, ToolTask
 
-    async def main():
-        pool = await start_replicas("hf", str(tiny_model), {}, 2)
+    with rollout.ServedRollout.start("hf", str(tiny_model), replicas=2) as sampler:
         served = []  # (session, replica) of every turn sent
-        for replica in pool.replicas:
-            def record(request, send=replica.service.stream, replica=replica):
+        for replica in sampler.service.replicas:
+            def record(request, send=replica.service.generate, replica=replica):
                 served.append((request.session_id, replica))
                 return send(request)
 
-            replica.service.stream = record
-        try:
-            runner = AgentRunner(pool, ToolTask(), AgentConfig(sampling=GREEDY),
-                                 tokenizer=str(tiny_model))
-            return await runner.run_many(ROWS * 2), served
-        finally:
-            await pool.close()
-
-    done, served = asyncio.run(main())
+            replica.service.generate = record
+        runner = AgentRunner(sampler, ToolTask(), AgentConfig(sampling=GREEDY),
+                             tokenizer=str(tiny_model))
+        done = asyncio.run(runner.run_many(ROWS * 2))
     assert [t.end_reason for t in done] == ["done"] * len(done)
     homes = {}
     for session, replica in served:
@@ -285,27 +278,16 @@ def test_an_engine_that_saw_another_prompt_ends_the_trajectory_naming_the_turn(r
 
     class Lossy:
         encoder = ro.encoder
+        abort = ro.abort
 
-        def stream(self, request):
-            return LossyStream(ro.stream(request), request.id.endswith(":1"))
-
-    class LossyStream:
-        def __init__(self, inner, lossy):
-            self.inner, self.lossy, self.completion = inner, lossy, None
-
-        async def __aiter__(self):
-            async for chunk in self.inner:
-                yield chunk
-            completion = self.inner.completion
-            if self.lossy:
+        async def agenerate(self, request):
+            completion = await ro.agenerate(request)
+            if request.id.endswith(":1"):
                 result = completion.results[0]
                 completion = attrs.evolve(completion, results=(attrs.evolve(
                     result, prompt_token_ids=result.prompt_token_ids[1:],
                     prompt_tokens=result.prompt_tokens - 1),))
-            self.completion = completion
-
-        async def aclose(self):
-            await self.inner.aclose()
+            return completion
 
     [t] = asyncio.run(AgentRunner(Lossy(), Chatty(), AgentConfig(sampling=SHORT))
                       .run_many([{"prompt": "hi"}]))

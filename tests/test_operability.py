@@ -136,7 +136,6 @@ def test_agent_runner_backs_off_from_a_refusing_server_to_the_same_trajectories(
     from prometheus_client import REGISTRY
 
     from rollout.apps.agents import AgentConfig, AgentRunner
-    from rollout.service.connect import connect
     from rollout.testing.agents import GREEDY, ROWS, ToolTask, run
 
     def done_count():
@@ -148,16 +147,10 @@ def test_agent_runner_backs_off_from_a_refusing_server_to_the_same_trajectories(
     counted = done_count()
     with ServerThread(LocalService(ro, "tiny", Limits(max_running=1, max_waiting=0)),
                       api_key=KEY) as server:
-        async def main():
-            client = await connect(server=server.url, api_key=KEY)
-            try:
-                runner = AgentRunner(client, ToolTask(), AgentConfig(sampling=GREEDY),
-                                     tokenizer=str(tiny_model))
-                return await runner.run_many(ROWS * 2)
-            finally:
-                await client.close()
-
-        remote = asyncio.run(main())
+        with ServedRollout.connect(server.url, KEY) as sampler:
+            runner = AgentRunner(sampler, ToolTask(), AgentConfig(sampling=GREEDY),
+                                 tokenizer=str(tiny_model))
+            remote = asyncio.run(runner.run_many(ROWS * 2))
         refused = metric(scrape(server.url, KEY), "rollout:request_errors_total",
                          kind="overloaded")
     assert [t.end_reason for t in remote] == ["done"] * len(local)

@@ -36,6 +36,7 @@ from rollout.contract.schemas import (
     ToolCall,
 )
 from rollout.api import Rollout, Stream, load_backend
+from rollout.contract.sampler import Sampler
 from rollout.contract.plugins import available_backends
 from rollout import _moved
 
@@ -61,6 +62,8 @@ __all__ = [
     "Result",
     "Timing",
     "Rollout",
+    "Sampler",
+    "ServedRollout",
     "Stream",
     "RolloutError",
     "RolloutTimeoutError",
@@ -77,3 +80,12 @@ __all__ = [
     "hookimpl",
     "load_backend",
 ]
+
+
+def __getattr__(name: str):
+    # ServedRollout brings the client side (HTTP, replicas): loaded on first use.
+    if name == "ServedRollout":
+        from rollout.service.served import ServedRollout
+
+        return ServedRollout
+    raise AttributeError(f"module 'rollout' has no attribute {name!r}")

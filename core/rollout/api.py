@@ -34,7 +34,7 @@ from rollout.contract.errors import (
 )
 from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result, \
     Timing
-from rollout.kit.aio import Relay, engine_loop, on_loop
+from rollout.kit.aio import Relay, engine_loop, on_loop, uncancel
 from rollout.kit.images import ImageStore, image_sources
 from rollout.kit.text import TextStream, final_text
 from rollout.weights.update import check_update
@@ -162,7 +162,7 @@ class Rollout:
             request = item if isinstance(item, Request) else convert.structure(item, Request)
             self._check_request(request)
         except InvalidRequestError as exc:
-            rid = item.id if isinstance(item, Request) else _raw_id(item, index)
+            rid = item.id if isinstance(item, Request) else raw_id(item, index)
             return Completion(rid, error=exc)
         return request
 
@@ -206,7 +206,7 @@ class Rollout:
             timeout, _cancel_all, [flight], True)
         try:
             if flight.aborted:  # before it started
-                return Completion(request.id, _aborted_results(request))
+                return Completion(request.id, aborted_results(request))
             await self._admit()
             try:
                 return await self._collect(flight, sink)
@@ -217,8 +217,8 @@ class Rollout:
         except asyncio.CancelledError:
             if not flight.aborted:
                 raise
-            _uncancel()
-            return Completion(request.id, _aborted_results(request))
+            uncancel()
+            return Completion(request.id, aborted_results(request))
         finally:
             if timer is not None:
                 timer.cancel()
@@ -262,7 +262,7 @@ class Rollout:
         except asyncio.CancelledError:
             if not flight.aborted:
                 raise
-            _uncancel()
+            uncancel()
         except EngineDeadError as exc:
             self._dead = exc
             raise
@@ -534,14 +534,6 @@ class _Lifecycle:
             o._gate.notify_all()
 
 
-def _uncancel() -> None:
-    """An abort's cancellation is handled: later waits of this task must not see it
-    (Python 3.11+; before, a caught cancellation leaves nothing behind)."""
-    task = asyncio.current_task()
-    if hasattr(task, "uncancel"):
-        task.uncancel()
-
-
 def _cancel_all(flights: list[_Flight], abort: bool = False) -> None:
     for flight in flights:
         flight.aborted = flight.aborted or abort
@@ -549,7 +541,8 @@ def _cancel_all(flights: list[_Flight], abort: bool = False) -> None:
             flight.task.cancel()
 
 
-def _aborted_results(request: Request) -> tuple[Result, ...]:
+def aborted_results(request: Request) -> tuple[Result, ...]:
+    """What a request stopped before it made anything returns."""
     return tuple(Result(request_id=request.id, index=i, token_ids=(), text="",
                         finish_reason="abort", prompt_tokens=0)
                  for i in range(request.sampling.n))
@@ -580,7 +573,8 @@ def _tags(tags: Iterable[str] | None) -> tuple[str, ...]:
     return tags
 
 
-def _raw_id(item: Any, index: int) -> str:
+def raw_id(item: Any, index: int) -> str:
+    """The id of what may not be a valid request: its own where it has one."""
     rid = item.get("id") if isinstance(item, Mapping) else None
     return rid if isinstance(rid, str) and rid else f"#{index}"
 

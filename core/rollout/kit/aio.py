@@ -59,6 +59,14 @@ def on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return False
 
 
+def uncancel() -> None:
+    """An abort's cancellation is handled: later waits of this task must not see it
+    (Python 3.11+; before, a caught cancellation leaves nothing behind)."""
+    task = asyncio.current_task()
+    if hasattr(task, "uncancel"):
+        task.uncancel()
+
+
 class Relay:
     """What a coroutine on `loop` hands to its sink, read with `async for` on the caller's
     loop (the same loop or another; no thread is taken); `.result` then holds what the

@@ -99,6 +99,9 @@ class RemoteService:
             return data
         raise _typed_refusal(self.url, status, data)
 
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._control("/rollout/abort", {"request_ids": request_ids})
+
     async def release(self, tags: list[str] | None) -> None:
         await self._control("/rollout/release", {"tags": tags})
 

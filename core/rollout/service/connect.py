@@ -1,4 +1,4 @@
-"""Where a job or a server gets its samples from, by deployment mode:
+"""Where a job, a trainer or a server gets its samples from, by deployment mode:
 
 - `hybrid`: the backend in this process (a trainer pushes weights to it in process);
 - `colocated`: replica processes on this machine, sharing its devices with the trainer;
@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Mapping
 
 from rollout.contract.errors import InvalidRequestError
+from rollout.contract.sampler import Sampler
 from rollout.service.admission import UNBOUNDED, Limits
 from rollout.service.service import Service
 
@@ -19,8 +20,11 @@ MODES = ("hybrid", "colocated", "standalone")
 
 
 def resolve_mode(mode: str | None, replicas: int | None, placement: str,
-                 server: str | None) -> str:
+                 server: str | None, ray: Mapping | None = None) -> str:
     """The mode asked for, checked against the other settings, or the one they imply."""
+    if ray and placement != "ray":
+        raise InvalidRequestError("ray", "Ray settings given without placement ray",
+                                  "--placement ray, or no --ray-* settings")
     if mode is None:
         if server or placement == "ray":
             return "standalone"
@@ -48,10 +52,7 @@ async def connect(backend: str | None = None, model: str | None = None,
     them nothing is refused and replicas take 64 requests each at once."""
     from rollout.service.pool import Replica, ReplicaPool
 
-    mode = resolve_mode(mode, replicas, placement, server)
-    if ray and placement != "ray":
-        raise InvalidRequestError("ray", "Ray settings given without placement ray",
-                                  "--placement ray, or no --ray-* settings")
+    mode = resolve_mode(mode, replicas, placement, server, ray)
     if server:
         from rollout.service.client import RemoteService
 
@@ -70,3 +71,23 @@ async def connect(backend: str | None = None, model: str | None = None,
 
     rollout = await asyncio.to_thread(load_backend, backend, model=model, **dict(options or {}))
     return LocalService(rollout, name=model, limits=limits or UNBOUNDED)
+
+
+def open_sampler(backend: str | None = None, model: str | None = None,
+                 options: Mapping | None = None, replicas: int | None = None,
+                 placement: str = "local", server: str | None = None,
+                 api_key: str | None = None, mode: str | None = None, restarts: int = 3,
+                 keep_weights: bool = True, ray: Mapping | None = None) -> Sampler:
+    """The `Sampler` for a job or a trainer, by the same settings as `connect`: the backend
+    itself (a `Rollout`) in hybrid mode, else a `ServedRollout` over the replicas or the
+    server. Nothing is bounded: the caller limits what it sends."""
+    how = dict(backend=backend, model=model, options=options, replicas=replicas,
+               placement=placement, server=server, api_key=api_key, mode=mode,
+               restarts=restarts, keep_weights=keep_weights, ray=ray)
+    if resolve_mode(mode, replicas, placement, server, ray) == "hybrid":
+        from rollout.api import load_backend
+
+        return load_backend(backend, model=model, **dict(options or {}))
+    from rollout.service.served import ServedRollout
+
+    return ServedRollout.open(**how)

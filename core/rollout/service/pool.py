@@ -302,6 +302,12 @@ class ReplicaPool:
 
     # --- lifecycle, on every replica at once ------------------------------------------
 
+    async def abort(self, request_ids: list[str]) -> None:
+        """On every replica that runs (a request's replica is not tracked by id); one that
+        cannot be reached has no request of ours running either."""
+        await asyncio.gather(*(r.service.abort(request_ids) for r in self._reachable()),
+                             return_exceptions=True)
+
     async def release(self, tags: list[str] | None) -> None:
         await _on_each(self._reachable(), lambda r: r.service.release(tags), "release")
 

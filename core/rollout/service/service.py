@@ -9,21 +9,11 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from rollout.api import Rollout
+from rollout.contract.sampler import ChunkStream
 from rollout.contract.schemas import Chunk, Completion, Request
 from rollout.service.admission import UNBOUNDED, Gate, Limits
 from rollout.weights.receive import LocalUpdate
 from rollout.weights.update import WeightUpdate
-
-
-class ChunkStream(Protocol):
-    """`async for` gives a request's chunks; then `completion` holds the whole of it.
-    `aclose()` stops the request if it still runs."""
-
-    completion: Completion | None
-
-    def __aiter__(self) -> AsyncIterator[Chunk]: ...
-
-    async def aclose(self) -> None: ...
 
 
 class Service(Protocol):
@@ -35,6 +25,10 @@ class Service(Protocol):
 
     def stream(self, request: Request) -> ChunkStream:
         """The request's chunks as they come; its own error is raised from the iteration."""
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests where they run; each returns what it made, with finish
+        reason "abort". Ids not running (not yet, or no longer) are ignored."""
 
     async def health(self) -> dict:
         """What is up; raises when nothing is."""
@@ -76,6 +70,9 @@ class LocalService:
         return {"running": self.gate.running, "waiting": self.gate.waiting,
                 "weight_version": self.rollout.weight_version,
                 "weights_dirty": self.rollout.weights_dirty, "replicas": []}
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self.rollout.abort(request_ids)
 
     async def health(self) -> dict:
         # Off the loop: a backend's stats may ask its engine (vLLM's server: its /metrics).

@@ -84,8 +84,8 @@ def run_look(ro, rows=LOOK_ROWS, calls: int = 3, **config) -> list:
 
 async def run_look_async(target, rows=LOOK_ROWS, calls: int = 3, tokenizer=None, **config
                          ) -> list:
-    """Greedy trajectories of `look_task` on `target` (a Rollout, or a service with the
-    model's `tokenizer`)."""
+    """Greedy trajectories of `look_task` on `target` (a Sampler; one in other processes
+    with the model's `tokenizer`)."""
     from rollout import SamplingParams
     from rollout.apps.agents import AgentConfig, AgentRunner
 

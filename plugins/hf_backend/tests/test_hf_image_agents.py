@@ -84,11 +84,9 @@ def test_over_a_replica_pool_each_image_travels_once_or_again_where_missing(vlm_
     A turn that reaches a replica which never saw the earlier images (here every turn goes
     to the other replica than the last one) is answered `unknown_image` there, and goes
     again with every image's pixels. Tokens are the same."""
-    from rollout.service.replicas import start_replicas
-
-    async def main():
-        pool = await start_replicas("hf", str(vlm_dir), {"dtype": "float32"}, 2)
-        sends = [replica.service.stream for replica in pool.replicas]
+    with rollout.ServedRollout.start("hf", str(vlm_dir), 2, {"dtype": "float32"}) as sampler:
+        pool = sampler.service
+        sends = [replica.service.generate for replica in pool.replicas]
         pixels, hop = [], [False]  # per request: the images sent with their pixels
 
         def record(request):
@@ -96,19 +94,14 @@ def test_over_a_replica_pool_each_image_travels_once_or_again_where_missing(vlm_
             return sends[len(pixels) % 2 if hop[0] else 0](request)
 
         for replica in pool.replicas:
-            replica.service.stream = record
-        try:
-            runs = []
-            for hopping in (True, False):  # on fresh replicas first
-                pixels.clear()
-                hop[0] = hopping
-                done = await run_look_async(pool, LOOK_ROWS[1:], tokenizer=str(vlm_dir))
-                runs.append((done, list(pixels)))
-            return runs
-        finally:
-            await pool.close()
-
-    (hopping, sent_hopping), (pinned, sent_pinned) = asyncio.run(main())
+            replica.service.generate = record
+        runs = []
+        for hopping in (True, False):  # on fresh replicas first
+            pixels.clear()
+            hop[0] = hopping
+            done = asyncio.run(run_look_async(sampler, LOOK_ROWS[1:], tokenizer=str(vlm_dir)))
+            runs.append((done, list(pixels)))
+    (hopping, sent_hopping), (pinned, sent_pinned) = runs
     local = [t.response_ids for t in looked[0][1:]]
     assert [t.response_ids for t in pinned] == [t.response_ids for t in hopping] == local
     assert sent_pinned == [1, 1, 1, 1]  # each turn's new image only

@@ -20,18 +20,11 @@ class TestVLLMAgents(AgentContract):
 
 def test_two_replicas_with_sessions_serve_later_turns_from_the_prefix_cache(tiny_model):
     from rollout.apps.agents import AgentConfig, AgentRunner
-    from rollout.service.replicas import start_replicas
 
-    async def main():
-        pool = await start_replicas("vllm", str(tiny_model), ENGINE, 2)
-        try:
-            runner = AgentRunner(pool, ToolTask(calls=2), AgentConfig(sampling=GREEDY),
-                                 tokenizer=str(tiny_model))
-            return await runner.run_many(ROWS * 2)
-        finally:
-            await pool.close()
-
-    done = asyncio.run(main())
+    with rollout.ServedRollout.start("vllm", str(tiny_model), 2, ENGINE) as sampler:
+        runner = AgentRunner(sampler, ToolTask(calls=2), AgentConfig(sampling=GREEDY),
+                             tokenizer=str(tiny_model))
+        done = asyncio.run(runner.run_many(ROWS * 2))
     later = [(t.turns[i - 1], t.turns[i]) for t in done for i in range(1, t.num_turns)]
     assert all(t.end_reason == "done" and t.num_turns == 3 for t in done)
     for before, turn in later:

@@ -1,5 +1,6 @@
-"""`AgentRunner`: trajectories over any service (a `Rollout`, a replica pool, a remote
-`rollout serve`), thousands at once, each an asyncio task with no thread of its own.
+"""`AgentRunner`: trajectories over any `Sampler` (a `Rollout`, or a `ServedRollout` over
+replicas or a `rollout serve`), thousands at once, each an asyncio task with no thread of
+its own.
 
 Each turn sends the whole history as token ids (`prompt_token_ids`): the first prompt
 rendered by the chat template, then at every turn the previous prompt, the tokens the model
@@ -9,7 +10,7 @@ session, so a replica pool keeps it on one replica and its prefix cache.
 
 Images (in the first messages, or returned by tools) are sent with their uuids (content
 hashes), and each only once: later turns name earlier images by uuid alone, so only a
-turn's new images travel and are processed. Where the service no longer holds one (another
+turn's new images travel and are processed. Where the sampler no longer holds one (another
 replica, evicted), the turn is sent again with every image's pixels.
 """
 
@@ -26,7 +27,7 @@ import attrs
 
 from prometheus_client import Counter
 
-from rollout.api import Rollout
+from rollout.contract.sampler import Sampler
 from rollout.service.backoff import patiently
 from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError, RolloutError, UnknownImageError
@@ -110,8 +111,8 @@ class _Running:
     aborted: bool = False
     timed_out: bool = False
     step: asyncio.Future | None = None
-    # Stops the running turn and lets it return what it made (a Rollout's abort by id);
-    # without it the step is cancelled.
+    # Stops the running turn and lets it return what it made (the sampler's abort by id);
+    # without it (tools, the environment) the step is cancelled.
     stop: Callable[[], None] | None = None
 
     def interrupt(self) -> None:
@@ -122,19 +123,17 @@ class _Running:
 
 
 class AgentRunner:
-    """Runs an environment's trajectories on `target`: a `rollout.Rollout`, or any service
-    with `stream(request)` (`ReplicaPool`, `RemoteService`), whose model's tokenizer is then
-    given as `tokenizer` (an object or a model path) with `config.max_model_len`."""
+    """Runs an environment's trajectories on a `rollout.Sampler` (a `Rollout`, or a
+    `ServedRollout` over a server or replicas). A sampler in other processes has no
+    `encoder` here: give its model's tokenizer as `tokenizer` (an object or a model path),
+    with `config.max_model_len` unless the model folder says it."""
 
-    def __init__(self, target, environment: Environment, config: AgentConfig | None = None,
-                 tokenizer=None):
-        self.target = target
-        # A Rollout in this process stops a turn by its id and hands back the partial turn;
-        # any other service streams each turn, so that what a cut turn made is kept.
-        self.rollout = target if isinstance(target, Rollout) else None
+    def __init__(self, sampler: Sampler, environment: Environment,
+                 config: AgentConfig | None = None, tokenizer=None):
+        self.sampler = sampler
         self.env = environment
         self.config = config = config or AgentConfig()
-        encoder = getattr(target, "encoder", None)  # a Rollout knows its model
+        encoder = sampler.encoder
         if tokenizer is None and encoder is None:
             raise InvalidRequestError("tokenizer", "a remote service needs the model's tokenizer",
                                       "a tokenizer or a model path")
@@ -391,25 +390,14 @@ class AgentRunner:
         return await self._sample(request, partial, running)
 
     async def _sample(self, request: Request, partial: list, running: _Running):
-        """One turn in the engine. `partial` gets its tokens and logprobs as they come (a
-        turn cut short keeps them)."""
-        if self.rollout is not None:
-            running.stop = lambda: self.rollout.abort([request.id])
-            completion = await self.rollout.agenerate(request)
-            if completion.ok:  # (an aborted turn's own tokens, with finish reason abort)
-                result = completion.results[0]
-                partial.append((result.token_ids, result.logprobs))
-            return completion
-        return await patiently(lambda: self._stream_turn(request, partial))
-
-    async def _stream_turn(self, request: Request, partial: list):
-        stream = self.target.stream(request)
-        try:
-            async for chunk in stream:
-                partial.append((chunk.token_ids, chunk.logprobs))
-            return stream.completion
-        finally:
-            await stream.aclose()
+        """One turn in the engine. A turn stopped by an abort returns what it made (finish
+        reason abort), which `partial` keeps."""
+        running.stop = lambda: self.sampler.abort([request.id])
+        completion = await patiently(lambda: self.sampler.agenerate(request))
+        if completion.ok:
+            result = completion.results[0]
+            partial.append((result.token_ids, result.logprobs))
+        return completion
 
     async def _call_tools(self, running: _Running, turn: Turn, parsed) -> list[Message]:
         cfg = self.config

@@ -22,7 +22,7 @@ import attrs
 from aiohttp import web
 
 from rollout.contract import convert
-from rollout.api import _raw_id
+from rollout.api import raw_id
 from rollout.contract.errors import EngineDeadError, InvalidRequestError, NoReplicaError, \
     RolloutError, RolloutTimeoutError
 from rollout.contract.schemas import Completion, Request
@@ -78,6 +78,7 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
         web.get("/health", routes.health),
         web.post("/rollout/generate", routes.native_generate),
         web.post("/rollout/stream", routes.native_stream),
+        web.post("/rollout/abort", routes.abort),
         web.post("/rollout/release", routes.release),
         web.post("/rollout/resume", routes.resume),
         web.post("/rollout/weights/{step}", routes.weights),
@@ -168,7 +169,7 @@ class _Routes:
             try:
                 valid.append((i, refuse_paths(convert.structure(item, Request))))
             except InvalidRequestError as exc:
-                completions[i] = Completion(_raw_id(item, i), error=exc)
+                completions[i] = Completion(raw_id(item, i), error=exc)
         done = await _all(self.service.generate(r) for _, r in valid)
         for (i, _), completion in zip(valid, done):
             completions[i] = completion
@@ -208,6 +209,17 @@ class _Routes:
         return response
 
     # --- lifecycle: what a trainer calls between steps --------------------------------
+
+    async def abort(self, request: web.Request) -> web.Response:
+        """{"request_ids": [id, ...]}: those requests stop and return what they made."""
+        body = await _json(request)
+        ids = body.get("request_ids") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) \
+                or set(body) != {"request_ids"}:
+            raise ApiError(400, 'the body must be {"request_ids": ["id", ...]}',
+                           param="request_ids")
+        await self.service.abort(ids)
+        return web.json_response({})
 
     async def release(self, request: web.Request) -> web.Response:
         tags = _tags_of(await _json(request))
