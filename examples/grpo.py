@@ -42,7 +42,7 @@ import yaml
 import rollout
 import rollout.kit.models
 from rollout.apps.datasets import sums
-from rollout.service.served import ServedRollout
+from rollout.service.connect import open_sampler
 
 WORDS = "the ka lo mi ne su ta ri po def return print x y if for".split()
 
@@ -201,16 +201,10 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
 
     # The sampler: which engine, and where it runs, is configuration only. Served ones
     # take the same calls; their weights travel through shared memory.
-    options = backend_options(args.backend_option)
-    if args.server:
-        sampler = ServedRollout.connect(args.server, args.api_key)
-    elif args.replicas:
-        sampler = ServedRollout.start(args.backend, model_dir, args.replicas, options)
-    else:
-        sampler = rollout.load_backend(args.backend, model_dir, **options)
-    # Some engines cannot seed a request (SGLang on CPU); then sampling is merely unseeded
-    # (and so is a served sampler's, which may be any engine).
-    seeded = isinstance(sampler, rollout.Rollout) and sampler.capabilities.supports("seed")
+    sampler = open_sampler(args.backend, model_dir, backend_options(args.backend_option),
+                           args.replicas, server=args.server, api_key=args.api_key)
+    # Some engines cannot seed a request (SGLang on CPU); then sampling is merely unseeded.
+    seeded = sampler.capabilities.supports("seed")
 
     task = TASKS[args.task](args, tokenizer)
     log = open(args.log, "w") if args.log else None

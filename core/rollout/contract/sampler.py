@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from rollout.contract.schemas import Chunk, Completion, Request
+from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 
 
 class ChunkStream(Protocol):
@@ -27,6 +27,7 @@ class ChunkStream(Protocol):
 @runtime_checkable
 class Sampler(Protocol):
     name: str
+    capabilities: Capabilities  # what the backend behind it supports
     # The version of the weights that serve new requests (the last update's `version`).
     weight_version: int | None
     # The model's prompt encoder (tokenizer, chat template, context length) where this

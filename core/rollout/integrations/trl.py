@@ -6,7 +6,7 @@ is such a function. Before sampling at a new optimizer step it pushes the traine
 through this project's transports (in process, shared memory or gloo to replicas), so every
 completion comes from the current policy:
 
-    sampler = rollout.load_backend("vllm", "my-model")       # or ServedRollout.start/connect
+    sampler = rollout.load_backend("vllm", "my-model")  # or rollout.ServedRollout.start/connect
     trainer = GRPOTrainer(model="my-model", reward_funcs=..., args=GRPOConfig(...),
                           train_dataset=..., rollout_func=RolloutFunc(sampler))
 
@@ -22,15 +22,16 @@ import itertools
 from typing import Any
 
 from rollout.contract.errors import InvalidRequestError, UnsupportedError
+from rollout.contract.sampler import Sampler
 
 
 class RolloutFunc:
-    """A `rollout_func` for TRL's GRPOTrainer that samples from `sampler` (a `Rollout` or a
-    `ServedRollout`) and keeps its weights at the trainer's.
+    """A `rollout_func` for TRL's GRPOTrainer that samples from any `rollout.Sampler` (a
+    `Rollout` or a `ServedRollout`) and keeps its weights at the trainer's.
 
     `push_weights=False` leaves the weights alone (a sampler fed some other way)."""
 
-    def __init__(self, sampler: Any, *, push_weights: bool = True):
+    def __init__(self, sampler: Sampler, *, push_weights: bool = True):
         self.sampler = sampler
         self.push_weights = push_weights
         self._pushed_step: int | None = None

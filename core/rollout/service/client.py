@@ -13,7 +13,7 @@ from rollout.contract import convert
 from rollout.kit.aio import client_session, lines
 from rollout.contract.errors import EngineDeadError, NoReplicaError, OverloadedError, \
     RolloutError, RolloutTimeoutError, WeightsDirtyError
-from rollout.contract.schemas import Chunk, Completion, Request
+from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 
 
 class ReplicaDown(Exception):
@@ -98,6 +98,18 @@ class RemoteService:
         if status == 200:
             return data
         raise _typed_refusal(self.url, status, data)
+
+    async def capabilities(self) -> Capabilities:
+        import aiohttp
+
+        with self._reaching():
+            async with self._client().get(f"{self.url}/rollout/capabilities",
+                                          timeout=aiohttp.ClientTimeout(total=30)) as response:
+                data = await response.json(content_type=None)
+                status = response.status
+        if status != 200:
+            raise _typed_refusal(self.url, status, data)
+        return convert.structure(data, Capabilities)
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._control("/rollout/abort", {"request_ids": request_ids})

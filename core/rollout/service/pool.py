@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from rollout.contract.errors import EngineDeadError, NoReplicaError, OverloadedError, \
     RolloutError, WeightsDirtyError
-from rollout.contract.schemas import Chunk, Completion, Request
+from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 from rollout.weights.transports.collective import address_towards
 from rollout.service.admission import overloaded
 from rollout.service.client import ReplicaDown, RemoteService
@@ -290,6 +290,7 @@ class ReplicaPool:
         if not any(self._serves(r) for r in self.replicas):
             raise NoReplicaError(self._no_replica_message())
         return {"replicas": states, "healthy": sum(self._serves(r) for r in self.replicas),
+                "running": sum(r.in_flight for r in self.replicas),
                 "weight_version": self.weight_version}
 
     def state(self) -> dict:
@@ -301,6 +302,15 @@ class ReplicaPool:
                               "running": r.in_flight} for i, r in enumerate(self.replicas)]}
 
     # --- lifecycle, on every replica at once ------------------------------------------
+
+    async def capabilities(self) -> Capabilities:
+        """The first reachable replica's: every replica runs the same backend."""
+        for replica in self._reachable():
+            try:
+                return await replica.service.capabilities()
+            except (ReplicaDown, RolloutError):
+                continue
+        raise NoReplicaError(self._no_replica_message())
 
     async def abort(self, request_ids: list[str]) -> None:
         """On every replica that runs (a request's replica is not tracked by id); one that

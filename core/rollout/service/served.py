@@ -6,13 +6,15 @@ It runs its calls on a loop thread of its own."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 from rollout.api import aborted_results, raw_id
 from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError
-from rollout.contract.schemas import Completion, Request
+from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 from rollout.kit.aio import LoopThread, Relay, on_loop, uncancel
 from rollout.service.service import Service
 from rollout.weights.send import push_weights, require_transport
@@ -31,7 +33,8 @@ class ServedRollout:
         self.name = service.name
         self._loop = loop
         self.weight_version: int | None = None
-        self._calls: dict[str, set[_Call]] = {}  # request id -> its calls (on the loop only)
+        self._calls: dict[str, set[_Call]] = {}  # request id -> its running calls
+        self._lock = threading.Lock()  # guards _calls: calls register on their caller's thread
 
     @classmethod
     def connect(cls, url: str, api_key: str | None = None) -> ServedRollout:
@@ -65,6 +68,11 @@ class ServedRollout:
             raise
         return cls(service, loop)
 
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:
+        """What the backend behind the server supports (asked once)."""
+        return self._run(self.service.capabilities(), "capabilities", 30)
+
     def _run(self, coro, what: str, timeout: float = CALL_TIMEOUT_S):
         return self._loop.run(coro, timeout, what)
 
@@ -73,13 +81,19 @@ class ServedRollout:
     def generate(self, requests: Sequence[Request | Mapping],
                  timeout: float | None = None) -> list[Completion]:
         checked = [_checked(r, i) for i, r in enumerate(requests)]
+        calls = [self._register(r) if isinstance(r, Request) else None for r in checked]
 
         async def run_all():
             return await asyncio.gather(*(
-                self._call(r, timeout) if isinstance(r, Request) else _done(r)
-                for r in checked))
+                self._call(call, r, timeout) if call is not None else _done(r)
+                for call, r in zip(calls, checked)))
 
-        return self._run(run_all(), "generate")
+        try:
+            return self._run(run_all(), "generate")
+        finally:
+            for call in calls:
+                if call is not None:
+                    self._forget(call)
 
     async def agenerate(self, request: Request | Mapping,
                         timeout: float | None = None) -> Completion:
@@ -88,11 +102,15 @@ class ServedRollout:
         checked = _checked(request, 0)
         if isinstance(checked, Completion):
             return checked
-        call = self._call(checked, timeout)
-        if on_loop(self._loop.loop):
-            return await call
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call,
-                                                                          self._loop.loop))
+        call = self._register(checked)
+        work = self._call(call, checked, timeout)
+        try:
+            if on_loop(self._loop.loop):
+                return await work
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                work, self._loop.loop))
+        finally:
+            self._forget(call)  # (also when cancelled before it ran)
 
     def stream(self, request: Request | Mapping, timeout: float | None = None
                ) -> ServedStream:
@@ -100,10 +118,29 @@ class ServedRollout:
         afterwards. Leaving early stops the request on its server."""
         return ServedStream(self, _checked(request, 0), timeout)
 
-    async def _call(self, request: Request, timeout: float | None, sink=None) -> Completion:
-        """One request on this sampler's loop, registered for `abort` while it runs."""
-        call = _Call(request.id, asyncio.current_task())
-        self._calls.setdefault(request.id, set()).add(call)
+    def _register(self, request: Request) -> _Call:
+        """On the caller's thread, before anything runs: an abort from now on finds it."""
+        call = _Call(request.id)
+        with self._lock:
+            self._calls.setdefault(request.id, set()).add(call)
+        return call
+
+    def _forget(self, call: _Call) -> None:
+        call.finished = True
+        with self._lock:
+            same = self._calls.get(call.id)
+            if same is not None:
+                same.discard(call)
+                if not same:
+                    del self._calls[call.id]
+
+    async def _call(self, call: _Call, request: Request, timeout: float | None,
+                    sink=None) -> Completion:
+        """One registered request, on this sampler's loop."""
+        call.task = asyncio.current_task()
+        if call.stopped:  # aborted before it started: nothing was sent
+            self._forget(call)
+            return Completion(request.id, aborted_results(request))
         timer = None if timeout is None else asyncio.get_running_loop().call_later(
             timeout, self._stop, [call])
         try:
@@ -124,26 +161,23 @@ class ServedRollout:
         finally:
             if timer is not None:
                 timer.cancel()
-            same = self._calls.get(request.id)
-            if same is not None:
-                same.discard(call)
-                if not same:
-                    del self._calls[request.id]
+            self._forget(call)
 
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
-        """Stop this sampler's requests (all of them when None) where they run; each
-        returns what it made, with finish reason "abort". Unknown ids are ignored."""
-        ids = None if request_ids is None else list(request_ids)
-
-        def stop():
-            chosen = self._calls if ids is None else ids
-            self._stop([c for i in chosen for c in self._calls.get(i, ())])
-
-        self._loop.loop.call_soon_threadsafe(stop)
+        """Stop this sampler's requests (all of them when None), from any thread, where
+        they run; each returns what it made, with finish reason "abort". A request whose
+        call has been made is stopped even if no server has it yet. Unknown ids are
+        ignored."""
+        with self._lock:
+            ids = list(self._calls) if request_ids is None else list(request_ids)
+            calls = [c for i in ids for c in self._calls.get(i, ())]
+        if calls:
+            self._loop.loop.call_soon_threadsafe(self._stop, calls)
 
     def _stop(self, calls: list[_Call]) -> None:
-        if calls:
-            asyncio.ensure_future(self._abort_until_done(calls))
+        for call in calls:
+            call.stopped = True
+        asyncio.ensure_future(self._abort_until_done(calls))
 
     async def _abort_until_done(self, calls: list[_Call]) -> None:
         """Ask the servers to abort until the calls end: an abort that reaches a server
@@ -151,18 +185,20 @@ class ServedRollout:
         is sent again. One that has not ended after ABORT_WAIT_S is cut."""
         loop = asyncio.get_running_loop()
         deadline, pause = loop.time() + ABORT_WAIT_S, 0.05
-        while running := [c for c in calls if not c.task.done()]:
+        while running := [c for c in calls if not c.finished]:
             if loop.time() > deadline:
                 for call in running:
                     call.cut = True
-                    call.task.cancel()
+                    if call.task is not None:
+                        call.task.cancel()
                 return
+            started = sorted({c.id for c in running if c.task is not None})
             try:
-                await asyncio.wait_for(self.service.abort(sorted({c.id for c in running})),
-                                       ABORT_WAIT_S)
+                if started:
+                    await asyncio.wait_for(self.service.abort(started), ABORT_WAIT_S)
             except Exception as exc:  # noqa: BLE001 - sent again, then cut
                 log.warning("aborting %d requests: %r", len(running), exc)
-            await asyncio.wait([c.task for c in running], timeout=pause)
+            await asyncio.sleep(pause)
             pause = min(2 * pause, 1.0)
 
     # --- weights and lifecycle ------------------------------------------------------
@@ -224,28 +260,46 @@ class ServedRollout:
 
 
 class _Call:
-    """One running request of this sampler."""
+    """One call for one request of this sampler."""
 
-    __slots__ = ("id", "task", "cut")
+    __slots__ = ("id", "task", "stopped", "finished", "cut")
 
-    def __init__(self, request_id: str, task: asyncio.Task):
-        self.id, self.task = request_id, task
+    def __init__(self, request_id: str):
+        self.id = request_id
+        self.task: asyncio.Task | None = None  # once it runs on the sampler's loop
+        self.stopped = False  # aborted, or timed out
+        self.finished = False
         self.cut = False  # cancelled by an abort that the server did not answer
 
 
-class ServedStream(Relay):
+class ServedStream:
+    """The chunks of one request as its server makes them (see `ServedRollout.stream`);
+    `aclose()` (or leaving an `async for` over it) stops the request if it still runs."""
+
     def __init__(self, owner: ServedRollout, request: Request | Completion,
                  timeout: float | None):
-        async def produce(sink):
-            if isinstance(request, Completion):  # not a valid request: its error
-                raise request.error
-            return await owner._call(request, timeout, sink)
+        self.completion: Completion | None = None
+        self._chunks = self._iterate(owner, request, timeout)
 
-        super().__init__(owner._loop.loop, produce)
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._chunks
 
-    @property
-    def completion(self) -> Completion | None:
-        return self.result
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+
+    async def _iterate(self, owner: ServedRollout, request, timeout) -> AsyncIterator[Chunk]:
+        if isinstance(request, Completion):  # not a valid request: its error
+            self.completion = request
+            raise request.error
+        call = owner._register(request)
+        relay = Relay(owner._loop.loop, lambda sink: owner._call(call, request, timeout, sink))
+        try:
+            async for chunk in relay:
+                yield chunk
+        finally:
+            await relay.aclose()  # the caller left early: the request stops on its server
+            owner._forget(call)
+        self.completion = relay.result
 
 
 def _request(request: Request | Mapping) -> Request:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 from rollout.api import Rollout
 from rollout.contract.sampler import ChunkStream
-from rollout.contract.schemas import Chunk, Completion, Request
+from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 from rollout.service.admission import UNBOUNDED, Gate, Limits
 from rollout.weights.receive import LocalUpdate
 from rollout.weights.update import WeightUpdate
@@ -25,6 +25,9 @@ class Service(Protocol):
 
     def stream(self, request: Request) -> ChunkStream:
         """The request's chunks as they come; its own error is raised from the iteration."""
+
+    async def capabilities(self) -> Capabilities:
+        """What the backend behind it supports."""
 
     async def abort(self, request_ids: list[str]) -> None:
         """Stop these requests where they run; each returns what it made, with finish
@@ -70,6 +73,9 @@ class LocalService:
         return {"running": self.gate.running, "waiting": self.gate.waiting,
                 "weight_version": self.rollout.weight_version,
                 "weights_dirty": self.rollout.weights_dirty, "replicas": []}
+
+    async def capabilities(self) -> Capabilities:
+        return self.rollout.capabilities
 
     async def abort(self, request_ids: list[str]) -> None:
         self.rollout.abort(request_ids)

@@ -3,6 +3,10 @@
 A subclass provides `make_backend`, a class-scoped fixture returning a callable
 `make_backend(model_dir) -> Rollout`. The suite builds the tiny model itself. Capabilities
 that the backend reports as unsupported are skipped with the backend's reason.
+
+The checks that a trainer relies on through the `Sampler` protocol (generate, stream,
+abort, timeouts, weight updates) run on both of its faces: the `Rollout` itself, and a
+`ServedRollout` over the same backend behind `rollout serve`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from hypothesis.stateful import (
 )
 
 from rollout import (BackendReleasedError, Capabilities, InvalidRequestError, Rollout,
-                     WeightsDirtyError)
+                     Sampler, WeightsDirtyError)
 from rollout.kit.aio import engine_loop
 from rollout.testing.model_folders import load_weights, perturbed_copy, tiny_model_dir
 from rollout.testing.sampling import SamplingContract
@@ -49,7 +53,7 @@ def probe_requests() -> list[dict]:
             for i, p in enumerate(PROBE_PROMPTS)]
 
 
-def probe(backend: Rollout) -> tuple[tuple[int, ...], ...]:
+def probe(backend: Sampler) -> tuple[tuple[int, ...], ...]:
     """Greedy tokens for fixed prompts: the fingerprint of the weights now loaded."""
     return tuple(c.unwrap()[0].token_ids for c in backend.generate(probe_requests()))
 
@@ -84,6 +88,20 @@ class Harness:
     @property
     def caps(self) -> Capabilities:
         return self.rollout.capabilities
+
+
+class _Borrowed:
+    """A server's service over a backend the suite keeps: the server closing does not
+    close it."""
+
+    def __new__(cls, rollout: Rollout):
+        from rollout.service.service import LocalService
+
+        class Borrowed(LocalService):
+            async def close(self) -> None:
+                pass
+
+        return Borrowed(rollout, "contract")
 
 
 def check_completions(batch: list[dict], completions, caps: Capabilities) -> None:
@@ -142,6 +160,24 @@ class BackendContract(SamplingContract):
         finally:
             backend.close()
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def served(cls, harness):
+        """The same backend behind `rollout serve` (a server thread in this process), as a
+        trainer in another process holds it."""
+        from rollout.apps.serving.app import ServerThread
+        from rollout.service.served import ServedRollout
+
+        with ServerThread(_Borrowed(harness.rollout)) as server, \
+                ServedRollout.connect(server.url) as sampler:
+            yield sampler
+
+    @pytest.fixture(params=["in_process", "served"])
+    def sampler(self, request, harness) -> Sampler:
+        """Each face of the `Sampler` protocol over the backend."""
+        return harness.rollout if request.param == "in_process" else \
+            request.getfixturevalue("served")
+
     @pytest.fixture(autouse=True)
     def _restored(self, request):
         """Each test leaves the backend resumed with its original weights."""
@@ -152,6 +188,11 @@ class BackendContract(SamplingContract):
                 h.rollout.resume()
 
     # --- generation ---------------------------------------------------------------------
+
+    def test_both_faces_are_samplers_with_the_same_greedy_output(self, harness, sampler):
+        assert isinstance(sampler, Sampler)
+        assert probe(sampler) == harness.baseline
+        assert {"running", "weight_version"} <= set(sampler.health())
 
     def test_capabilities_are_declared(self, harness):
         caps = harness.caps
@@ -251,7 +292,7 @@ class BackendContract(SamplingContract):
 
     @HYPOTHESIS
     @given(data=st.data())
-    def test_invalid_request_fails_alone(self, harness, data):
+    def test_invalid_request_fails_alone(self, harness, sampler, data):
         bad, field = data.draw(invalid_requests(harness.vocab_size, harness.max_model_len))
         for capability in ("seed", "logprobs"):  # else the capability check fails it first
             if not harness.caps.supports(capability) and field != f"sampling.{capability}":
@@ -260,7 +301,7 @@ class BackendContract(SamplingContract):
                 for _ in range(2)]
         for request in good:
             request["sampling"].update(seed=None, logprobs=None)
-        completions = harness.rollout.generate([good[0], bad, good[1]])
+        completions = sampler.generate([good[0], bad, good[1]])
         error = completions[1].error
         assert isinstance(error, InvalidRequestError), error
         assert error.field.startswith(field), (error.field, field)
@@ -284,17 +325,17 @@ class BackendContract(SamplingContract):
                 "sampling": {"temperature": 1.0, "ignore_eos": True, "n": 8,
                              "max_tokens": min(4000, harness.max_model_len - 16)}}
 
-    def test_abort_returns_partial_output_and_spares_the_rest(self, harness):
+    def test_abort_returns_partial_output_and_spares_the_rest(self, harness, sampler):
         long = self._long_request(harness, "long")
         short = {"id": "short", "prompt": "def x",
                  "sampling": {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}}
 
         async def run():  # on the engine loop: see on_engine_loop
-            spared = asyncio.ensure_future(harness.rollout.agenerate(short))
-            stream = harness.rollout.stream(long)
+            spared = asyncio.ensure_future(sampler.agenerate(short))
+            stream = sampler.stream(long)
             async for chunk in stream:
                 if chunk.token_ids:
-                    harness.rollout.abort(["long"])
+                    sampler.abort(["long"])
             return stream.completion, await spared
 
         aborted, spared = on_engine_loop(run())
@@ -304,14 +345,15 @@ class BackendContract(SamplingContract):
         assert spared.unwrap()[0].finish_reason == "length"
         assert spared.unwrap()[0].completion_tokens == 4
 
-    def test_a_stream_yields_tokens_before_its_end_and_joins_to_the_result(self, harness):
+    def test_a_stream_yields_tokens_before_its_end_and_joins_to_the_result(self, harness,
+                                                                            sampler):
         request = {"prompt": "the ka lo", "sampling": {
             "temperature": 0.0, "max_tokens": 48, "ignore_eos": True, "logprobs": 2}}
 
         async def run():
-            stream = harness.rollout.stream(request)
+            stream = sampler.stream(request)
             chunks = [chunk async for chunk in stream]
-            return chunks, stream.completion, await harness.rollout.agenerate(request)
+            return chunks, stream.completion, await sampler.agenerate(request)
 
         chunks, completion, again = asyncio.run(run())
         with_tokens = [c for c in chunks if c.token_ids]
@@ -365,28 +407,28 @@ class BackendContract(SamplingContract):
                    for r in slow_done.unwrap()), [(r.finish_reason, r.completion_tokens)
                                                   for r in slow_done.unwrap()]
 
-    def test_an_abort_right_after_the_call_still_aborts(self, harness):
+    def test_an_abort_right_after_the_call_still_aborts(self, harness, sampler):
         """The abort comes before the engine has registered the request (most likely
-        before the core has even started it)."""
+        before the core has even started it; served, before the server has it)."""
         request = self._long_request(harness, "early")
 
         async def run():
-            task = asyncio.ensure_future(harness.rollout.agenerate(request))
+            task = asyncio.ensure_future(sampler.agenerate(request))
             await asyncio.sleep(0)  # the call has been made, nothing more
-            harness.rollout.abort(["early"])
+            sampler.abort(["early"])
             return await asyncio.wait_for(task, 120)
 
         for result in asyncio.run(run()).unwrap():
             assert result.finish_reason == "abort"
             assert result.completion_tokens < request["sampling"]["max_tokens"]
         # and a zero timeout fires before any engine can have started
-        for completion in harness.rollout.generate([request], timeout=0.0):
+        for completion in sampler.generate([request], timeout=0.0):
             assert {r.finish_reason for r in completion.unwrap()} == {"abort"}
 
-    def test_timeout_aborts_what_is_still_running(self, harness):
+    def test_timeout_aborts_what_is_still_running(self, harness, sampler):
         # A fast engine makes these 64 x 2000 tokens in seconds: stop them well before.
         batch = [self._long_request(harness, f"slow-{i}") for i in range(8)]
-        for completion in harness.rollout.generate(batch, timeout=0.1):
+        for completion in sampler.generate(batch, timeout=0.1):
             for result in completion.unwrap():
                 assert result.finish_reason == "abort", (
                     result.request_id, result.index, result.finish_reason,
@@ -395,16 +437,16 @@ class BackendContract(SamplingContract):
 
     # --- weights and memory -------------------------------------------------------------
 
-    def test_update_weights_equals_a_fresh_load(self, harness):
+    def test_update_weights_equals_a_fresh_load(self, harness, sampler):
         skip_unless(harness.caps, "update_weights")
         assert harness.reference != harness.baseline, "the other weights change nothing"
         try:
-            harness.rollout.update_weights(load_weights(harness.other_dir).items())
-            assert probe(harness.rollout) == harness.reference
+            sampler.update_weights(load_weights(harness.other_dir).items())
+            assert probe(sampler) == harness.reference
         finally:
-            harness.rollout.update_weights(load_weights(harness.model_dir).items(),
-                                           bucket_bytes=4096)
-        assert probe(harness.rollout) == harness.baseline
+            sampler.update_weights(load_weights(harness.model_dir).items(),
+                                   bucket_bytes=4096)
+        assert probe(sampler) == harness.baseline
 
     def test_updates_stamp_results_with_their_version_and_flush_the_prefix_cache(
             self, harness):

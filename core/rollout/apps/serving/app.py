@@ -78,6 +78,7 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
         web.get("/health", routes.health),
         web.post("/rollout/generate", routes.native_generate),
         web.post("/rollout/stream", routes.native_stream),
+        web.get("/rollout/capabilities", routes.capabilities),
         web.post("/rollout/abort", routes.abort),
         web.post("/rollout/release", routes.release),
         web.post("/rollout/resume", routes.resume),
@@ -209,6 +210,9 @@ class _Routes:
         return response
 
     # --- lifecycle: what a trainer calls between steps --------------------------------
+
+    async def capabilities(self, request: web.Request) -> web.Response:
+        return web.json_response(convert.unstructure(await self.service.capabilities()))
 
     async def abort(self, request: web.Request) -> web.Response:
         """{"request_ids": [id, ...]}: those requests stop and return what they made."""
