@@ -415,10 +415,11 @@ class Rollout:
 
 
 class Stream:
-    """The chunks of one request as they come (see `Rollout.stream`). `aclose()` (or leaving
-    an `async for` over it) stops the request in the engine if it still runs."""
+    """The chunks of one request as they come (see `Rollout.stream`, `ServedRollout.stream`).
+    `aclose()` (or leaving an `async for` over it) stops the request in the engine if it
+    still runs. `owner` validates, registers (for abort) and runs the request on its loop."""
 
-    def __init__(self, owner: Rollout, request: Request | Mapping, timeout: float | None):
+    def __init__(self, owner, request: Request | Mapping, timeout: float | None):
         self.completion: Completion | None = None
         self._chunks = self._iterate(owner, request, timeout)
 
@@ -428,7 +429,7 @@ class Stream:
     async def aclose(self) -> None:
         await self._chunks.aclose()
 
-    async def _iterate(self, owner: Rollout, request, timeout) -> AsyncIterator[Chunk]:
+    async def _iterate(self, owner, request, timeout) -> AsyncIterator[Chunk]:
         checked = owner._validate(request, 0)
         if isinstance(checked, Completion):
             self.completion = checked
@@ -440,6 +441,7 @@ class Stream:
                 yield chunk
         finally:
             await relay.aclose()  # the caller left early: the request stops in the engine
+            owner._forget(flight)  # (also when it was left before it ran)
         self.completion = relay.result
         if self.completion.error is not None:
             raise self.completion.error

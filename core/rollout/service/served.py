@@ -9,13 +9,13 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from rollout.api import aborted_results, raw_id
+from rollout.api import Stream, aborted_results, raw_id
 from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError
-from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
-from rollout.kit.aio import LoopThread, Relay, on_loop, uncancel
+from rollout.contract.schemas import Capabilities, Completion, Request
+from rollout.kit.aio import LoopThread, on_loop, uncancel
 from rollout.service.service import Service
 from rollout.weights.send import push_weights, require_transport
 from rollout.weights.update import BUCKET_WAIT_S, check_update_options
@@ -31,7 +31,8 @@ class ServedRollout:
     def __init__(self, service: Service, loop: LoopThread):
         self.service = service
         self.name = service.name
-        self._loop = loop
+        self._thread = loop
+        self._loop = loop.loop  # where its calls run
         self.weight_version: int | None = None
         self._calls: dict[str, set[_Call]] = {}  # request id -> its running calls
         self._lock = threading.Lock()  # guards _calls: calls register on their caller's thread
@@ -71,25 +72,26 @@ class ServedRollout:
     @functools.cached_property
     def capabilities(self) -> Capabilities:
         """What the backend behind the server supports (asked once)."""
-        return self._run(self.service.capabilities(), "capabilities", 30)
+        return self._wait(self.service.capabilities(), "capabilities", 30)
 
-    def _run(self, coro, what: str, timeout: float = CALL_TIMEOUT_S):
-        return self._loop.run(coro, timeout, what)
+    def _wait(self, coro, what: str, timeout: float = CALL_TIMEOUT_S):
+        """Run `coro` on this sampler's loop, from a caller's thread, and wait for it."""
+        return self._thread.run(coro, timeout, what)
 
     # --- requests -------------------------------------------------------------------
 
     def generate(self, requests: Sequence[Request | Mapping],
                  timeout: float | None = None) -> list[Completion]:
-        checked = [_checked(r, i) for i, r in enumerate(requests)]
+        checked = [self._validate(r, i) for i, r in enumerate(requests)]
         calls = [self._register(r) if isinstance(r, Request) else None for r in checked]
 
         async def run_all():
             return await asyncio.gather(*(
-                self._call(call, r, timeout) if call is not None else _done(r)
+                self._run(call, timeout) if call is not None else _done(r)
                 for call, r in zip(calls, checked)))
 
         try:
-            return self._run(run_all(), "generate")
+            return self._wait(run_all(), "generate")
         finally:
             for call in calls:
                 if call is not None:
@@ -99,28 +101,36 @@ class ServedRollout:
                         timeout: float | None = None) -> Completion:
         """One request, awaited on any event loop (no thread per call). Cancelling the
         call drops its connection, which stops the request on its server."""
-        checked = _checked(request, 0)
+        checked = self._validate(request, 0)
         if isinstance(checked, Completion):
             return checked
         call = self._register(checked)
-        work = self._call(call, checked, timeout)
+        work = self._run(call, timeout)
         try:
-            if on_loop(self._loop.loop):
+            if on_loop(self._loop):
                 return await work
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                work, self._loop.loop))
+                work, self._loop))
         finally:
             self._forget(call)  # (also when cancelled before it ran)
 
-    def stream(self, request: Request | Mapping, timeout: float | None = None
-               ) -> ServedStream:
+    def stream(self, request: Request | Mapping, timeout: float | None = None) -> Stream:
         """The request's chunks as its server makes them (`async for`); `.completion`
         afterwards. Leaving early stops the request on its server."""
-        return ServedStream(self, _checked(request, 0), timeout)
+        return Stream(self, request, timeout)
+
+    def _validate(self, request: Request | Mapping, index: int) -> Request | Completion:
+        """The request, or (if it is not one) a Completion that carries why; the server
+        checks the rest."""
+        try:
+            return request if isinstance(request, Request) else convert.structure(
+                dict(request), Request)
+        except InvalidRequestError as exc:
+            return Completion(raw_id(request, index), error=exc)
 
     def _register(self, request: Request) -> _Call:
         """On the caller's thread, before anything runs: an abort from now on finds it."""
-        call = _Call(request.id)
+        call = _Call(request)
         with self._lock:
             self._calls.setdefault(request.id, set()).add(call)
         return call
@@ -134,9 +144,9 @@ class ServedRollout:
                 if not same:
                     del self._calls[call.id]
 
-    async def _call(self, call: _Call, request: Request, timeout: float | None,
-                    sink=None) -> Completion:
-        """One registered request, on this sampler's loop."""
+    async def _run(self, call: _Call, timeout: float | None, sink=None) -> Completion:
+        """One registered request, on this sampler's loop; with `sink`, streamed into it."""
+        request = call.request
         call.task = asyncio.current_task()
         if call.stopped:  # aborted before it started: nothing was sent
             self._forget(call)
@@ -172,7 +182,7 @@ class ServedRollout:
             ids = list(self._calls) if request_ids is None else list(request_ids)
             calls = [c for i in ids for c in self._calls.get(i, ())]
         if calls:
-            self._loop.loop.call_soon_threadsafe(self._stop, calls)
+            self._loop.call_soon_threadsafe(self._stop, calls)
 
     def _stop(self, calls: list[_Call]) -> None:
         for call in calls:
@@ -225,7 +235,7 @@ class ServedRollout:
             return await push_weights(update, named_tensors, bucket_bytes, transport,
                                       address or self._own_address(), timeout)
 
-        self._run(push(), "the weight update")
+        self._wait(push(), "the weight update")
         self.weight_version = version
 
     def _own_address(self) -> str:
@@ -238,19 +248,19 @@ class ServedRollout:
         return address_towards(urlsplit(urls[0]).hostname if urls else "127.0.0.1")
 
     def release(self, tags: Iterable[str] | None = None) -> None:
-        self._run(self.service.release(None if tags is None else list(tags)), "release")
+        self._wait(self.service.release(None if tags is None else list(tags)), "release")
 
     def resume(self, tags: Iterable[str] | None = None) -> None:
-        self._run(self.service.resume(None if tags is None else list(tags)), "resume")
+        self._wait(self.service.resume(None if tags is None else list(tags)), "resume")
 
     def health(self) -> dict:
-        return self._run(self.service.health(), "health", 30)
+        return self._wait(self.service.health(), "health", 30)
 
     def close(self) -> None:
         try:
-            self._run(self.service.close(), "closing", 120)
+            self._wait(self.service.close(), "closing", 120)
         finally:
-            self._loop.stop()
+            self._thread.stop()
 
     def __enter__(self) -> ServedRollout:
         return self
@@ -262,57 +272,14 @@ class ServedRollout:
 class _Call:
     """One call for one request of this sampler."""
 
-    __slots__ = ("id", "task", "stopped", "finished", "cut")
+    __slots__ = ("request", "id", "task", "stopped", "finished", "cut")
 
-    def __init__(self, request_id: str):
-        self.id = request_id
+    def __init__(self, request: Request):
+        self.request, self.id = request, request.id
         self.task: asyncio.Task | None = None  # once it runs on the sampler's loop
         self.stopped = False  # aborted, or timed out
         self.finished = False
         self.cut = False  # cancelled by an abort that the server did not answer
-
-
-class ServedStream:
-    """The chunks of one request as its server makes them (see `ServedRollout.stream`);
-    `aclose()` (or leaving an `async for` over it) stops the request if it still runs."""
-
-    def __init__(self, owner: ServedRollout, request: Request | Completion,
-                 timeout: float | None):
-        self.completion: Completion | None = None
-        self._chunks = self._iterate(owner, request, timeout)
-
-    def __aiter__(self) -> AsyncIterator[Chunk]:
-        return self._chunks
-
-    async def aclose(self) -> None:
-        await self._chunks.aclose()
-
-    async def _iterate(self, owner: ServedRollout, request, timeout) -> AsyncIterator[Chunk]:
-        if isinstance(request, Completion):  # not a valid request: its error
-            self.completion = request
-            raise request.error
-        call = owner._register(request)
-        relay = Relay(owner._loop.loop, lambda sink: owner._call(call, request, timeout, sink))
-        try:
-            async for chunk in relay:
-                yield chunk
-        finally:
-            await relay.aclose()  # the caller left early: the request stops on its server
-            owner._forget(call)
-        self.completion = relay.result
-
-
-def _request(request: Request | Mapping) -> Request:
-    return request if isinstance(request, Request) else convert.structure(dict(request),
-                                                                          Request)
-
-
-def _checked(request: Request | Mapping, index: int) -> Request | Completion:
-    """The request, or (if it is not one) a Completion that carries why."""
-    try:
-        return _request(request)
-    except InvalidRequestError as exc:
-        return Completion(raw_id(request, index), error=exc)
 
 
 async def _done(value):
