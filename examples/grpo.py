@@ -42,7 +42,7 @@ import yaml
 import rollout
 import rollout.kit.models
 from rollout.apps.datasets import sums
-from rollout.service.connect import open_sampler
+from rollout.service.served import open_sampler
 
 WORDS = "the ka lo mi ne su ta ri po def return print x y if for".split()
 

@@ -64,6 +64,7 @@ __all__ = [
     "Rollout",
     "Sampler",
     "ServedRollout",
+    "open_sampler",
     "Stream",
     "RolloutError",
     "RolloutTimeoutError",
@@ -83,9 +84,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # ServedRollout brings the client side (HTTP, replicas): loaded on first use.
-    if name == "ServedRollout":
-        from rollout.service.served import ServedRollout
+    # The client side (HTTP, replicas) is loaded on first use.
+    if name in ("ServedRollout", "open_sampler"):
+        from rollout.service import served
 
-        return ServedRollout
+        return getattr(served, name)
     raise AttributeError(f"module 'rollout' has no attribute {name!r}")

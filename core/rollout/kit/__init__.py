@@ -5,8 +5,7 @@
 - `text`: stop strings by the contract's rule (`first_stop`), texts streamed as tokens come;
 - `aio`: the engine loop every request runs on, loops on threads of their own, HTTP sessions;
 - `process`: engine servers as child processes that die with their parent;
-- `checkpoint`: weights checked against a model folder (buckets and transports are in
-  `rollout.weights`);
+- (weights in buckets, their transports and checks against a model folder: `rollout.weights`);
 - `structured`: a choice as a grammar, an engine's refusal of a constraint as the request's
   own error;
 - `sampler`: sampling in PyTorch with the contract's meaning of every field, for an engine

@@ -14,6 +14,7 @@ from rollout.kit.aio import client_session, lines
 from rollout.contract.errors import EngineDeadError, NoReplicaError, OverloadedError, \
     RolloutError, RolloutTimeoutError, WeightsDirtyError
 from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
+from rollout.weights.remote import RemoteUpdate
 
 
 class ReplicaDown(Exception):
@@ -122,11 +123,7 @@ class RemoteService:
 
     async def begin_update(self, version: int | None, pause: str,
                            timeout: float) -> RemoteUpdate:
-        from rollout.weights.remote import RemoteUpdate
-
-        data = await self._control("/rollout/weights/begin", {
-            "version": version, "pause": pause, "timeout": timeout})
-        return RemoteUpdate(self, data["update"], data["receivers"], data.get("nodes", ()))
+        return await RemoteUpdate.begin(self._control, version, pause, timeout)
 
     async def close(self) -> None:
         if self._session is not None:

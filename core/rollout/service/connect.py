@@ -12,7 +12,6 @@ import asyncio
 from collections.abc import Mapping
 
 from rollout.contract.errors import InvalidRequestError
-from rollout.contract.sampler import Sampler
 from rollout.service.admission import UNBOUNDED, Limits
 from rollout.service.service import Service
 
@@ -72,22 +71,3 @@ async def connect(backend: str | None = None, model: str | None = None,
     rollout = await asyncio.to_thread(load_backend, backend, model=model, **dict(options or {}))
     return LocalService(rollout, name=model, limits=limits or UNBOUNDED)
 
-
-def open_sampler(backend: str | None = None, model: str | None = None,
-                 options: Mapping | None = None, replicas: int | None = None,
-                 placement: str = "local", server: str | None = None,
-                 api_key: str | None = None, mode: str | None = None, restarts: int = 3,
-                 keep_weights: bool = True, ray: Mapping | None = None) -> Sampler:
-    """The `Sampler` for a job or a trainer, by the same settings as `connect`: the backend
-    itself (a `Rollout`) in hybrid mode, else a `ServedRollout` over the replicas or the
-    server. Nothing is bounded: the caller limits what it sends."""
-    how = dict(backend=backend, model=model, options=options, replicas=replicas,
-               placement=placement, server=server, api_key=api_key, mode=mode,
-               restarts=restarts, keep_weights=keep_weights, ray=ray)
-    if resolve_mode(mode, replicas, placement, server, ray) == "hybrid":
-        from rollout.api import load_backend
-
-        return load_backend(backend, model=model, **dict(options or {}))
-    from rollout.service.served import ServedRollout
-
-    return ServedRollout.open(**how)

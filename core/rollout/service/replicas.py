@@ -108,14 +108,24 @@ def _start_local(name: str, backend: str, model: str, options: Mapping, env: dic
 
 # --- Ray ------------------------------------------------------------------------------
 
+def node_address() -> str:
+    """In a Ray worker, the address its node is known by in the cluster: the one the node
+    was started with (`ray start --node-ip-address`) or that Ray chose for it, not one looked
+    up apart from Ray. A replica binds and advertises it, so the driver and other nodes
+    reach it there, and on a cluster started on 127.0.0.1 (the tests') it stays on loopback."""
+    import ray
+
+    # In a worker this is its node's own address, as registered with the cluster (Ray
+    # looks an address up only in a process that is not connected to a node).
+    return ray.util.get_node_ip_address()
+
+
 class ReplicaHost:
     """A Ray actor that starts one replica on its node and owns its process."""
 
     def start(self, backend: str, model: str, options: dict, key: str, timeout: float,
               env: dict | None = None) -> str:
-        import ray
-
-        host = ray.util.get_node_ip_address()
+        host = node_address()
         port = free_port()
         self.process = ServerProcess("replica", replica_argv(backend, model, options, host, port),
                                      env={KEY_VARIABLE: key, NODE_VARIABLE: this_node(),

@@ -11,11 +11,13 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
-from rollout.api import Stream, aborted_results, raw_id
+from rollout.api import Stream, aborted_results, load_backend, raw_id
 from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError
+from rollout.contract.sampler import Sampler
 from rollout.contract.schemas import Capabilities, Completion, Request
 from rollout.kit.aio import LoopThread, on_loop, uncancel
+from rollout.service.connect import connect, resolve_mode
 from rollout.service.service import Service
 from rollout.weights.send import push_weights, require_transport
 from rollout.weights.update import BUCKET_WAIT_S, check_update_options
@@ -59,8 +61,6 @@ class ServedRollout:
     @classmethod
     def open(cls, **how) -> ServedRollout:
         """Over what `rollout.service.connect.connect(**how)` opens."""
-        from rollout.service.connect import connect
-
         loop = LoopThread("rollout-served")
         try:
             service = loop.run(connect(**how), CALL_TIMEOUT_S, "starting the service")
@@ -284,3 +284,19 @@ class _Call:
 
 async def _done(value):
     return value
+
+
+def open_sampler(backend: str | None = None, model: str | None = None,
+                 options: Mapping | None = None, replicas: int | None = None,
+                 placement: str = "local", server: str | None = None,
+                 api_key: str | None = None, mode: str | None = None, restarts: int = 3,
+                 keep_weights: bool = True, ray: Mapping | None = None) -> Sampler:
+    """The `Sampler` for a job or a trainer, by the same settings as `connect`: the backend
+    itself (a `Rollout`) in hybrid mode, else a `ServedRollout` over the replicas or the
+    server. Nothing is bounded: the caller limits what it sends."""
+    how = dict(backend=backend, model=model, options=options, replicas=replicas,
+               placement=placement, server=server, api_key=api_key, mode=mode,
+               restarts=restarts, keep_weights=keep_weights, ray=ray)
+    if resolve_mode(mode, replicas, placement, server, ray) == "hybrid":
+        return load_backend(backend, model=model, **dict(options or {}))
+    return ServedRollout.open(**how)

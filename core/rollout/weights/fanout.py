@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from rollout.contract.errors import RolloutError
-from rollout.weights.receive import KeepingUpdate
+from rollout.weights.receive import KeepingUpdate, KeptWeights
 
-if TYPE_CHECKING:
-    from rollout.service.pool import Replica, ReplicaPool
+# A replica of the pool: its `service` (with `url` and `begin_update`) is what an update uses.
+Replica = Any
+
+
+class Pool(Protocol):
+    """What an update needs of the pool it runs over."""
+
+    kept: KeptWeights | None  # the pool's own copy of the weights, where it keeps one
+
+    async def updated(self, replicas: list[Replica], version: int | None) -> None:
+        """The update ended on `replicas`: they serve `version` from now on."""
+
+    def update_ended(self) -> None:
+        """The update is over (ended or cancelled): another may begin."""
+
 
 log = logging.getLogger("rollout.pool")
 
@@ -21,7 +34,7 @@ class PoolUpdate:
     have the new version, or raises naming the ones that failed. Where the pool keeps
     weights, it receives them too, as one more receiver."""
 
-    def __init__(self, pool: ReplicaPool, version: int | None, timeout: float):
+    def __init__(self, pool: Pool, version: int | None, timeout: float):
         self.pool = pool
         self.version = version
         self.updates: dict[Replica, object] = {}  # the replicas still in the update

@@ -14,8 +14,8 @@ import threading
 import time
 import uuid
 
-from rollout.api import Rollout
 from rollout.contract.errors import InvalidRequestError, RolloutError, RolloutTimeoutError
+from rollout.contract.sampler import Sampler
 from rollout.weights.buckets import Bucket, unpack
 from rollout.weights.transports.collective import close, open_group, receive_bucket, require
 from rollout.weights.transports.cuda_ipc import receive_cuda_ipc
@@ -73,7 +73,7 @@ class _Receiver:
 
 
 class LocalUpdate(_Receiver):
-    def __init__(self, rollout: Rollout, version: int | None, pause: str,
+    def __init__(self, rollout: Sampler, version: int | None, pause: str,
                  timeout: float = BUCKET_WAIT_S):
         check_update_options(version, pause, timeout)
         self.version = version
@@ -85,7 +85,7 @@ class LocalUpdate(_Receiver):
         threading.Thread(target=self._run, args=(rollout, pause), daemon=True,
                          name="rollout-weight-update").start()
 
-    def _run(self, rollout: Rollout, pause: str) -> None:
+    def _run(self, rollout: Sampler, pause: str) -> None:
         try:
             rollout.update_weights(self._buckets(), version=self.version, pause=pause)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the update

@@ -3,32 +3,36 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
-if TYPE_CHECKING:
-    from rollout.service.client import RemoteService
+# A server's control route: (path, JSON body) -> its JSON answer, its failure raised typed.
+Control = Callable[[str, dict], Awaitable[dict]]
 
 
 class RemoteUpdate:
-    """A weight update open on a replica, by the id its server gave it."""
+    """A weight update open on a server, by the id the server gave it."""
 
-    def __init__(self, service: RemoteService, update_id: str, receivers: int, nodes=()):
-        self.service = service
+    def __init__(self, control: Control, update_id: str, receivers: int, nodes=()):
+        self.control = control
         self.id = update_id
         self.receivers = receivers  # the ranks its server brings to a collective group
         self.nodes = frozenset(nodes)  # none from an older server: not known to be here
 
+    @classmethod
+    async def begin(cls, control: Control, version: int | None, pause: str,
+                    timeout: float) -> RemoteUpdate:
+        data = await control("/rollout/weights/begin", {
+            "version": version, "pause": pause, "timeout": timeout})
+        return cls(control, data["update"], data["receivers"], data.get("nodes", ()))
+
     async def join(self, group: dict) -> None:
-        await self.service._control("/rollout/weights/group", {"update": self.id, **group})
+        await self.control("/rollout/weights/group", {"update": self.id, **group})
 
     async def send(self, message: dict) -> None:
-        await self.service._control("/rollout/weights/bucket",
-                                    {"update": self.id, "bucket": message})
+        await self.control("/rollout/weights/bucket", {"update": self.id, "bucket": message})
 
     async def end(self) -> int | None:
-        return (await self.service._control("/rollout/weights/end", {"update": self.id}))[
-            "version"]
+        return (await self.control("/rollout/weights/end", {"update": self.id}))["version"]
 
     async def cancel(self, reason: str) -> None:
-        await self.service._control("/rollout/weights/cancel",
-                                    {"update": self.id, "reason": reason})
+        await self.control("/rollout/weights/cancel", {"update": self.id, "reason": reason})
