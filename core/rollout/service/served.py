@@ -6,7 +6,6 @@ It runs its calls on a loop thread of its own."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,9 +29,10 @@ log = logging.getLogger("rollout.served")
 class ServedRollout:
     encoder = None  # the model's tokenizer lives in the serving processes
 
-    def __init__(self, service: Service, loop: LoopThread):
+    def __init__(self, service: Service, loop: LoopThread, capabilities: Capabilities):
         self.service = service
         self.name = service.name
+        self.capabilities = capabilities  # what the backend behind the server supports
         self._thread = loop
         self._loop = loop.loop  # where its calls run
         self.weight_version: int | None = None
@@ -64,15 +64,15 @@ class ServedRollout:
         loop = LoopThread("rollout-served")
         try:
             service = loop.run(connect(**how), CALL_TIMEOUT_S, "starting the service")
+            try:
+                capabilities = loop.run(service.capabilities(), 60, "asking its capabilities")
+            except BaseException:
+                loop.run(service.close(), 120, "closing")
+                raise
         except BaseException:
             loop.stop()
             raise
-        return cls(service, loop)
-
-    @functools.cached_property
-    def capabilities(self) -> Capabilities:
-        """What the backend behind the server supports (asked once)."""
-        return self._wait(self.service.capabilities(), "capabilities", 30)
+        return cls(service, loop, capabilities)
 
     def _wait(self, coro, what: str, timeout: float = CALL_TIMEOUT_S):
         """Run `coro` on this sampler's loop, from a caller's thread, and wait for it."""
