@@ -27,8 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_vllm import SETTINGS, use_cpu_defaults
-from common import add_model_argument, model_folder
+from bench_vllm import SETTINGS
+from common import add_model_argument, model_folder, use_cpu_defaults
 
 LOAD = ("--random-input-len", "32", "--random-output-len", "32", "--max-concurrency", "64",
         "--ignore-eos")

@@ -21,15 +21,9 @@ import os
 import statistics
 import tempfile
 
-from common import TINY, model_folder, prompts, timed, workload_parser
+from common import TINY, model_folder, prompts, timed, use_cpu_defaults, workload_parser
 
 SETTINGS = {"dtype": "float32", "enforce_eager": True}
-
-
-def use_cpu_defaults() -> None:
-    """A KV cache that fits a small machine, and no model hub."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def main() -> None:

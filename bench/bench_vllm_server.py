@@ -19,8 +19,8 @@ import asyncio
 import statistics
 import tempfile
 
-from bench_vllm import SETTINGS, use_cpu_defaults
-from common import prompts, timed, workload_parser
+from bench_vllm import SETTINGS
+from common import prompts, timed, use_cpu_defaults, workload_parser
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ workload arguments."""
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 WORDS = "the ka lo mi ne su ta ri po def return print x y".split()
@@ -73,6 +74,13 @@ def workload_parser(model: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+def use_cpu_defaults() -> None:
+    """A vLLM KV cache that fits a small machine, and no model hub. Here rather than in
+    bench_vllm, which imports this module: the vLLM benches and `prepare_engine` share it."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
 def prepare_engine(backend: str, images: bool = False) -> None:
     """What an engine needs on this machine before it loads: vLLM a KV cache that fits a
     small machine (and for images the test-only stand-in for torchvision), SGLang without a
@@ -82,8 +90,6 @@ def prepare_engine(backend: str, images: bool = False) -> None:
 
     tests = Path(__file__).resolve().parent.parent / "plugins" / f"{backend}_backend" / "tests"
     if backend == "vllm":
-        from bench_vllm import use_cpu_defaults
-
         use_cpu_defaults()
         if images:
             sys.path.insert(0, str(tests))

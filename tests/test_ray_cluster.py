@@ -19,6 +19,7 @@ from rollout.service.ray_placement import RayPlacement, check_fits  # noqa: E402
 from rollout.service.served import ServedRollout  # noqa: E402
 from rollout.contract.errors import InvalidRequestError  # noqa: E402
 from rollout.testing.contract import probe_requests  # noqa: E402
+from rollout.testing.fixtures import LOOPBACK, check_ray_on_loopback  # noqa: E402
 from rollout.testing.model_folders import load_weights, perturbed_copy  # noqa: E402
 from rollout.testing.waiting import wait_for  # noqa: E402
 
@@ -28,11 +29,14 @@ HEAD = {"head_slot": 1}  # only the head node, where this process runs, has it
 
 @pytest.fixture(scope="module")
 def cluster():
+    # On loopback (rollout.testing.fixtures): the head, and the nodes added later, which
+    # take the driver's address; the replicas serve on their node's.
     cluster = Cluster(initialize_head=True, connect=True,
                       head_node_args={"num_cpus": 1, "resources": dict(HEAD),
-                                      "include_dashboard": False})
+                                      "include_dashboard": False, "node_ip_address": LOOPBACK})
     workers = [cluster.add_node(num_cpus=1, resources=dict(SLOT)) for _ in range(3)]
     cluster.wait_for_nodes()
+    check_ray_on_loopback()
     yield cluster, workers
     ray.shutdown()
     cluster.shutdown()

@@ -10,11 +10,15 @@ ray = pytest.importorskip("ray", reason='Ray is not installed (pip install "roll
 from rollout.contract import convert  # noqa: E402
 from rollout.contract.schemas import Request  # noqa: E402
 from rollout.service.replicas import RayReplicaProcess, start_replicas  # noqa: E402
+from rollout.testing.fixtures import LOOPBACK, check_ray_on_loopback  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # On loopback (rollout.testing.fixtures), so the replicas serve there too.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _node_ip_address=LOOPBACK)
+    check_ray_on_loopback()
     yield
     ray.shutdown()
 

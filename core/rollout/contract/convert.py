@@ -6,6 +6,8 @@ silently ignored), reported as one InvalidRequestError naming the field path.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from typing import Any, Literal, TypeVar
 
@@ -86,9 +88,19 @@ def _unstructure_image(value) -> str | None:
     None (an image sent before, named by its uuid) as null."""
     if value is None or isinstance(value, str):
         return value
-    from rollout.kit.images import data_url
-
     return data_url(value)
+
+
+def data_url(source: Any) -> str:
+    """An image's bytes or a PIL image as a data: URL (PNG for a PIL image).
+
+    It lives here, in the contract layer, because turning a request into JSON needs it;
+    `rollout.kit.images` re-exports it for the code that loads and caches images."""
+    if isinstance(source, (bytes, bytearray)):
+        return "data:application/octet-stream;base64," + base64.b64encode(source).decode()
+    buffer = io.BytesIO()
+    source.save(buffer, format="PNG")  # a PIL image; PIL itself need not be imported here
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 converter.register_structure_hook(ContentPart, _structure_part)

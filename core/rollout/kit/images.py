@@ -22,6 +22,9 @@ from typing import Any
 
 import attrs
 
+# data_url sits in the contract layer (encoding a request to JSON needs it); it stays
+# importable from here, where the rest of the image code is.
+from rollout.contract.convert import data_url
 from rollout.contract.errors import InvalidRequestError, UnknownImageError
 from rollout.contract.schemas import ImagePart, Request
 
@@ -183,15 +186,6 @@ def load_image(source: Any, field: str, uuid: str | None = None) -> PromptImage:
     digest = hashlib.sha256(f"{image.mode}{image.size}".encode())
     digest.update(image.tobytes())
     return PromptImage(image, digest.hexdigest())
-
-
-def data_url(source: Any) -> str:
-    """An image's bytes or a PIL image as a data: URL (PNG for a PIL image)."""
-    if isinstance(source, (bytes, bytearray)):
-        return "data:application/octet-stream;base64," + base64.b64encode(source).decode()
-    buffer = io.BytesIO()
-    source.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def _read(source: Any, field: str) -> bytes:

@@ -28,7 +28,7 @@ from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.sampler import Grammars, Row, rows_for
 
 from rollout_hf.engine import Engine
-from rollout_hf.job import Job, chunks
+from rollout_hf.handoff import Job, chunks
 from rollout_hf import vision
 
 POLL_S = 5.0  # a request that waits this long for tokens asks whether the engine lives

@@ -9,7 +9,7 @@ Each step the engine:
    merges the newcomers into the running batch (batch.py);
 4. chooses every row's token (`rollout.kit.sampler`, each row with its own parameters
    and seed), with logprobs where asked;
-5. hands the step's tokens to each event loop in one `call_soon_threadsafe` (job.py);
+5. hands the step's tokens to each event loop in one `call_soon_threadsafe` (handoff.py);
 6. drops the rows that finished: a request ends when its own samples do.
 
 A step that raises fails the requests it was running (a GenerationError each) and the
@@ -31,7 +31,7 @@ from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
 from rollout.kit.sampler import LogitsProcessor, Row, next_tokens, uses_processing
 
 from rollout_hf.batch import Batch, prefill
-from rollout_hf.job import Job, Token, deliver
+from rollout_hf.handoff import Job, Token, deliver
 
 # An elementwise op this large runs in parallel (ATen's grain size is 32768 elements).
 OPENMP_TEAM_ELEMENTS = 1 << 20

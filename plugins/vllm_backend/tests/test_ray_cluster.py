@@ -15,6 +15,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import rollout  # noqa: E402
 from rollout.service.served import ServedRollout  # noqa: E402
 from rollout.testing.contract import probe_requests  # noqa: E402
+from rollout.testing.fixtures import LOOPBACK, check_ray_on_loopback  # noqa: E402
 from rollout.testing.model_folders import load_weights, perturbed_copy  # noqa: E402
 from rollout.testing.waiting import wait_for  # noqa: E402
 
@@ -30,11 +31,15 @@ def test_vllm_replicas_on_two_nodes_survive_a_node_removed(tiny_model, tmp_path,
     other = perturbed_copy(tiny_model, tmp_path / "other")
     with rollout.load_backend("vllm", str(other), **ENGINE) as fresh:
         expected = greedy(fresh)
+    # On loopback (rollout.testing.fixtures): the head, and the nodes added later, which
+    # take the driver's address; the replicas serve on their node's.
     cluster = Cluster(initialize_head=True, connect=True,
-                      head_node_args={"num_cpus": 1, "include_dashboard": False})
+                      head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                      "node_ip_address": LOOPBACK})
     try:
         workers = [cluster.add_node(num_cpus=1, resources=dict(SLOT)) for _ in range(3)]
         cluster.wait_for_nodes()
+        check_ray_on_loopback()
         with ServedRollout.start("vllm", str(tiny_model), replicas=2, options=ENGINE,
                                  ray={"resources": SLOT, "strategy": "STRICT_SPREAD"}
                                  ) as trainer:

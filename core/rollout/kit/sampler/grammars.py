@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import torch
 
-from rollout import InvalidRequestError
+from rollout.contract.errors import InvalidRequestError
 from rollout.contract.schemas import StructuredOutputs
 from rollout.kit.structured import choice_grammar, structural_tag_grammar
 
