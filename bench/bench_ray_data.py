@@ -31,7 +31,7 @@ VLLM = {"dtype": "float32", "enforce_eager": True}  # on vLLM's CPU build, as it
 
 
 def job_config(source: str, output: str, model: str, args, ray_data: bool):
-    from rollout.apps.job import GenerateConfig
+    from rollout.apps.jobs.config import GenerateConfig
     from rollout.contract import convert
 
     return convert.structure({
@@ -50,24 +50,14 @@ def options(backend: str, batch: int) -> dict:
 
 
 def run_driver_job(config, batch: int) -> dict:
-    import asyncio
+    from rollout.apps.jobs import run_job
 
-    from rollout.apps.job import Job
-    from rollout.service.replicas import start_replicas
-
-    async def main():
-        pool = await start_replicas(config.backend, config.model,
-                                    options(config.backend, batch), config.replicas)
-        try:
-            return await Job(config).run(pool, progress=False)
-        finally:
-            await pool.close()
-
-    return asyncio.run(main())
+    # config.replicas local replica processes, as `rollout generate --replicas` starts.
+    return run_job(config, options(config.backend, batch), progress=False)
 
 
 def run_ray_data_job(config, batch: int) -> dict:
-    from rollout.apps.ray_data_job import RayDataJob
+    from rollout.apps.jobs.ray_data import RayDataJob
 
     return RayDataJob(config).run(options(config.backend, batch), progress=False)
 

@@ -152,23 +152,25 @@ def test_weights_go_by_shared_memory_to_a_replica_on_this_node(cluster, tiny_mod
 
 
 def run_losing_a_node(cluster, tiny_model, job) -> dict:
-    """`job.run(pool)` over two HF replicas on two nodes, with the node of one removed while
-    that replica has requests in flight (a spare node is added first to take it)."""
+    """`job.run(sampler)` over two HF replicas on two nodes, with the node of one removed
+    while that replica has requests in flight (a spare node is added first to take it)."""
     import asyncio
 
-    from rollout.service.replicas import start_replicas
+    from rollout.service.admission import Limits
 
     cluster, workers = cluster
     workers.append(cluster.add_node(num_cpus=1, resources=dict(SLOT)))
     cluster.wait_for_nodes()
 
     async def main():
-        pool = await start_replicas("hf", str(tiny_model), {"batch_size": 4}, 2,
-                                    placement="ray", max_in_flight=4,
-                                    ray={"resources": SLOT, "strategy": "STRICT_SPREAD"})
+        sampler = await asyncio.to_thread(
+            ServedRollout.open, backend="hf", model=str(tiny_model),
+            options={"batch_size": 4}, replicas=2, placement="ray",
+            ray={"resources": SLOT, "strategy": "STRICT_SPREAD"},
+            limits=Limits(max_running=4, max_waiting=None))
         try:
-            running = asyncio.ensure_future(job(pool))
-            victim = pool.replicas[0]
+            running = asyncio.ensure_future(job(sampler))
+            victim = sampler.service.replicas[0]
             deadline = time.monotonic() + 120
             while victim.in_flight == 0 and not running.done() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
@@ -178,7 +180,7 @@ def run_losing_a_node(cluster, tiny_model, job) -> dict:
                                     next(w for w in workers if w.node_id == node))
             return await asyncio.wait_for(running, 300)
         finally:
-            await pool.close()
+            await asyncio.to_thread(sampler.close)
 
     return asyncio.run(main())
 
@@ -187,7 +189,8 @@ def test_a_batch_job_completes_when_a_node_is_removed_mid_batch(cluster, tiny_mo
                                                                  tmp_path):
     from test_replicas import LONG, check_complete, write_prompts
 
-    from rollout.apps.job import GenerateConfig, Job
+    from rollout.apps.jobs.config import GenerateConfig
+    from rollout.apps.jobs.generate import GenerateJob as Job
     from rollout.contract import convert
 
     count = 48
@@ -196,7 +199,7 @@ def test_a_batch_job_completes_when_a_node_is_removed_mid_batch(cluster, tiny_mo
                                 "model": str(tiny_model), "sampling": LONG, "chunk_size": 4},
                                GenerateConfig)
     stats = run_losing_a_node(
-        cluster, tiny_model, lambda pool: Job(config).run(pool, progress=False, in_flight=16))
+        cluster, tiny_model, lambda sampler: Job(config).run(sampler, progress=False, in_flight=16))
     assert stats["errors"] == 0 and stats["samples"] == count
     check_complete(tmp_path / "out.parquet", count)  # every row once, none lost
 
@@ -207,8 +210,8 @@ def test_an_agent_run_completes_when_a_node_is_removed_mid_run(cluster, tiny_mod
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rollout.apps.agents.job import AgentJob
-    from rollout.apps.job import GenerateConfig
+    from rollout.apps.jobs.agents import AgentJob
+    from rollout.apps.jobs.config import GenerateConfig
     from rollout.contract import convert
 
     rows = 24
@@ -222,7 +225,7 @@ def test_an_agent_run_completes_when_a_node_is_removed_mid_run(cluster, tiny_mod
         "chunk_size": rows, "environment": "rollout.testing.agents:ToolTask",
         "environment_options": {"calls": 2}}, GenerateConfig)
     summary = run_losing_a_node(cluster, tiny_model,
-                                lambda pool: AgentJob(config).run(pool, progress=False))
+                                lambda sampler: AgentJob(config).run(sampler, progress=False))
     table = pq.read_table(tmp_path / "out.parquet").to_pylist()
     assert [r["idx"] for r in table] == list(range(rows))  # every trajectory once
     assert summary["trajectories"] == rows

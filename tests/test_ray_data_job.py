@@ -1,4 +1,4 @@
-"""The batch job on Ray Data (rollout.apps.ray_data_job), HF backend, tiny model, on a local
+"""The batch job on Ray Data (rollout.apps.jobs.ray_data), HF backend, tiny model, on a local
 Ray cluster: it writes what the single-driver job writes, row for row, from a file or a
 folder of files with several row groups; killed and run again, it computes no written
 chunk again and writes every row once."""
@@ -21,9 +21,9 @@ pytest.importorskip("ray.data", reason="Ray Data needs pandas")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from rollout import load_backend  # noqa: E402
-from rollout.apps.job import GenerateConfig, Job  # noqa: E402
-from rollout.apps.ray_data_job import Plan, RayDataJob  # noqa: E402
-from rollout.service.service import LocalService  # noqa: E402
+from rollout.apps.jobs.config import GenerateConfig  # noqa: E402
+from rollout.apps.jobs.generate import GenerateJob  # noqa: E402
+from rollout.apps.jobs.ray_data import Plan, RayDataJob  # noqa: E402
 from rollout.contract import convert  # noqa: E402
 from rollout.contract.errors import InvalidRequestError  # noqa: E402
 
@@ -83,7 +83,7 @@ def test_writes_what_the_driver_job_writes(cluster, tiny_model, tmp_path):
     with load_backend("hf", str(tiny_model)) as engine:
         import asyncio
 
-        asyncio.run(Job(driver_config).run(LocalService(engine, "m"), progress=False))
+        asyncio.run(GenerateJob(driver_config).run(engine, progress=False))
     expected = pq.read_table(tmp_path / "driver.parquet").to_pylist()
     assert [r["response_token_ids"] for r in written] == \
         [r["response_token_ids"] for r in expected]

@@ -19,10 +19,13 @@ pytest.importorskip("aiohttp")
 from processes import replicas_of  # noqa: E402
 
 from rollout.contract import convert  # noqa: E402
-from rollout.apps.job import GenerateConfig, Job  # noqa: E402
+from rollout.apps.jobs.config import GenerateConfig  # noqa: E402
+from rollout.apps.jobs.generate import GenerateJob  # noqa: E402
 from rollout.contract.errors import InvalidRequestError  # noqa: E402
 from rollout.service.connect import resolve_mode  # noqa: E402
+from rollout.service.admission import Limits  # noqa: E402
 from rollout.service.replicas import start_replicas  # noqa: E402
+from rollout.service.served import ServedRollout  # noqa: E402
 from rollout.testing.waiting import wait_for  # noqa: E402
 
 LONG = {"max_tokens": 48, "ignore_eos": True, "temperature": 0.7, "seed": 5}
@@ -51,10 +54,13 @@ def test_job_completes_when_a_replica_is_killed_mid_batch(tiny_model, tmp_path):
                                GenerateConfig)
 
     async def main():
-        pool = await start_replicas("hf", str(tiny_model), {"batch_size": 4}, 2,
-                                    max_in_flight=4)
+        sampler = await asyncio.to_thread(
+            ServedRollout.open, backend="hf", model=str(tiny_model),
+            options={"batch_size": 4}, replicas=2, limits=Limits(max_running=4, max_waiting=None))
+        pool = sampler.service
         try:
-            job = asyncio.ensure_future(Job(config).run(pool, progress=False, in_flight=16))
+            job = asyncio.ensure_future(GenerateJob(config).run(sampler, progress=False,
+                                                                in_flight=16))
             victim = pool.replicas[0]
             deadline = time.monotonic() + 120
             while victim.in_flight == 0 and not job.done() and time.monotonic() < deadline:
@@ -62,10 +68,10 @@ def test_job_completes_when_a_replica_is_killed_mid_batch(tiny_model, tmp_path):
             assert victim.in_flight > 0 and not job.done()
             os.killpg(victim.process.proc.pid, signal.SIGKILL)
             stats = await asyncio.wait_for(job, 300)
-            health = await pool.health()
+            health = await asyncio.to_thread(sampler.health)
             return stats, health
         finally:
-            await pool.close()
+            await asyncio.to_thread(sampler.close)
 
     stats, health = asyncio.run(main())
     assert stats["errors"] == 0 and stats["samples"] == count

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollout.apps.datasets import sums
-from rollout.apps.job import answer_counts
+from rollout.apps.jobs.tables import answer_counts
 
 
 def test_the_split_is_seeded_and_disjoint():

@@ -26,6 +26,7 @@ MOVED = {
     "rollout.apps.serving.weights": "rollout.weights",
     "rollout.apps.metrics": "rollout.apps.pass_at_k",
     "rollout.kit.buckets": "rollout.weights.buckets",
+    "rollout.kit.checkpoint": "rollout.weights.checkpoint",
     "rollout.kit.transfer": "rollout.weights.transports",
     "rollout.kit.transfer.shm": "rollout.weights.transports.shm",
     "rollout.kit.transfer.collective": "rollout.weights.transports.collective",
@@ -34,6 +35,9 @@ MOVED = {
     "rollout.testing.serving": "rollout.testing.server_contract",
     "rollout.testing.served": "rollout.testing.serve_child",
     "rollout.testing.models": "rollout.testing.model_folders",
+    "rollout.apps.job": "rollout.apps.jobs.generate",
+    "rollout.apps.agents.job": "rollout.apps.jobs.agents",
+    "rollout.apps.ray_data_job": "rollout.apps.jobs.ray_data",
 }
 
 

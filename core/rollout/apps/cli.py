@@ -156,7 +156,7 @@ def _ray_resource(item: str) -> tuple[str, float]:
 @click.option("--config", type=click.Path(dir_okay=False), help="YAML file of settings.")
 @click.option("--backend", help="Backend name, e.g. hf, vllm, sglang.")
 @click.option("--model", help="Model folder.")
-@click.option("--input", "input_", help="Parquet file with a 'prompt' column.")
+@click.option("--input", help="Parquet file with a 'prompt' column.")
 @click.option("--output", help="Parquet file to write.")
 @click.option("--n", type=int, help="Responses per prompt.")
 @click.option("--temperature", type=float)
@@ -191,82 +191,51 @@ def _ray_resource(item: str) -> tuple[str, float]:
                    "(a parquet file or folder) is read in chunks by them, and OUTPUT is a "
                    "folder of parquet parts. See docs/cluster.md.")
 @ray_options
-def generate(config, backend, model, input_, output, n, temperature, top_p, top_k,
-             max_tokens, seed, chunk_size, backend_option, mode, replicas, placement, server,
-             api_key, in_flight, summary, quiet, environment, env_option, max_turns, ray_data,
-             ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource, ray_strategy) -> None:
+def generate(**options) -> None:
     """Generate responses (or, with --environment, trajectories) for every row of a
     parquet file (resumable)."""
-    from rollout.apps.job import Job, load_config
+    from rollout.apps.jobs import run_job
+    from rollout.apps.jobs.summary import describe
 
+    quiet, summary = options.pop("quiet"), options.pop("summary")
     try:
-        settings = load_config(config, {
-            "backend": backend, "model": model, "input": input_, "output": output, "n": n,
-            "temperature": temperature, "top_p": top_p, "top_k": top_k,
-            "max_tokens": max_tokens, "seed": seed, "chunk_size": chunk_size,
-            "mode": mode, "replicas": replicas, "placement": placement, "server": server,
-            "api_key": api_key, "in_flight": in_flight, "environment": environment,
-            "ray_data": ray_data,
-        })
-        if env_option:
-            settings = attrs.evolve(settings, environment_options={
-                **settings.environment_options, **_parse_options(env_option, "--env-option")})
-        if max_turns is not None:
-            settings = attrs.evolve(settings, agent={**settings.agent, "max_turns": max_turns})
-        settings = attrs.evolve(settings, ray=_ray_settings(
-            settings.ray, ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource,
-            ray_strategy))
-        options = {**settings.backend_options, **_parse_options(backend_option)}
-        if settings.ray_data:
-            from rollout.apps.ray_data_job import RayDataJob
-
-            stats = RayDataJob(settings).run(options, progress=not quiet)
-        else:
-            if settings.server or settings.replicas or settings.placement == "ray":
-                _require_serving("rollout generate with replicas or --server")
-            if settings.environment:
-                from rollout.apps.agents.job import AgentJob
-
-                job = AgentJob(settings)
-            else:
-                job = Job(settings)  # reads and checks the input before any model loads
-            stats = asyncio.run(_run_job(job, settings, options, progress=not quiet))
+        settings = _generate_settings(options)
+        backend_options = {**settings.backend_options,
+                           **_parse_options(options["backend_option"])}
+        if not settings.ray_data and (settings.server or settings.replicas
+                                      or settings.placement == "ray"):
+            _require_serving("rollout generate with replicas or --server")
+        stats = run_job(settings, backend_options, progress=not quiet)
     except RolloutError as exc:
         _fail(exc)
     path = Path(summary) if summary else Path(settings.output).with_suffix(".summary.json")
     path.write_text(json.dumps(stats, indent=2) + "\n")
-    if settings.environment:
-        line = (f"{stats['trajectories']} trajectories, {stats.get('turns', 0)} turns, "
-                f"end reasons {stats['end_reasons']}, tool calls {stats['tool_calls']}")
-    else:
-        if "latency_s" in stats:
-            latency = stats["latency_s"]
-            timing = f"latency p50 {latency['p50']} s, p99 {latency['p99']} s"
-        else:  # Ray Data: chunks, each generated at once by an actor
-            timing = (f"{stats['chunks_this_run']} chunks, p50 "
-                      f"{stats['chunk_seconds']['p50']} s each")
-        line = (f"{stats['prompts']} prompts, {stats['samples']} samples, "
-                f"{stats['completion_tokens']} tokens in {stats['seconds']} s "
-                f"({stats['tokens_per_second']} tokens/s); {timing}; "
-                f"errors {stats['errors']} {stats['errors_by_kind']}")
-        if "answers" in stats:
-            answers = stats["answers"]
-            line += f"; right answers {answers['right']} of {answers['checked']}"
-    click.echo(f"{line}; summary in {path}", err=True)
+    click.echo(f"{describe(stats)}; summary in {path}", err=True)
     click.echo(json.dumps(stats), err=True)
     click.echo(settings.output)
 
 
-async def _run_job(job, settings, options: dict, progress: bool) -> dict:
-    from rollout.service.connect import connect
+RAY_OPTIONS = ("address", "gpus", "cpus", "memory", "resource", "strategy")  # --ray-*
 
-    service = await connect(settings.backend, settings.model, options, settings.replicas,
-                            settings.placement, settings.server, settings.api_key,
-                            settings.mode, ray=settings.ray)
-    try:
-        return await job.run(service, progress=progress)
-    finally:
-        await service.close()
+
+def _generate_settings(options: dict):
+    """The job's settings: the config file, then the options that are settings by name
+    (a sampling parameter's go into `sampling`), then those that add to a mapping."""
+    from rollout.apps.jobs.config import load_config
+
+    not_by_name = {"config", "backend_option", "env_option", "max_turns",
+                   *(f"ray_{key}" for key in RAY_OPTIONS)}
+    settings = load_config(options["config"],
+                           {k: v for k, v in options.items() if k not in not_by_name})
+    if options["env_option"]:
+        settings = attrs.evolve(settings, environment_options={
+            **settings.environment_options,
+            **_parse_options(options["env_option"], "--env-option")})
+    if options["max_turns"] is not None:
+        settings = attrs.evolve(settings, agent={**settings.agent,
+                                                 "max_turns": options["max_turns"]})
+    return attrs.evolve(settings, ray=_ray_settings(
+        settings.ray, *(options[f"ray_{key}"] for key in RAY_OPTIONS)))
 
 
 @main.command()

@@ -1,7 +1,5 @@
 """One request inside the engine (`Job`), and the hand-off of its tokens to the event loop.
 
-(Named for the hand-off, not `job.py`, which would collide with `rollout.apps.job` and
-`rollout.apps.agents.job`, the batch jobs.)
 
 The engine thread makes tokens; the request's `generate` iterator waits for them on the
 loop. Once per step the engine hands everything it made to each loop in one

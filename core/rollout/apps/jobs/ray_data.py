@@ -25,16 +25,16 @@ from pathlib import Path
 
 import attrs
 
+from rollout.apps.jobs.config import GenerateConfig
+from rollout.apps.jobs.summary import Summary, count
+from rollout.apps.jobs.tables import (ANSWER_COLUMN, PROMPT_COLUMN, fingerprint, joined,
+                                      outputs_of, read_metadata, to_request)
+from rollout.apps.parts import Parts, atomic_write_table
 from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError, RolloutError
 from rollout.contract.schemas import Completion, SamplingParams
-from rollout.apps.job import (ANSWER_COLUMN, OUTPUT_COLUMNS, PROMPT_COLUMN, GenerateConfig,
-                              answer_counts, fingerprint, output_row, output_schema,
-                              to_request)
-from rollout.apps.parts import Parts, atomic_write_table
 from rollout.service.ray_placement import RayPlacement
 
-COUNTS = ("rows", "samples", "completion_tokens", "errors")
 MAX_BLOCKS = 4096
 
 
@@ -53,22 +53,22 @@ class Plan:
     def of(cls, path: str, chunk_size: int) -> Plan:
         groups, first_chunks, chunks, rows = [], [], 0, 0
         for file in input_files(path):
-            metadata = _metadata(file)
+            metadata = read_metadata(file)
             for index in range(metadata.num_row_groups):
-                count = metadata.row_group(index).num_rows
-                if count:
-                    groups.append((file, index, rows, count))
+                group_rows = metadata.row_group(index).num_rows
+                if group_rows:
+                    groups.append((file, index, rows, group_rows))
                     first_chunks.append(chunks)
-                    chunks += -(-count // chunk_size)
-                    rows += count
+                    chunks += -(-group_rows // chunk_size)
+                    rows += group_rows
         return cls(tuple(groups), chunk_size, tuple(first_chunks), chunks, rows)
 
     def locate(self, chunk: int) -> tuple[str, int, int, int, int]:
         """A chunk's file, row group, offset in it, rows, and first row in the input."""
         at = bisect.bisect_right(self.first_chunks, chunk) - 1
-        file, group, first, count = self.groups[at]
+        file, group, first, group_rows = self.groups[at]
         offset = (chunk - self.first_chunks[at]) * self.chunk_size
-        return file, group, offset, min(self.chunk_size, count - offset), first + offset
+        return file, group, offset, min(self.chunk_size, group_rows - offset), first + offset
 
     def start(self, chunk: int) -> int:
         return self.locate(chunk)[4]
@@ -82,23 +82,6 @@ def input_files(path: str) -> list[str]:
         raise InvalidRequestError("input", f"{path} holds no .parquet file",
                                   "a parquet file, or a folder of them")
     return files
-
-
-def _metadata(file: str):
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(file)
-    except Exception as exc:
-        raise InvalidRequestError("input", f"cannot read {file} as parquet: {exc}") from None
-    names = parquet.schema_arrow.names
-    if PROMPT_COLUMN not in names:
-        raise InvalidRequestError("input", f"{file} has no {PROMPT_COLUMN!r} column",
-                                  f"a {PROMPT_COLUMN!r} column; it has {', '.join(names)}")
-    clash = [c for c in OUTPUT_COLUMNS if c in names]
-    if clash:
-        raise InvalidRequestError("input", f"{file} already has output columns {clash}")
-    return parquet.metadata
 
 
 class ChunkWriter:
@@ -118,13 +101,13 @@ class ChunkWriter:
         return {key: [row[key] for row in rows] for key in rows[0]}
 
     def write(self, chunk: int) -> dict:
-        file, group, offset, count, start = self.plan.locate(chunk)
+        file, group, offset, rows, start = self.plan.locate(chunk)
         part = self.folder / f"part-{start:09d}.parquet"
         started = time.monotonic()
         if part.exists():  # Ray retried a chunk that an actor had finished before it died
             return _counts(start, [], started)
-        table = self._read(file, group).slice(offset, count)
-        completions: list = [None] * count
+        table = self._read(file, group).slice(offset, rows)
+        completions: list = [None] * rows
         requests = []
         for i, prompt in enumerate(table.column(PROMPT_COLUMN).to_pylist()):
             try:
@@ -134,7 +117,7 @@ class ChunkWriter:
         for (i, _), completion in zip(requests, self.rollout.generate(
                 [request for _, request in requests])):
             completions[i] = completion
-        atomic_write_table(part, _with_outputs(table, completions))
+        atomic_write_table(part, joined(table, outputs_of(completions)))
         return _counts(start, completions, started)
 
     def _read(self, file: str, group: int):
@@ -146,27 +129,11 @@ class ChunkWriter:
 
 
 def _counts(start: int, completions: list[Completion], started: float) -> dict:
-    kinds: dict[str, int] = {}
-    for c in completions:
-        if not c.ok:
-            kind = getattr(c.error, "kind", "error")
-            kinds[kind] = kinds.get(kind, 0) + 1
-    return {"start": start, "rows": len(completions),
-            "samples": sum(len(c.results) for c in completions),
-            "completion_tokens": sum(r.completion_tokens for c in completions
-                                     for r in c.results),
-            "errors": sum(kinds.values()), "errors_by_kind": json.dumps(kinds),
+    """A chunk's counts for the driver's summary: a row of flat columns, so its errors by
+    kind go as JSON."""
+    counts = count(completions)
+    return {**counts, "start": start, "errors_by_kind": json.dumps(counts["errors_by_kind"]),
             "seconds": time.monotonic() - started}
-
-
-def _with_outputs(table, completions: list[Completion]):
-    import pyarrow as pa
-
-    outputs = pa.Table.from_pylist([output_row(c) for c in completions],
-                                   schema=output_schema())
-    for name in outputs.column_names:
-        table = table.append_column(name, outputs.column(name))
-    return table
 
 
 class RayDataJob:
@@ -198,10 +165,7 @@ class RayDataJob:
         replicas = self.config.replicas or 1
         done = self.parts.open()
         todo = [c for c in range(self.plan.chunks) if self.plan.start(c) not in done]
-        started = time.monotonic()
-        totals = dict.fromkeys(COUNTS, 0)
-        kinds: dict[str, int] = {}
-        seconds: list[float] = []
+        summary = Summary(self.plan.rows, output=str(self.parts.folder))
         if todo:
             if not ray.is_initialized():
                 ray.init(address=placement.address, log_to_driver=False)
@@ -219,47 +183,22 @@ class RayDataJob:
                     "options": options, "sampling": convert.unstructure(self.config.sampling)},
                 **placement.actor_options())
             for row in mapped.iter_rows():
-                for key in COUNTS:
-                    totals[key] += int(row[key])
-                for kind, count in json.loads(row["errors_by_kind"]).items():
-                    kinds[kind] = kinds.get(kind, 0) + count
-                seconds.append(float(row["seconds"]))
-        elapsed = time.monotonic() - started
-        stats = {"prompts": self.plan.rows, "output": str(self.parts.folder),
-                 "samples": totals["samples"],
-                 "completion_tokens": totals["completion_tokens"], "errors": totals["errors"],
-                 "seconds": round(elapsed, 3),
-                 "tokens_per_second": round(totals["completion_tokens"] / max(elapsed, 1e-9), 1),
-                 "rows_this_run": totals["rows"], "chunks_this_run": len(todo),
-                 "chunk_seconds": _percentiles(seconds), "errors_by_kind": kinds}
+                summary.add_counts({**row, "errors_by_kind": json.loads(row["errors_by_kind"])})
+                summary.times.append(float(row["seconds"]))
+        summary.stop()
         if self._has_answers():
-            stats["answers"] = self._answers()
-        return stats
+            # Over the whole output, earlier runs' chunks included: a part at a time, so
+            # the driver never holds the output.
+            import pyarrow.parquet as pq
+
+            for part in sorted(self.parts.folder.glob("part-*.parquet")):
+                summary.add_answers(pq.read_table(part, columns=[ANSWER_COLUMN, "responses"]))
+        return summary.finish("chunk_seconds", ("p50", "p90", "max"),
+                              rows_this_run=summary.counts["rows"],
+                              chunks_this_run=len(todo))
 
     def _has_answers(self) -> bool:
         import pyarrow.parquet as pq
 
         return ANSWER_COLUMN in pq.read_schema(self.plan.groups[0][0]).names \
             if self.plan.groups else False
-
-    def _answers(self) -> dict:
-        """Over the whole output, earlier runs' chunks included: a part at a time."""
-        import pyarrow.parquet as pq
-
-        checked = right = 0
-        for part in sorted(self.parts.folder.glob("part-*.parquet")):
-            found = answer_counts(pq.read_table(part, columns=[ANSWER_COLUMN, "responses"]))
-            checked += found["answers"]["checked"]
-            right += found["answers"]["right"]
-        return {"checked": checked, "right": right,
-                "accuracy": round(right / checked, 4) if checked else None}
-
-
-def _percentiles(values: list[float]) -> dict:
-    ordered = sorted(values)
-
-    def at(q: float) -> float | None:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4) \
-            if ordered else None
-
-    return {"p50": at(0.5), "p90": at(0.9), "max": at(1.0)}
