@@ -4,7 +4,8 @@
   vocabulary and context-length checks), the same for every backend;
 - `text`: stop strings by the contract's rule (`first_stop`), texts streamed as tokens come;
 - `aio`: the engine loop every request runs on, loops on threads of their own, HTTP sessions;
-- `process`: engine servers as child processes that die with their parent;
+- `process`, `child_server`: engine servers as child processes that die with their parent,
+  started, waited for, watched and stopped the same way for every engine;
 - (weights in buckets, their transports and checks against a model folder: `rollout.weights`);
 - `structured`: a choice as a grammar, an engine's refusal of a constraint as the request's
   own error;

@@ -20,7 +20,7 @@ import attrs
 import rollout
 from rollout import Capabilities, Chunk, GenerationError, InvalidRequestError, RolloutError
 from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
-from rollout.kit.checkpoint import checkpoint_shapes
+from rollout.weights.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.structured import constraint_error
 from rollout.kit.text import TextStream, first_stop

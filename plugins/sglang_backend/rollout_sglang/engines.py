@@ -3,8 +3,9 @@
 - `InProcessEngine`: `sglang.Engine` created in this process; its tokenizer manager runs
   on the engine loop (`rollout.kit.aio.engine_loop()`), where the core runs requests, so a
   token goes from SGLang to the caller without a hop between threads;
-- `ServerEngine`: `sglang.launch_server` as a child process on loopback, spoken to with
-  SGLang's native HTTP API through aiohttp, also on the engine loop.
+- `ServerEngine`: `sglang.launch_server` as a child process on loopback
+  (`rollout.kit.child_server`), spoken to with SGLang's native HTTP API through aiohttp,
+  also on the engine loop.
 
 Both take the bodies built in `rollout_sglang.protocol`. `stream()` yields one sample's
 outputs as SGLang makes them; closing it (or cancelling its reader) aborts the sample in
@@ -26,9 +27,10 @@ import time
 import weakref
 
 from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
-from rollout.kit.aio import client_session, engine_loop, lines
+from rollout.kit.aio import engine_loop, lines
+from rollout.kit.child_server import ChildServer
 from rollout.kit.images import EncodedImages
-from rollout.kit.process import HOST, ServerProcess, cli_flags, free_port
+from rollout.kit.process import HOST, ServerProcess, cli_flags
 
 from rollout_sglang import protocol
 
@@ -315,52 +317,42 @@ class ServerEngine:
         self.engine_args = {**engine_args, **STREAM_ARGS}
         self.startup_timeout = startup_timeout
         self.request_timeout = request_timeout
-        self.port = free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        self.process: ServerProcess | None = None
-        self.session = None
+        self.server = ChildServer("sglang")
+        self.url = self.server.url
         self.loop = engine_loop().loop
         self.encoded = EncodedImages()  # each image's data: URL, for every later turn
+
+    @property
+    def process(self) -> ServerProcess | None:
+        return self.server.process
 
     def argv(self) -> list[str]:
         args = dict(self.engine_args)
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path",
-                args.pop("model_path"), "--host", HOST, "--port", str(self.port)]
+                args.pop("model_path"), "--host", HOST, "--port", str(self.server.port)]
         # Dict-valued arguments (mm_process_config) are JSON on SGLang's command line.
         return argv + cli_flags({key: json.dumps(value) if isinstance(value, dict) else value
                                  for key, value in args.items()})
 
     def start(self) -> None:
-        async def spawn():  # from the engine loop's thread, which lives as long as the process
-            return ServerProcess("sglang", self.argv(), env=ENGINE_ENV, die_with_parent=True)
-
-        self.process = asyncio.run_coroutine_threadsafe(spawn(), self.loop).result(60)
-        self.process.wait_healthy(f"{self.url}/health", self.startup_timeout)
-
-        async def open_session():
-            self.session = client_session(reuse_connections=False)
-
-        self.run(open_session(), 30, "opening an HTTP session")
+        # On the engine loop, whose thread lives as long as the process (the server dies
+        # with it). The server's readiness wait is bounded by itself; the margin covers
+        # launching it and opening the session.
+        self.run(self.server.start(self.argv(), ENGINE_ENV, self.startup_timeout),
+                 self.startup_timeout + 90, "starting SGLang's server")
 
     def check(self) -> None:
-        self.process.check()
+        self.server.check()
 
     def run(self, coro, timeout: float, what: str):
         return wait(self.loop, coro, timeout, what, self.check)
 
-    async def _dead_or(self, exc: Exception) -> GenerationError:
-        """EngineDeadError if the server has exited (it may take a moment to be seen as
-        exited after its connections close), else a GenerationError for `exc`."""
-        for _ in range(10):
-            self.check()
-            await asyncio.sleep(0.1)
-        return GenerationError(f"SGLang server call failed: {exc!r}")
-
     async def _once(self, path: str, body: dict | None, timeout: float):
         import aiohttp
 
-        async with self.session.post(self.url + path, json=body if body is not None else {},
-                                     timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+        async with self.server.session.post(
+                self.url + path, json=body if body is not None else {},
+                timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             return response.status, _json(await response.text())
 
     async def _call(self, path: str, body: dict | None = None, timeout: float | None = None,
@@ -376,7 +368,7 @@ class ServerEngine:
                 break
             except aiohttp.ClientConnectionError as exc:
                 if attempt == retries:
-                    raise await self._dead_or(exc) from None
+                    raise await self.server.failure(exc, "SGLang server call") from None
                 await asyncio.sleep(0.25 * 2**attempt)
         return _answer(path, status, data)
 
@@ -392,8 +384,8 @@ class ServerEngine:
     async def max_input_tokens(self) -> int:
         import aiohttp
 
-        async with self.session.get(self.url + "/server_info",
-                                    timeout=aiohttp.ClientTimeout(total=60)) as response:
+        async with self.server.session.get(self.url + "/server_info",
+                                           timeout=aiohttp.ClientTimeout(total=60)) as response:
             return int((await response.json(content_type=None))["max_req_input_len"])
 
     async def stream(self, body: dict):
@@ -404,7 +396,7 @@ class ServerEngine:
 
         self.check()
         try:
-            async with self.session.post(
+            async with self.server.session.post(
                     self.url + "/generate", json=body,
                     timeout=aiohttp.ClientTimeout(total=None, sock_read=self.request_timeout)
             ) as response:
@@ -421,8 +413,9 @@ class ServerEngine:
                         raise protocol.engine_error(_message(out))
                     yield out
         except aiohttp.ClientError as exc:
-            raise await self._dead_or(exc) from None
-        raise await self._dead_or(ConnectionError("the stream ended without [DONE]"))
+            raise await self.server.failure(exc, "SGLang server call") from None
+        raise await self.server.failure(ConnectionError("the stream ended without [DONE]"),
+                                        "SGLang server call")
 
     async def generate(self, body: dict) -> dict:
         """One answer, for a body without streaming."""
@@ -472,16 +465,12 @@ class ServerEngine:
         await self._call("/resume_memory_occupation", {"tags": tags}, timeout=300)
 
     def close(self) -> None:
-        async def close_session():
-            if self.session is not None:
-                await self.session.close()
-
         try:
             if self.loop.is_running():
-                asyncio.run_coroutine_threadsafe(close_session(), self.loop).result(10)
+                asyncio.run_coroutine_threadsafe(self.server.close_session(),
+                                                 self.loop).result(10)
         finally:
-            if self.process is not None:
-                self.process.stop()
+            self.server.stop()
 
 
 def _json(text: str):

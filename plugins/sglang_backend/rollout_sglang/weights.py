@@ -1,4 +1,4 @@
-"""Preparing weight updates for SGLang, after the checks of `rollout.kit.checkpoint` (SGLang
+"""Preparing weight updates for SGLang, after the checks of `rollout.weights.checkpoint` (SGLang
 silently ignores unknown names, and a wrong shape kills its scheduler)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from rollout.weights.buckets import Bucket
-from rollout.kit.checkpoint import checked_tensors
+from rollout.weights.checkpoint import checked_tensors
 
 
 def checked_groups(buckets: Iterable[Bucket], shapes: dict[str, tuple[int, ...]],

@@ -12,12 +12,15 @@ import rollout
 from rollout import Capabilities, EngineDeadError, InvalidRequestError, RolloutError
 from rollout.kit.aio import engine_loop
 from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
-from rollout.kit.checkpoint import checkpoint_shapes
+from rollout.weights.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
 from rollout.contract.schemas import SamplingParams, StructuredOutputs
 from rollout.kit.structured import constraint_error, structural_tag_grammar
 
-from rollout_vllm.engines import AsyncEngine, InProcessEngine, ServerEngine
+from rollout_vllm.async_engine import AsyncEngine
+from rollout_vllm.engine import Engine, WeightPath
+from rollout_vllm.in_process import InProcessEngine
+from rollout_vllm.server_engine import ServerEngine
 from rollout_vllm.transport import ENGINE_NAME, TRANSPORTS, GlooSender, ShmPipeline
 from rollout_vllm.weights import layer_groups
 
@@ -135,16 +138,16 @@ class VLLMBackend:
                 **engine_args}
         self.request_timeout = request_timeout
         self.stream_interval = stream_interval
-        self.engine = (InProcessEngine(args, stream_interval) if mode == "engine" else
-                       AsyncEngine(args, stream_interval) if mode == "async" else
-                       ServerEngine(args, startup_timeout, request_timeout, stream_interval))
+        self.engine: Engine = (
+            InProcessEngine(args, stream_interval) if mode == "engine" else
+            AsyncEngine(args, stream_interval) if mode == "async" else
+            ServerEngine(args, startup_timeout, request_timeout, stream_interval))
         # The engine's asyncio side lives on the loop the core runs requests on: no hop
         # between loops per token.
         self.loop = engine_loop()
-        self.gloo = GlooSender(self.engine, self.loop, request_timeout, weight_group_timeout) \
-            if weight_transport == "gloo" else None
-        self.shm = ShmPipeline(self.engine, self.loop, request_timeout) \
-            if weight_transport == "shm" and not self.engine.in_process else None
+        # Chosen here, once: every update takes this path, whatever the engine.
+        self.weights: WeightPath = self.engine.weight_path(
+            weight_transport, self.loop, request_timeout, weight_group_timeout)
         try:
             self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
         except BaseException:
@@ -154,6 +157,16 @@ class VLLMBackend:
         self.prompts = PromptEncoder(
             self.tokenizer, text_config.vocab_size, self.max_model_len,
             image_token_id=None if self.images_reason else config.image_token_id)
+
+    @property
+    def shm(self) -> ShmPipeline | None:
+        """The weight path, where it is shared memory (its two files)."""
+        return self.weights if isinstance(self.weights, ShmPipeline) else None
+
+    @property
+    def gloo(self) -> GlooSender | None:
+        """The weight path, where it is a gloo group."""
+        return self.weights if isinstance(self.weights, GlooSender) else None
 
     @classmethod
     def describe_capabilities(cls, sleep_reason: str | None = None,
@@ -210,18 +223,9 @@ class VLLMBackend:
     def update_weights(self, buckets):
         # Groups are made here, on the trainer's thread (it runs the trainer's iterator);
         # the engine loop only carries each group's call. Every wait is bounded.
-        groups = layer_groups(buckets, self.shapes, self.weight_group_bytes)
-        if self.gloo is not None:
-            self.gloo.update(groups)
-        elif self.engine.in_process:
-            for group in groups:
-                self._run(self.engine.load_weights(group, self.request_timeout))
-        else:
-            self.shm.update(groups)  # shared memory, packing while the worker loads
-        self._run(self.engine.reset_prefix_cache())
-
-    def _run(self, call) -> None:
-        self.loop.run(call, self.request_timeout + 60, "vLLM weight update")
+        self.weights.update(layer_groups(buckets, self.shapes, self.weight_group_bytes))
+        self.loop.run(self.engine.reset_prefix_cache(), self.request_timeout + 60,
+                      "vLLM weight update")
 
     @rollout.hookimpl
     def release(self, tags):
@@ -236,10 +240,7 @@ class VLLMBackend:
 
     @rollout.hookimpl
     def close(self):
-        if self.gloo is not None:
-            self.gloo.close()  # the server leaves the group too, bounded
-        if self.shm is not None:
-            self.shm.close()
+        self.weights.close()  # a gloo group: the server leaves it too, bounded
         self.loop.run(self.engine.close(), 120, "stopping vLLM")
 
 

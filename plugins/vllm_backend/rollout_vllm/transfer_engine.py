@@ -21,6 +21,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rollout_vllm.tied_output import refresh_tied_output
+
 NAME = "rollout_gloo"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -83,8 +85,6 @@ class GlooTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        from rollout_vllm.worker import refresh_tied_output
 
         finalize_layerwise_reload(self.model, self.model_config)
         refresh_tied_output(self.model, self.received)

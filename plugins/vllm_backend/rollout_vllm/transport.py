@@ -28,11 +28,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from rollout import GenerationError
 from rollout.kit.process import HOST, free_port
 from rollout.weights.transports import collective
 from rollout.weights.transports.shm import ShmSender
+
+if TYPE_CHECKING:  # the engines import this module
+    from rollout.kit.aio import LoopThread
+
+    from rollout_vllm.engine import ShmEngine
+    from rollout_vllm.server_engine import ServerEngine
 
 TRANSPORTS = ("shm", "gloo")
 ENGINE_NAME = "rollout_gloo"  # rollout_vllm.transfer_engine.NAME, without importing vLLM
@@ -48,7 +55,7 @@ def update_info(group: dict) -> dict:
 
 
 class ShmPipeline:
-    def __init__(self, engine, loop, timeout: float):
+    def __init__(self, engine: ShmEngine, loop: LoopThread, timeout: float):
         self.engine, self.loop = engine, loop  # the engine and the engine loop it runs on
         self.timeout = timeout
         self.senders: list[ShmSender] = []  # two, made at the first update
@@ -83,7 +90,8 @@ class ShmPipeline:
 
 
 class GlooSender:
-    def __init__(self, engine, loop, timeout: float, group_timeout: float):
+    def __init__(self, engine: ServerEngine, loop: LoopThread, timeout: float,
+                 group_timeout: float):
         self.engine, self.loop = engine, loop  # ServerEngine and the engine loop it runs on
         self.timeout, self.group_timeout = timeout, group_timeout
         self.group: collective.Group | None = None

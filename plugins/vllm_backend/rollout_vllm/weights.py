@@ -2,7 +2,7 @@
 
 vLLM fuses q/k/v and gate/up projections, and one reload call must carry every piece of a
 fused parameter: split across calls, the weights come out wrong with no error. So tensors
-are regrouped by decoder layer, after the checks of `rollout.kit.checkpoint`.
+are regrouped by decoder layer, after the checks of `rollout.weights.checkpoint`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable, Iterator
 
 from rollout.weights.buckets import Bucket
-from rollout.kit.checkpoint import checked_tensors
+from rollout.weights.checkpoint import checked_tensors
 
 LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
 

@@ -8,6 +8,8 @@ engine: this is where our engines join vLLM's registry (loaded only when configu
 
 from __future__ import annotations
 
+from rollout_vllm.tied_output import refresh_tied_output
+
 
 def _register_engines() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -20,20 +22,6 @@ def _register_engines() -> None:
 
 
 _register_engines()
-
-
-def refresh_tied_output(model, names) -> None:
-    """Pack a tied output layer again after its embedding was reloaded. vLLM's reload skips
-    `lm_head` when it shares the embedding's weight, and its CPU kernels run the output
-    layer from a packed copy made at load time: without this, a model with tied embeddings
-    (SmolLM2, for one) keeps computing its logits from the old embedding."""
-    head = getattr(model, "lm_head", None)
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    if head is None or not tied or not any(n.endswith("embed_tokens.weight") for n in names):
-        return
-    method = getattr(head, "quant_method", None)
-    if method is not None:
-        method.process_weights_after_loading(head)
 
 
 class WeightUpdateExtension:

@@ -9,7 +9,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from rollout import Chunk, GenerationError, InvalidRequestError, TokenLogprob  # noqa: E402
-from rollout_vllm.engines import _chunks, _sse_chunks  # noqa: E402
+from rollout_vllm.common import chunks as _chunks  # noqa: E402
+from rollout_vllm.server_engine import _sse_chunks  # noqa: E402
 
 
 def logprobs(*steps):

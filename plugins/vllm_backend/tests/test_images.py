@@ -126,7 +126,8 @@ def test_the_cache_counts_go_on_across_a_clear():
 
     from vllm.utils.cache import LRUCache
 
-    from rollout_vllm.engines import MMCacheCounts, _counted_across_clear
+    from rollout_vllm.common import MMCacheCounts
+    from rollout_vllm.common import counted_across_clear as _counted_across_clear
 
     lru = LRUCache(100)
     counts = MMCacheCounts(SimpleNamespace(make_stats=lru.stat))

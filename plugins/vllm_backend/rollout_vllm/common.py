@@ -1,0 +1,140 @@
+"""What the vLLM engines share: a request's sampling as vLLM's SamplingParams, vLLM's delta
+outputs as chunks, its refusals as our typed errors, the prefix-cache reset's check, and the
+counts of its multimodal processor cache in this process."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+from rollout import Chunk, GenerationError, InvalidRequestError, RolloutError, TokenLogprob
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def request_error(message: str, parameter: str | None = None) -> RolloutError:
+    """vLLM's own request validation, as a per-request error naming our field."""
+    if parameter == "input_tokens" or "context length" in message or "out of vocabulary" in message:
+        return InvalidRequestError("prompt_token_ids", message)
+    if parameter:
+        return InvalidRequestError(f"sampling.{parameter}", message)
+    return GenerationError(message)
+
+
+def refusal(exc: Exception) -> Exception:
+    """What vLLM raised on taking a request, as that request's error where it is one."""
+    from vllm.exceptions import VLLMClientError
+
+    if isinstance(exc, RolloutError):
+        return exc
+    if isinstance(exc, VLLMClientError):
+        return request_error(str(exc), getattr(exc, "parameter", None))
+    if isinstance(exc, ValueError):
+        return request_error(str(exc))
+    return exc
+
+
+def finish_reason(reason: str | None, index: int) -> str | None:
+    """vLLM's finish reason for sample `index`, one of the contract's; any other fails."""
+    if reason is not None and reason not in FINISH_REASONS:
+        raise GenerationError(f"vLLM ended sample {index} with {reason!r}")
+    return reason
+
+
+def sampling_params(params: dict, stream_interval: int):
+    """vLLM's SamplingParams for our request, deltas only; its refusal as the request's
+    error. `stream_interval` applies where `params` names none."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    structured = params.get("structured_outputs")
+    try:
+        return SamplingParams(**{
+            **params, "output_kind": RequestOutputKind.DELTA,
+            "stream_interval": params.get("stream_interval", stream_interval),
+            # vLLM's text is not used (the core decodes tokens): made only to find stops.
+            "detokenize": bool(params.get("stop")),
+            "structured_outputs": StructuredOutputsParams(**structured)
+            if structured else None})
+    except Exception as exc:  # noqa: BLE001 - as the request's error where it is one
+        raise refusal(exc) from None
+
+
+def chunks(outputs: list, k: int | None) -> list[Chunk]:
+    """A chunk per sample from delta RequestOutputs (several merged when they piled up),
+    with vLLM's count of the prompt tokens it found in its prefix cache."""
+    cached = outputs[-1].num_cached_tokens
+    if len(outputs) == 1:  # the usual case: one step's output
+        return [Chunk(o.index, o.token_ids, _chosen(o.token_ids, o.logprobs) if k is not None
+                      else None, _top(o.logprobs, k) if k else None,
+                      finish_reason(o.finish_reason, o.index), cached_tokens=cached)
+                for o in outputs[0].outputs]
+    merged: dict[int, list] = {}
+    for output in outputs:
+        for o in output.outputs:
+            m = merged.setdefault(o.index, [[], [], [], None])
+            m[0] += o.token_ids
+            if k is not None:
+                m[1] += _chosen(o.token_ids, o.logprobs)
+            if k:
+                m[2] += _top(o.logprobs, k)
+            m[3] = finish_reason(o.finish_reason, o.index) or m[3]
+    return [Chunk(i, tokens, logprobs if k is not None else None, top if k else None, finish,
+                  cached_tokens=cached)
+            for i, (tokens, logprobs, top, finish) in merged.items()]
+
+
+def _chosen(token_ids, logprobs) -> list[float]:
+    return [float(step[t].logprob) for t, step in zip(token_ids, logprobs)]
+
+
+def _top(logprobs, k: int) -> list[tuple[TokenLogprob, ...]]:
+    # vLLM adds the chosen token to each position's top k, wherever it ranks.
+    return [tuple(TokenLogprob(t, lp) for t, lp in sorted(
+        ((int(t), float(x.logprob)) for t, x in step.items() if x.rank <= k),
+        key=lambda pair: -pair[1])[:k]) for step in logprobs]
+
+
+def check_reset(success) -> None:
+    """vLLM answers False where blocks are still held; KV made under the old weights could
+    then be read under the new ones."""
+    if success is False:
+        raise GenerationError("vLLM did not reset its prefix cache after a weight update")
+
+
+class MMCacheCounts:
+    """(hits, lookups) of vLLM's multimodal processor cache in this process, cumulative since
+    the engine started. Read with `make_stats()` without `delta`, which resets nothing (vLLM's
+    stats logger owns the deltas). vLLM zeroes the counts when it clears the cache (on sleep),
+    so the counts read last before a clear go into `base`; `release` reads around it."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.lock = threading.Lock()  # read from any thread
+        self.base = self.last = (0, 0)
+
+    @classmethod
+    def of(cls, renderer) -> MMCacheCounts | None:
+        cache = renderer.mm_processor_cache  # None: a text model, or the cache turned off
+        return None if cache is None else cls(cache)
+
+    def read(self) -> tuple[int, int]:
+        with self.lock:
+            info = self.cache.make_stats()
+            if info.total < self.last[1]:  # cleared since the last read
+                self.base = (self.base[0] + self.last[0], self.base[1] + self.last[1])
+            self.last = (info.hits, info.total)
+            return self.base[0] + info.hits, self.base[1] + info.total
+
+
+@contextmanager
+def counted_across_clear(counts: MMCacheCounts | None):
+    """Read just before and after a call that may clear the cache (no request runs then):
+    the counts before it are kept, and the clear is seen before any new lookup."""
+    if counts is not None:
+        counts.read()
+    try:
+        yield
+    finally:
+        if counts is not None:
+            counts.read()

@@ -1,0 +1,84 @@
+"""The interface every vLLM engine of this backend offers: what `VLLMBackend` calls, and
+nothing else. The engines, one module each:
+
+- `in_process.InProcessEngine`: vLLM's LLMEngine in this process, stepped by a thread of ours;
+- `async_engine.AsyncEngine`: vLLM's AsyncLLM, its engine core in a child process;
+- `server_engine.ServerEngine`: vLLM's OpenAI server as a child process, over HTTP.
+
+Their asyncio methods run on the engine loop (`rollout.kit.aio.engine_loop()`); the backend
+waits for them from its thread. How weights reach an engine is the engine's to say, once,
+when the backend starts (`weight_path`): as tensors in process, as shared-memory messages
+to another process, or through vLLM's weight-transfer routes and a gloo group (server mode);
+every path ends in `rollout_vllm.worker` or `rollout_vllm.transfer_engine` inside vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from rollout import Chunk
+    from rollout.kit.aio import LoopThread
+
+
+class WeightPath(Protocol):
+    """One way into the engine for weight updates (tensors in process, shared memory, or a
+    gloo group), kept from one update to the next."""
+
+    def update(self, groups: Iterable[dict]) -> None:
+        """Load every group (name -> tensor, whole decoder layers each) into the engine.
+        From the trainer's thread; every wait bounded; raises at the first failure, after
+        which the weights are dirty until a full update succeeds."""
+
+    def close(self) -> None:
+        """Let go of what the path holds between updates (files, a group)."""
+
+
+class Engine(Protocol):
+    async def start(self) -> None:
+        """Create or launch vLLM and return once it takes requests; raise if it cannot.
+        `close()` is called after a failed start too."""
+
+    def model_config(self):
+        """vLLM's ModelConfig where the model lives in this process; None where it does
+        not (the server's)."""
+
+    def generate(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
+        """The chunks of request `rid` as vLLM makes them. `prompt`: vLLM's prompt dict
+        (`prompt_token_ids`, and any images); `params`: vLLM's SamplingParams fields.
+        Closing or cancelling the iterator stops the request in vLLM. A request vLLM refuses
+        raises its typed error; a dead engine raises EngineDeadError."""
+
+    def weight_path(self, transport: str, loop: LoopThread, timeout: float,
+                    group_timeout: float) -> WeightPath:
+        """The path weight updates take into this engine, made once by the backend.
+        `transport`: the backend's `weight_transport` (already checked against the mode);
+        `loop`: the engine loop; `timeout`: each load call's bound; `group_timeout`: a gloo
+        group's bound on each broadcast."""
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop vLLM's prefix cache after a weight update (KV computed under the old
+        weights must not be read under the new ones); raise if vLLM did not."""
+
+    async def release(self, level: int) -> None:
+        """vLLM's sleep at `level` (1: weights offloaded to host memory, KV cache dropped)."""
+
+    async def resume(self, tags: list[str]) -> None:
+        """vLLM's wake-up of what `tags` name ("weights", "kv_cache")."""
+
+    def mm_cache_counts(self) -> tuple[int, int] | None:
+        """(hits, lookups) of vLLM's multimodal processor cache, cumulative and kept across
+        sleep; None without a cache. From any thread."""
+
+    async def close(self) -> None:
+        """Stop vLLM and every process it started; safe after a failed or partial start."""
+
+
+class ShmEngine(Engine, Protocol):
+    """An engine in another process, which loads weights from shared memory
+    (`rollout_vllm.transport.ShmPipeline`)."""
+
+    async def load_weights(self, message: dict, timeout: float) -> None:
+        """Load the group packed in the shared-memory file that `message` names
+        (`rollout.weights.transports.shm`); answers once the worker holds no view of the
+        file. `timeout` bounds the worker's call."""

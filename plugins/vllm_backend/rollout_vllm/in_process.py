@@ -1,0 +1,267 @@
+"""`InProcessEngine`: vLLM's LLMEngine with its engine core in this process, stepped by a
+thread of ours, as `vllm.LLM` does, so that concurrent requests share continuous batching.
+Its weight updates go in as the tensors themselves (`TensorPath`)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterable
+
+from rollout import Chunk, EngineDeadError
+from rollout.kit.aio import LoopThread
+
+from rollout_vllm.common import (
+    MMCacheCounts,
+    check_reset,
+    chunks,
+    counted_across_clear,
+    refusal,
+    sampling_params,
+)
+
+
+class InProcessEngine:
+    """LLMEngine is not thread-safe, so one thread owns it: between engine steps it runs the
+    commands queued from the engine loop (add, abort, RPCs), and hands each step's outputs
+    to the loop in one call, which sorts them into each request's `_Outputs`."""
+
+    def __init__(self, engine_args: dict, stream_interval: int = 1):
+        self.engine_args = engine_args
+        self.stream_interval = stream_interval  # tokens per output, as in server mode
+        self.engine = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # fn(engine); None stops
+        self.streams: dict[str, _Outputs] = {}  # vLLM request id -> its outputs (loop only)
+        self.adds: list[tuple] = []  # requests not yet handed to the engine's thread
+        self.calls: set[asyncio.Future] = set()  # RPCs waiting for the engine's thread
+        self.dead: str | None = None
+        self.thread: threading.Thread | None = None
+        self.mm_counts: MMCacheCounts | None = None
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        ready = self.loop.create_future()
+        self.thread = threading.Thread(target=self._serve, args=(ready,),
+                                       name="rollout-vllm-engine", daemon=True)
+        self.thread.start()
+        await ready
+
+    def _create(self):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.executor import Executor
+
+        # vLLM's defaults for offline batches (e.g. twice the running sequences of its
+        # server's), as `vllm.LLM` gets: rollouts are batch work.
+        config = EngineArgs(**self.engine_args).create_engine_config(UsageContext.LLM_CLASS)
+        return LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
+                         log_stats=False, multiprocess_mode=False)
+
+    # --- on the engine's thread -----------------------------------------------------------
+
+    def _serve(self, ready: asyncio.Future) -> None:
+        try:
+            self.engine = self._create()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of start()
+            self.loop.call_soon_threadsafe(_settle, ready, None, exc)
+            return
+        self.mm_counts = MMCacheCounts.of(self.engine.renderer)
+        self.loop.call_soon_threadsafe(_settle, ready, None, None)
+        engine = self.engine
+        try:
+            while self._run_commands(block=not engine.has_unfinished_requests()):
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    if outputs:  # one hop to the loop per step, however many requests
+                        self.loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as exc:  # noqa: BLE001 - every waiting call learns of it
+            self.dead = f"vLLM engine failed: {exc!r}"
+            self.loop.call_soon_threadsafe(self._fail_all)
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run every queued command (waiting for one if `block`); False once told to stop."""
+        try:
+            fn = self.commands.get(block=block)
+        except queue.Empty:
+            return True
+        while fn is not None:
+            fn(self.engine)
+            try:
+                fn = self.commands.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _add_all(self, engine, adds: list[tuple]) -> None:
+        refused = []
+        for rid, prompt, sampling in adds:
+            try:
+                # vLLM's renderer runs here, on this thread (for images: its processor).
+                engine.add_request(rid, prompt, sampling)
+            except Exception as exc:  # noqa: BLE001 - handed to that request's generator
+                refused.append((rid, refusal(exc)))
+        if refused:
+            self.loop.call_soon_threadsafe(self._deliver_errors, refused)
+
+    # --- on the event loop ----------------------------------------------------------------
+
+    def _deliver(self, outputs: list) -> None:
+        for output in outputs:
+            stream = self.streams.get(output.request_id)
+            if stream is not None:  # else cancelled meanwhile
+                stream.put(output)
+
+    def _deliver_errors(self, refused: list[tuple]) -> None:
+        for rid, exc in refused:
+            stream = self.streams.get(rid)
+            if stream is not None:
+                stream.put(exc)
+
+    def _fail_all(self) -> None:
+        for stream in self.streams.values():
+            stream.put(EngineDeadError(self.dead))
+        for future in self.calls:
+            _settle(future, None, EngineDeadError(self.dead))
+
+    def _send_adds(self) -> None:
+        adds = [a for a in self.adds if a[0] in self.streams]  # not cancelled meanwhile
+        self.adds = []
+        for rid, _, _ in adds:
+            self.streams[rid].sent = True
+        if adds:
+            self.commands.put(lambda engine: self._add_all(engine, adds))
+
+    def model_config(self):
+        return self.engine.model_config
+
+    async def generate(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
+        """`prompt`: vLLM's prompt dict (`prompt_token_ids`, and any images)."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        sampling = sampling_params(params, self.stream_interval)
+        stream = self.streams[rid] = _Outputs()
+        self.adds.append((rid, prompt, sampling))
+        if len(self.adds) == 1:
+            # Sent once this loop iteration is over, with every request that came in it: the
+            # engine then schedules them together instead of stepping on a trickle.
+            self.loop.call_soon(self._send_adds)
+        k = params.get("logprobs")
+        finished = False
+        try:
+            while not finished:
+                outputs = await stream.take(self.loop)
+                finished = outputs[-1].finished
+                for chunk in chunks(outputs, k):
+                    yield chunk
+        finally:
+            del self.streams[rid]
+            if not finished and stream.sent and not self.dead:
+                # The command queue is FIFO: this comes after the add, registered or not.
+                self.commands.put(lambda engine: engine.abort_request([rid]))
+
+    async def _call(self, fn):
+        """Run `fn(engine)` on the engine's thread between steps; its result."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        future = self.loop.create_future()
+        self.calls.add(future)
+
+        def run(engine):
+            try:
+                result = fn(engine)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                self.loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                self.loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self.commands.put(run)
+        try:
+            return await future
+        finally:
+            self.calls.discard(future)
+
+    def weight_path(self, transport: str, loop: LoopThread, timeout: float,
+                    group_timeout: float) -> TensorPath:
+        # The worker is in this process: no transport to choose (the backend allows "shm",
+        # its default, and nothing goes through shared memory).
+        return TensorPath(self, loop, timeout)
+
+    async def load_tensors(self, tensors: dict, timeout: float) -> None:
+        # In process: the tensors themselves, no copy through bytes.
+        await self._call(lambda engine: engine.collective_rpc(
+            "rollout_load_tensors", timeout=timeout, args=(list(tensors.items()),)))
+
+    async def reset_prefix_cache(self) -> None:
+        # Running requests (none in an update, which runs alone) would be preempted.
+        check_reset(await self._call(lambda engine: engine.reset_prefix_cache(True)))
+
+    async def release(self, level: int) -> None:
+        with counted_across_clear(self.mm_counts):
+            await self._call(lambda engine: engine.sleep(level=level))
+
+    def mm_cache_counts(self) -> tuple[int, int] | None:
+        return self.mm_counts and self.mm_counts.read()
+
+    async def resume(self, tags: list[str]) -> None:
+        await self._call(lambda engine: engine.wake_up(tags=tags))
+
+    async def close(self) -> None:
+        if self.thread is not None and self.thread.is_alive() and not self.dead:
+            self.commands.put(None)
+            await asyncio.to_thread(self.thread.join, 60)
+        if self.engine is not None:
+            self.engine.engine_core.shutdown()
+            self.engine = None
+
+
+class TensorPath:
+    """Weight updates into an `InProcessEngine`: one call per group, on the engine loop."""
+
+    def __init__(self, engine: InProcessEngine, loop: LoopThread, timeout: float):
+        self.engine, self.loop, self.timeout = engine, loop, timeout
+
+    def update(self, groups: Iterable[dict]) -> None:
+        for group in groups:
+            self.loop.run(self.engine.load_tensors(group, self.timeout), self.timeout + 60,
+                          "vLLM weight update")
+
+    def close(self) -> None:
+        pass  # nothing is held between updates
+
+
+class _Outputs:
+    """One request's outputs (or its error) as the engine's thread hands them over; its
+    generator waits here. Outputs that pile up while it is busy are taken together."""
+
+    __slots__ = ("items", "waiter", "sent")
+
+    def __init__(self):
+        self.items: list = []
+        self.waiter: asyncio.Future | None = None
+        self.sent = False  # handed to the engine's thread
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self, loop: asyncio.AbstractEventLoop) -> list:
+        while not self.items:
+            self.waiter = loop.create_future()
+            await self.waiter
+        items, self.items = self.items, []
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+        return items
+
+
+def _settle(future: asyncio.Future, result, exception) -> None:
+    if not future.done():
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
