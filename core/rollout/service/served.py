@@ -151,27 +151,26 @@ class ServedRollout:
         if call.stopped:  # aborted before it started: nothing was sent
             self._forget(call)
             return Completion(request.id, aborted_results(request))
-        timer = None if timeout is None else asyncio.get_running_loop().call_later(
-            timeout, self._stop, [call])
+        timer = None if timeout is None else self._loop.call_later(timeout, self._stop, [call])
         try:
-            if sink is None:
-                return await self.service.generate(request)
-            stream = self.service.stream(request)
-            try:
-                async for chunk in stream:
-                    sink(chunk)
-            finally:
-                await stream.aclose()
-            return stream.completion
-        except asyncio.CancelledError:
-            if not call.cut:
-                raise
-            uncancel()
-            return Completion(request.id, aborted_results(request))
+            return await self._send(request, sink)
+        except asyncio.CancelledError:  # by an abort the server did not answer, or the caller
+            return _cut(call)
         finally:
             if timer is not None:
                 timer.cancel()
             self._forget(call)
+
+    async def _send(self, request: Request, sink) -> Completion:
+        if sink is None:
+            return await self.service.generate(request)
+        stream = self.service.stream(request)
+        try:
+            async for chunk in stream:
+                sink(chunk)
+        finally:
+            await stream.aclose()
+        return stream.completion
 
     def abort(self, request_ids: Iterable[str] | None = None) -> None:
         """Stop this sampler's requests (all of them when None), from any thread, where
@@ -280,6 +279,15 @@ class _Call:
         self.stopped = False  # aborted, or timed out
         self.finished = False
         self.cut = False  # cancelled by an abort that the server did not answer
+
+
+def _cut(call: _Call) -> Completion:
+    """What a call cancelled by its abort returns (nothing reached it from its server);
+    any other cancellation goes on."""
+    if not call.cut:
+        raise asyncio.CancelledError
+    uncancel()
+    return Completion(call.id, aborted_results(call.request))
 
 
 async def _done(value):
