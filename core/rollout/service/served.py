@@ -154,8 +154,11 @@ class ServedRollout:
         timer = None if timeout is None else self._loop.call_later(timeout, self._stop, [call])
         try:
             return await self._send(request, sink)
-        except asyncio.CancelledError:  # by an abort the server did not answer, or the caller
-            return _cut(call)
+        except asyncio.CancelledError:
+            if not call.cut:  # the caller's: it goes on
+                raise
+            uncancel()  # an abort the server did not answer: nothing came back
+            return Completion(request.id, aborted_results(request))
         finally:
             if timer is not None:
                 timer.cancel()
@@ -279,15 +282,6 @@ class _Call:
         self.stopped = False  # aborted, or timed out
         self.finished = False
         self.cut = False  # cancelled by an abort that the server did not answer
-
-
-def _cut(call: _Call) -> Completion:
-    """What a call cancelled by its abort returns (nothing reached it from its server);
-    any other cancellation goes on."""
-    if not call.cut:
-        raise asyncio.CancelledError
-    uncancel()
-    return Completion(call.id, aborted_results(call.request))
 
 
 async def _done(value):

@@ -90,20 +90,6 @@ class Harness:
         return self.rollout.capabilities
 
 
-class _Borrowed:
-    """A server's service over a backend the suite keeps: the server closing does not
-    close it."""
-
-    def __new__(cls, rollout: Rollout):
-        from rollout.service.service import LocalService
-
-        class Borrowed(LocalService):
-            async def close(self) -> None:
-                pass
-
-        return Borrowed(rollout, "contract")
-
-
 def check_completions(batch: list[dict], completions, caps: Capabilities) -> None:
     assert len(completions) == len(batch)
     for request, completion in zip(batch, completions):
@@ -167,8 +153,9 @@ class BackendContract(SamplingContract):
         trainer in another process holds it."""
         from rollout.apps.serving.app import ServerThread
         from rollout.service.served import ServedRollout
+        from rollout.testing.server_contract import BorrowedService
 
-        with ServerThread(_Borrowed(harness.rollout)) as server, \
+        with ServerThread(BorrowedService(harness.rollout, "contract")) as server, \
                 ServedRollout.connect(server.url) as sampler:
             yield sampler
 
