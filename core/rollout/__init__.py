@@ -34,6 +34,7 @@ from rollout.contract.schemas import (
     TokenLogprob,
     Tool,
     ToolCall,
+    WeightSpan,
 )
 from rollout.api import Rollout, Stream, load_backend
 from rollout.contract.sampler import Sampler
@@ -71,6 +72,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputs",
     "WeightsDirtyError",
+    "WeightSpan",
     "TextPart",
     "TokenLogprob",
     "Tool",

@@ -33,10 +33,10 @@ from rollout.contract.errors import (
     WeightsDirtyError,
 )
 from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result, \
-    Timing
+    Timing, WeightSpan
 from rollout.kit.aio import Relay, engine_loop, on_loop, uncancel
 from rollout.kit.images import ImageStore, image_sources
-from rollout.kit.text import TextStream, final_text
+from rollout.kit.text import TextStream, cut, final_text
 from rollout.weights.update import check_update
 
 # A supported capability needs these hooks implemented.
@@ -86,6 +86,7 @@ class Rollout:
         self._running = 0  # requests admitted and not yet done
         self._lifecycle = False  # a lifecycle call runs
         self._lifecycle_waiting = 0  # lifecycle calls waiting for running requests to end
+        self._holding = False  # a keep update holds running requests (read on the loop)
 
     # --- generation ---------------------------------------------------------------------
 
@@ -208,12 +209,12 @@ class Rollout:
             if flight.aborted:  # before it started
                 return Completion(request.id, aborted_results(request))
             await self._admit()
+            flight.admitted = True
             try:
                 return await self._collect(flight, sink)
             finally:
-                with self._gate:
-                    self._running -= 1
-                    self._gate.notify_all()
+                if flight.admitted:
+                    self._leave()
         except asyncio.CancelledError:
             if not flight.aborted:
                 raise
@@ -239,26 +240,29 @@ class Rollout:
             if s.max_tokens is None:  # the room left in the context
                 s = attrs.evolve(s, max_tokens=self.encoder.max_model_len - len(prompt))
                 request = attrs.evolve(request, sampling=s)
+            samples = [_Sample(self.encoder.decode, s, sink is not None, i) for i in range(s.n)]
+            if request.continue_from is not None:
+                samples[0].go_on_from(request.continue_from, prompt)
             # Decoding images takes a while: not on the loop.
             images = await asyncio.to_thread(self.images.load, request) \
                 if image_sources(request) else ()
         except InvalidRequestError as exc:
             return Completion(request.id, error=exc)
-        samples = [_Sample(self.encoder.decode, s, sink is not None) for _ in range(s.n)]
-        started, first_token = time.monotonic(), None
-        chunks = self._pm.hook.generate(request=request, prompt_token_ids=prompt,
-                                        streaming=sink is not None, images=images)
+        flight.started = time.monotonic()
         try:
-            async for chunk in chunks:
-                if not 0 <= chunk.index < s.n or samples[chunk.index].finish:
-                    raise BackendContractError(
-                        f"backend {self.name!r}: chunk for sample {chunk.index} of a request "
-                        f"with n={s.n} (or after that sample finished)")
-                if first_token is None and chunk.token_ids:
-                    first_token = time.monotonic() - started
-                text = samples[chunk.index].add(chunk)
-                if sink is not None and (chunk.token_ids or chunk.finish_reason or text):
-                    sink(attrs.evolve(chunk, text=text))
+            # Engine calls until every sample ends; a keep update ends one early (held),
+            # and the unfinished samples go on from their tokens once it is done.
+            while await self._segment(flight, request, prompt, images, samples, sink):
+                if all(x.finish for x in samples):
+                    break
+                self._leave()
+                flight.admitted = False
+                try:
+                    await self._admit()
+                except RolloutError:  # the update failed, or the backend closed: partial
+                    flight.aborted = True
+                    break
+                flight.admitted = True
         except asyncio.CancelledError:
             if not flight.aborted:
                 raise
@@ -271,20 +275,74 @@ class Rollout:
         except Exception as exc:  # noqa: BLE001 - a backend bug fails its request alone
             return Completion(request.id, error=GenerationError(
                 f"backend {self.name!r} failed on request {request.id!r}: {exc!r}"))
-        finally:
-            await chunks.aclose()
         if not flight.aborted and not all(x.finish for x in samples):
             return Completion(request.id, error=BackendContractError(
                 f"backend {self.name!r}: the output of request {request.id!r} ended with "
                 "unfinished samples"))
         results = []
-        for i, sample in enumerate(samples):
-            results.append(sample.result(request, i, prompt, self.weight_version))
+        for sample in samples:
+            results.append(sample.result(request, prompt, self.weight_version))
             if sink is not None and sample.stream is not None and not sample.streamed_end:
-                sink(Chunk(i, finish_reason=results[-1].finish_reason,
+                sink(Chunk(sample.index, finish_reason=results[-1].finish_reason,
                            text=sample.stream.finish()))
-        return Completion(request.id, tuple(results),
-                          timing=Timing(first_token, time.monotonic() - started))
+        return Completion(request.id, tuple(results), timing=Timing(
+            flight.first_token, time.monotonic() - flight.started))
+
+    async def _segment(self, flight: _Flight, request: Request, prompt: list[int], images,
+                       samples: list[_Sample], sink) -> bool:
+        """Run the unfinished samples in the engine under the weights of now, until they end
+        (False) or a keep update holds them (True). Every token of one segment comes from
+        one version: updates wait for running requests, and this one runs."""
+        if self._holding and flight.keepable:
+            return True  # a keep update waits: let it go first
+        version = self.weight_version
+        for sample in samples:
+            sample.check_room()
+        todo = [x for x in samples if not x.finish]
+        if all(not x.tokens and not x.finish for x in samples):  # one call for them all
+            parts = [(request, prompt, samples)]
+        else:  # each sample from its own tokens
+            parts = [(x.rest_of(request), prompt + x.tokens, [x]) for x in todo]
+        flight.in_engine = True
+        try:
+            await _together([self._part(flight, r, p, images, targets, sink, version)
+                             for r, p, targets in parts])
+        except asyncio.CancelledError:
+            if not flight.held:
+                raise
+            uncancel()
+            return True
+        finally:
+            flight.in_engine = flight.held = False
+        return False
+
+    async def _part(self, flight: _Flight, request: Request, prompt: list[int], images,
+                    targets: list[_Sample], sink, version: int | None) -> None:
+        """One engine call: its chunks go to `targets` (its sample index -> ours)."""
+        for sample in targets:
+            sample.begin_segment()
+        chunks = self._pm.hook.generate(request=request, prompt_token_ids=prompt,
+                                        streaming=sink is not None, images=images)
+        try:
+            async for chunk in chunks:
+                if not 0 <= chunk.index < len(targets) or targets[chunk.index].finish:
+                    raise BackendContractError(
+                        f"backend {self.name!r}: chunk for sample {chunk.index} of a request "
+                        f"with n={len(targets)} (or after that sample finished)")
+                if flight.first_token is None and chunk.token_ids:
+                    flight.first_token = time.monotonic() - flight.started
+                chunk = targets[chunk.index].add(chunk, version)
+                if sink is not None and (chunk.token_ids or chunk.finish_reason or chunk.text):
+                    sink(chunk)
+                if all(x.finish for x in targets):
+                    break  # (the core found a stop string that spans a continuation)
+        finally:
+            await chunks.aclose()
+
+    def _leave(self) -> None:
+        with self._gate:
+            self._running -= 1
+            self._gate.notify_all()
 
     async def _admit(self) -> None:
         """Wait (bounded) while a lifecycle call runs or waits; resume a released backend
@@ -341,6 +399,11 @@ class Rollout:
         return frozenset(self._released)
 
     @property
+    def updating(self) -> bool:
+        """A lifecycle call (a weight update, release, resume) runs or waits to."""
+        return self._lifecycle or self._lifecycle_waiting > 0
+
+    @property
     def weights_dirty(self) -> bool:
         """A weight update failed midway: no request runs until a full one succeeds."""
         return self._dirty is not None
@@ -367,17 +430,20 @@ class Rollout:
         """Load new weights, given as (name, tensor) pairs, packed into buckets (or as
         buckets already packed, which a server receives).
 
-        `version` stamps every later `Result.weight_version`. `pause` says what happens to
-        running requests: "wait" lets them finish first, "abort" stops them (they return
-        what they made so far, finish reason "abort", to be continued under the new
-        weights). An update that fails midway leaves the weights dirty: no request runs
-        until a full update succeeds.
+        `version` labels the tokens made from now on (`Result.weight_versions`). `pause`
+        says what happens to running requests: "wait" lets them finish first, "abort" stops
+        them (they return what they made so far, finish reason "abort", to be continued
+        with `continue_from`), "keep" holds them while the weights load and then continues
+        each from its tokens so far under the new weights, in the same call (the way
+        `capabilities.keep` names; a constrained request is not held: the update waits for
+        it). New requests wait for the update. An update that fails midway leaves the
+        weights dirty: no request runs until a full update succeeds.
         """
         from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
 
         check_update(version, pause)
         self.capabilities.require("update_weights")
-        with self._lifecycle_section(abort=pause == "abort"):
+        with self._lifecycle_section(pause):
             if "weights" in self._released:
                 raise BackendReleasedError(
                     f"backend {self.name!r}: weights are released; resume(['weights']) first")
@@ -408,10 +474,10 @@ class Rollout:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _lifecycle_section(self, abort: bool = False) -> _Lifecycle:
+    def _lifecycle_section(self, pause: str = "wait") -> _Lifecycle:
         if on_loop(self._loop):
             raise RuntimeError("lifecycle calls block; make them off the engine loop")
-        return _Lifecycle(self, abort)
+        return _Lifecycle(self, pause)
 
 
 class Stream:
@@ -450,70 +516,141 @@ class Stream:
 class _Flight:
     """One call for one request."""
 
-    __slots__ = ("request", "aborted", "task")
+    __slots__ = ("request", "aborted", "task", "admitted", "in_engine", "held", "keepable",
+                 "started", "first_token")
 
     def __init__(self, request: Request):
         self.request = request
         self.aborted = False
         self.task: asyncio.Task | None = None
+        self.admitted = False  # counted as running
+        self.in_engine = False  # an engine call runs (loop only)
+        self.held = False  # stopped by a keep update, to go on after it (loop only)
+        # A grammar's state lives in the engine: a constrained request cannot go on from
+        # its tokens, so a keep update waits for it instead.
+        self.keepable = request.sampling.structured_outputs is None
+        self.started = 0.0
+        self.first_token: float | None = None
 
 
 class _Sample:
-    """What one sample of a request has made so far."""
+    """What one sample of a request has made so far, over one engine call or several."""
 
-    def __init__(self, decode, s, streaming: bool):
-        self.decode, self.s = decode, s
+    def __init__(self, decode, s, streaming: bool, index: int):
+        self.decode, self.s, self.index = decode, s, index
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = [] if s.logprobs is not None else None
         self.top: list | None = [] if s.logprobs else None
+        self.spans: list[WeightSpan] = []
         self.finish: str | None = None
         self.cached: int | None = None
         self.stream = TextStream(decode, s) if streaming else None
         self.streamed_end = False
+        self.before = 0  # tokens made before the running engine call (in its prompt)
 
-    def add(self, chunk: Chunk) -> str:
+    def go_on_from(self, done: Result, prompt: list[int]) -> None:
+        """Start from an aborted result of the same prompt (`Request.continue_from`)."""
+        if done.token_ids and list(done.prompt_token_ids) != prompt:
+            raise InvalidRequestError(
+                "continue_from", "its prompt_token_ids are not this request's prompt",
+                "a Result of the same prompt")
+        self.tokens = list(done.token_ids)
+        if self.logprobs is not None:
+            self.logprobs = list(done.logprobs or ())
+        if self.top is not None:
+            self.top = list(done.top_logprobs or ())
+        self.spans = list(done.weight_versions) or (
+            [WeightSpan(done.weight_version, 0, len(self.tokens))] if self.tokens else [])
+        self.cached = done.cached_tokens
+        if self.stream is not None:
+            self.stream.add(self.tokens)  # the text so far is the caller's already
+
+    def check_room(self) -> None:
+        if not self.finish and len(self.tokens) >= self.s.max_tokens:
+            self.finish = "length"  # stopped right at its last token
+
+    def begin_segment(self) -> None:
+        self.before = len(self.tokens)
+
+    def rest_of(self, request: Request) -> Request:
+        """The request that goes on from this sample's tokens (they join the prompt)."""
+        s, made = self.s, len(self.tokens)
+        return attrs.evolve(request, continue_from=None, sampling=attrs.evolve(
+            s, n=1, max_tokens=s.max_tokens - made, min_tokens=max(0, s.min_tokens - made)))
+
+    def add(self, chunk: Chunk, version: int | None) -> Chunk:
+        """Take an engine chunk; returns it as the caller sees it (our index, its text, the
+        version of its weights)."""
+        if self.before and self.s.stop:
+            chunk = self._cut_at_stop(chunk)
+        start = len(self.tokens)
         self.tokens += chunk.token_ids
+        if chunk.token_ids:
+            last = self.spans[-1] if self.spans else None
+            if last is not None and last.version == version and last.end == start:
+                self.spans[-1] = WeightSpan(version, last.start, len(self.tokens))
+            else:
+                self.spans.append(WeightSpan(version, start, len(self.tokens)))
         if self.logprobs is not None:
             self.logprobs += chunk.logprobs or ()
         if self.top is not None:
             self.top += chunk.top_logprobs or ()
         self.finish = chunk.finish_reason
-        if chunk.cached_tokens is not None:
+        if chunk.cached_tokens is not None and not self.before:  # the first call's prompt
             self.cached = chunk.cached_tokens
-        if self.stream is None:
-            return ""
-        text = self.stream.add(chunk.token_ids)
-        if self.finish:
-            self.streamed_end = True
-            text += self.stream.finish()
-        return text
+        text = ""
+        if self.stream is not None:
+            text = self.stream.add(chunk.token_ids)
+            if self.finish:
+                self.streamed_end = True
+                text += self.stream.finish()
+        return attrs.evolve(chunk, index=self.index, text=text, weight_version=version)
 
-    def result(self, request: Request, index: int, prompt: list[int],
+    def _cut_at_stop(self, chunk: Chunk) -> Chunk:
+        """A continued engine call sees the earlier tokens as prompt: a stop string that
+        starts in them is the core's to find. The chunk ends at the token that completes
+        it."""
+        tokens, new = self.tokens, list(chunk.token_ids)
+        held = len(self.decode(tokens[: self.s.min_tokens])) if self.s.min_tokens else 0
+        for k in range(1, len(new) + 1):
+            if cut(self.decode(tokens + new[:k]), self.s, held)[1]:
+                return attrs.evolve(
+                    chunk, token_ids=new[:k], finish_reason="stop",
+                    logprobs=None if chunk.logprobs is None else chunk.logprobs[:k],
+                    top_logprobs=None if chunk.top_logprobs is None else chunk.top_logprobs[:k])
+        return chunk
+
+    def result(self, request: Request, prompt: list[int],
                weight_version: int | None) -> Result:
         streamed = self.stream.final if self.streamed_end else None  # decoded once only
         return Result(
-            request_id=request.id, index=index, token_ids=tuple(self.tokens),
+            request_id=request.id, index=self.index, token_ids=tuple(self.tokens),
             text=final_text(self.decode, self.tokens, self.s) if streamed is None else streamed,
             finish_reason=self.finish or "abort", prompt_tokens=len(prompt),
             prompt_token_ids=tuple(prompt), cached_tokens=self.cached,
-            weight_version=weight_version,
+            weight_version=self.spans[-1].version if self.spans else weight_version,
+            weight_versions=tuple(self.spans),
             logprobs=None if self.logprobs is None else tuple(self.logprobs),
             top_logprobs=None if self.top is None else tuple(self.top))
 
 
 class _Lifecycle:
     """A lifecycle call runs alone: it waits (bounded) for running requests to end, and
-    holds new ones back meanwhile."""
+    holds new ones back meanwhile. `pause` "abort" stops running requests instead; "keep"
+    holds them out of the engine until the call is done, then they go on."""
 
-    def __init__(self, owner: Rollout, abort: bool = False):
+    def __init__(self, owner: Rollout, pause: str = "wait"):
         self.owner = owner
-        self.abort = abort  # stop running requests instead of waiting for them
+        self.pause = pause
 
     def __enter__(self):
         o = self.owner
         with o._gate:
             o._lifecycle_waiting += 1  # from here on, no new request is admitted
-        if self.abort:
+            if self.pause == "keep":
+                o._holding = True
+                o._loop.call_soon_threadsafe(_hold_all, o)
+        if self.pause == "abort":
             o.abort()
         with o._gate:
             try:
@@ -524,6 +661,7 @@ class _Lifecycle:
                         "requests or another lifecycle call")
             finally:
                 o._lifecycle_waiting -= 1
+                o._holding = False
             if o._closed:
                 raise BackendReleasedError(f"backend {o.name!r} is closed")
             o._lifecycle = True
@@ -534,6 +672,31 @@ class _Lifecycle:
         with o._gate:
             o._lifecycle = False
             o._gate.notify_all()
+
+
+def _hold_all(owner: Rollout) -> None:
+    """On the loop: stop the engine calls of running requests that can go on later."""
+    with owner._gate:
+        flights = [f for same in owner._flights.values() for f in same]
+    for flight in flights:
+        if flight.in_engine and flight.keepable and not flight.held and flight.task is not None:
+            flight.held = True
+            flight.task.cancel()
+
+
+async def _together(calls: list) -> None:
+    """Await the calls; one that fails or a cancellation stops the others, and their
+    clean-up ends before this returns or raises."""
+    if len(calls) == 1:
+        await calls[0]
+        return
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
 
 
 def _cancel_all(flights: list[_Flight], abort: bool = False) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar
 
 import attrs
 import cattrs
+import cattrs.gen
 from cattrs.errors import (
     AttributeValidationNote,
     ForbiddenExtraKeysError,
@@ -20,7 +21,7 @@ from cattrs.errors import (
 )
 
 from rollout.contract import errors
-from rollout.contract.schemas import PART_TYPES, Content, ContentPart, ImageSource
+from rollout.contract.schemas import PART_TYPES, Content, ContentPart, ImageSource, Result
 
 T = TypeVar("T")
 
@@ -111,6 +112,17 @@ converter.register_unstructure_hook(ImageSource, _unstructure_image)
 converter.register_structure_hook_func(lambda t: t == dict[int, float], _structure_logit_bias)
 converter.register_structure_hook_func(lambda t: t == Content, _structure_content)
 converter.register_unstructure_hook(errors.RolloutError, lambda e: e.to_dict())
+
+
+def _as_is_or_structured(cls: type):
+    """A schema object in a request given from Python (a Result to continue from) is taken
+    as it is; a dict is structured."""
+    structured = cattrs.gen.make_dict_structure_fn(cls, converter,
+                                                   _cattrs_forbid_extra_keys=True)
+    return lambda value, _: value if isinstance(value, cls) else structured(value, cls)
+
+
+converter.register_structure_hook(Result, _as_is_or_structured(Result))
 converter.register_structure_hook(
     errors.RolloutError, lambda d, _: errors.from_dict(d) if isinstance(d, dict) else d
 )

@@ -321,6 +321,10 @@ class Request:
     # Requests of one session (the turns of one trajectory) go to the same replica while
     # it is healthy, so later turns reuse its prefix cache.
     session_id: str | None = None
+    # A partial rollout to go on with: an aborted Result of this same prompt and sampling
+    # (n=1). Generation continues from its tokens, with the max_tokens left; the result
+    # holds its tokens, logprobs and weight spans followed by the new ones.
+    continue_from: Result | None = None
 
     def __attrs_post_init__(self):
         _check("id", isinstance(self.id, str) and self.id != "", f"got {self.id!r}",
@@ -374,12 +378,41 @@ class Request:
                f"got {type(self.sampling).__name__}", "a SamplingParams")
         _check("metadata", isinstance(self.metadata, dict), f"got {self.metadata!r}",
                "a mapping")
+        if self.continue_from is not None:
+            _check_continuation(self)
+
+
+def _check_continuation(request: Request) -> None:
+    done, s = request.continue_from, request.sampling
+    _check("continue_from", isinstance(done, Result), f"got {type(done).__name__}",
+           "an aborted Result of this prompt")
+    _check("continue_from", done.finish_reason == "abort",
+           f"the sample finished ({done.finish_reason!r})", "a Result with finish reason abort")
+    _check("continue_from", s.n == 1, f"n={s.n}", "n=1: a Result is one sample")
+    _check("continue_from", s.structured_outputs is None,
+           "a constrained sample cannot continue: the grammar's state is the engine's",
+           "no structured_outputs")
+    _check("continue_from", (done.logprobs is None) == (s.logprobs is None),
+           "logprobs asked in one call and not the other", "the same sampling.logprobs")
+    _check("continue_from", s.max_tokens is None or s.max_tokens > len(done.token_ids),
+           f"{len(done.token_ids)} tokens made, max_tokens={s.max_tokens}",
+           "max_tokens above the tokens made so far")
 
 
 @attrs.frozen
 class TokenLogprob:
     token_id: int
     logprob: float
+
+
+@attrs.frozen
+class WeightSpan:
+    """Output tokens `[start, end)` were sampled from the weights labelled `version`
+    (vLLM's `WeightVersionSpan`; None: before the first versioned update)."""
+
+    version: int | None
+    start: int
+    end: int
 
 
 @attrs.frozen
@@ -407,9 +440,12 @@ class Result:
     prompt_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     # Prompt tokens the engine took from its prefix cache; None where it does not say.
     cached_tokens: int | None = None
-    # The version of the weights that generated it (`Rollout.update_weights(version=)`);
-    # None until the first versioned update.
+    # The version of the weights that made its last token (`Rollout.update_weights(version=)`);
+    # None until the first versioned update. A sample that ran on across an update
+    # (`pause="keep"`, or continued with `continue_from`) mixes versions: `weight_versions`
+    # says which weights made each token, as spans that cover `token_ids` in order.
     weight_version: int | None = None
+    weight_versions: tuple[WeightSpan, ...] = attrs.field(default=(), converter=_tuple)
 
     def __attrs_post_init__(self):
         _check("prompt_token_ids", not self.prompt_token_ids
@@ -419,6 +455,14 @@ class Result:
         _check("completion_tokens", self.completion_tokens == len(self.token_ids),
                f"{self.completion_tokens} but {len(self.token_ids)} token ids",
                "the number of token ids")
+        spans = self.weight_versions
+        _check("weight_versions", isinstance(spans, tuple) and all(
+            isinstance(x, WeightSpan) for x in spans) and (not spans or (
+                spans[0].start == 0 and spans[-1].end == len(self.token_ids) and all(
+                    a.end == b.start for a, b in zip(spans, spans[1:]))
+                and all(x.start < x.end for x in spans))),
+            f"got {spans!r:.200}", "spans (version, start, end) covering the output tokens "
+            "in order, or none")
 
 
 @attrs.frozen
@@ -441,6 +485,8 @@ class Chunk:
     # Prompt tokens the engine took from its prefix cache, on any chunk of the request
     # where the engine says (the core keeps the last it saw); None elsewhere.
     cached_tokens: int | None = None
+    # The version of the weights that made its tokens; the core sets it.
+    weight_version: int | None = None
 
 
 @attrs.frozen
@@ -492,19 +538,28 @@ CAPABILITIES = {
 TAGS = ("weights", "kv_cache")
 
 
+KEEPS = {
+    "continue": "the core stops each running request at a step boundary and continues it "
+                "from its prompt and tokens so far under the new weights (KV recomputed)",
+}
+
+
 @attrs.frozen
 class Capabilities:
     """What a backend supports. `unsupported` maps a capability name to the reason it is
     missing here; `auto_resume` means generate() on a released backend resumes it instead
-    of raising."""
+    of raising; `keep` says how `update_weights(pause="keep")` holds running requests
+    (`KEEPS`)."""
 
     unsupported: dict[str, str] = attrs.field(factory=dict)
     auto_resume: bool = False
+    keep: str = "continue"
 
     def __attrs_post_init__(self):
         for name in self.unsupported:
             _check("unsupported", name in CAPABILITIES, f"unknown capability {name!r}",
                    ", ".join(CAPABILITIES))
+        _check("keep", self.keep in KEEPS, f"got {self.keep!r}", ", ".join(KEEPS))
 
     def supports(self, name: str) -> bool:
         return name not in self.unsupported
@@ -517,5 +572,5 @@ class Capabilities:
 
 
 for _cls in (StructuredOutputs, SamplingParams, TextPart, ImagePart, ToolCall, Tool, Message,
-             Request, TokenLogprob, Result, Chunk, Completion, Capabilities):
+             WeightSpan, Request, TokenLogprob, Result, Chunk, Completion, Capabilities):
     attrs.resolve_types(_cls)

@@ -85,6 +85,7 @@ class ReplicaPool:
         # weights kept here, or (keep_weights=False) waits for the next update.
         self.weight_version: int | None = None
         self._versioned = False
+        self._updates_ended = 0  # a health answer sent before an update ended is stale
         self.kept = KeptWeights() if keep_weights else None
         self._updating = asyncio.Lock()  # one weight update at a time, catch-ups included
 
@@ -197,6 +198,7 @@ class ReplicaPool:
             if replica.restart is not None and replica.restarts_left > 0:
                 replica.recovering = asyncio.create_task(self._restart(replica))
             return
+        updates = self._updates_ended
         try:
             state = await replica.service.health()
         except RolloutError as exc:
@@ -206,7 +208,8 @@ class ReplicaPool:
                 await self._take_out(replica, str(exc))
         else:
             replica.failed_checks, replica.dirty = 0, False
-            replica.weight_version = state.get("weight_version")
+            if updates == self._updates_ended:  # else the answer predates an update's end
+                replica.weight_version = state.get("weight_version")
             if not replica.healthy:
                 await self._put_back(replica)
             if self._can_catch_up(replica):
@@ -345,6 +348,7 @@ class ReplicaPool:
                 replica.weight_version = version
                 replica.healthy, replica.down_reason, replica.failed_checks = True, "", 0
             self.weight_version, self._versioned = version, True
+            self._updates_ended += 1
             self._changed.notify_all()
 
     def update_ended(self) -> None:

@@ -67,6 +67,17 @@ def skip_unless(caps: Capabilities, capability: str) -> None:
         pytest.skip(f"{capability} unsupported by this backend: {caps.unsupported[capability]}")
 
 
+def wait_until(condition, timeout: float = 120.0) -> bool:
+    """Block this thread until `condition()` holds (bounded), checking every millisecond."""
+    import time
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 def on_engine_loop(coro):
     """Run a test's coroutine on the engine loop, where the engines' outputs are read, and
     wait for it. A check that races an engine (is the request still running?) must run
@@ -500,6 +511,92 @@ class BackendContract(SamplingContract):
             rollout.update_weights(weights.items())
         with pytest.raises(InvalidRequestError, match="pause"):
             rollout.update_weights(weights.items(), pause="later")
+
+    # --- across weight updates: keep, spans, continue_from --------------------------------
+
+    def _greedy_long(self, harness, rid: str) -> dict:
+        # Long enough to outlast a starved test process (see _long_request); greedy, so
+        # each side of an update can be replayed.
+        return {"id": rid, "prompt": "the ka lo",
+                "sampling": {"temperature": 0.0, "ignore_eos": True, "logprobs": 0,
+                             "max_tokens": min(4000, harness.max_model_len - 16)}}
+
+    def _replays(self, sampler, result, start: int, end: int) -> None:
+        """Tokens [start, end) of `result` are what the weights loaded now make, greedily,
+        from the prompt and the tokens before `start`, with the same logprobs."""
+        end = min(end, result.completion_tokens)
+        [again] = sampler.generate([{
+            "prompt_token_ids": list(result.prompt_token_ids) + list(result.token_ids[:start]),
+            "sampling": {"temperature": 0.0, "ignore_eos": True, "logprobs": 0,
+                         "max_tokens": end - start}}])[0].unwrap()
+        assert again.token_ids == result.token_ids[start:end], (start, end)
+        assert again.logprobs == pytest.approx(result.logprobs[start:end], abs=1e-3)
+
+    def test_keep_goes_on_under_the_new_weights_with_exact_spans(self, harness, sampler):
+        skip_unless(harness.caps, "update_weights")
+        assert harness.caps.keep in ("continue",)
+        rollout, request = harness.rollout, self._greedy_long(harness, "kept")
+        other = load_weights(harness.other_dir)
+
+        async def run():  # on the engine loop: see on_engine_loop
+            stream = sampler.stream(request)
+            update = None
+            async for chunk in stream:
+                if chunk.token_ids and update is None:
+                    update = asyncio.get_running_loop().run_in_executor(None, lambda: (
+                        sampler.update_weights(other.items(), version=1, pause="keep")))
+                    # The loop holds still until the update holds running requests, so
+                    # the request cannot end first, however late the update's thread runs.
+                    assert wait_until(lambda: rollout.updating), "the update never began"
+            await asyncio.wait_for(update, 120)
+            return stream.completion
+
+        try:
+            [kept] = on_engine_loop(run()).unwrap()
+            assert kept.finish_reason == "length"  # nothing lost: it ran to its end
+            assert kept.completion_tokens == request["sampling"]["max_tokens"]
+            before, after = kept.weight_versions
+            assert (before.version, after.version, kept.weight_version) == (None, 1, 1)
+            edge = before.end
+            assert 0 < edge < kept.completion_tokens
+            self._replays(sampler, kept, edge, edge + 8)  # after the edge: the new weights
+        finally:
+            sampler.update_weights(load_weights(harness.model_dir).items())
+        self._replays(sampler, kept, max(0, edge - 8), edge)  # before it: the old ones
+
+    def test_an_aborted_sample_continues_from_its_tokens_under_a_new_version(
+            self, harness, sampler):
+        skip_unless(harness.caps, "update_weights")
+        request = self._greedy_long(harness, "partial")
+
+        async def run():  # on the engine loop: see on_engine_loop
+            stream = sampler.stream(request)
+            async for chunk in stream:
+                if chunk.token_ids:
+                    sampler.abort([request["id"]])
+            return stream.completion
+
+        [partial] = on_engine_loop(run()).unwrap()
+        assert partial.finish_reason == "abort" and partial.completion_tokens > 0
+        try:
+            sampler.update_weights(load_weights(harness.other_dir).items(), version=5)
+            going_on = {**request, "sampling": {**request["sampling"], "max_tokens":
+                                                partial.completion_tokens + 8}}
+            [whole] = sampler.generate([{**going_on, "continue_from": partial}])[0].unwrap()
+            edge = partial.completion_tokens
+            assert whole.token_ids[:edge] == partial.token_ids
+            assert whole.logprobs[:edge] == partial.logprobs
+            assert [(x.version, x.start, x.end) for x in whole.weight_versions] == [
+                (None, 0, edge), (5, edge, edge + 8)]
+            assert whole.finish_reason == "length"
+            self._replays(sampler, whole, edge, edge + 8)
+            with pytest.raises(InvalidRequestError, match="continue_from"):
+                sampler.generate([{**going_on, "prompt": "def x", "continue_from": partial}
+                                  ])[0].unwrap()
+            with pytest.raises(InvalidRequestError, match="continue_from"):
+                sampler.generate([{**going_on, "continue_from": whole}])[0].unwrap()
+        finally:
+            sampler.update_weights(load_weights(harness.model_dir).items())
 
     def test_generate_while_released(self, harness):
         skip_unless(harness.caps, "release")
