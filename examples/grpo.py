@@ -2,11 +2,17 @@
 
 Each step samples a group of completions per prompt from the backend, scores them with a
 verifiable reward, takes one policy-gradient step in the trainer and pushes the new weights
-to the backend with `Rollout.update_weights`. Two checks prove that the sync works:
+to the backend with `update_weights`. With `--async ETA` (default 0, the synchronous
+loop) the sampling of the next batches overlaps training: up to ETA + 1 batches are
+sampled ahead of the trainer (rollout.apps.rl.GroupSampler), pushes let running samples
+go on under the new weights (`pause="keep"`), and the loss weights each token by its
+truncated importance ratio against the weights that sampled it. Two checks prove that the
+sync works:
 
-- every result carries the `weight_version` of the last push;
-- the backend's logprobs of the sampled tokens (raw distribution, temperature 1) equal the
-  trainer's own forward pass on the same tokens, within `--tolerance`.
+- every token's weight version (`Result.weight_versions`) is within ETA of the trainer's;
+- the backend's logprob of every sampled token (raw distribution, temperature 1) equals
+  the trainer's own forward pass under the weights of that token's version, within
+  `--tolerance` (the trainer keeps the last ETA versions' weights for this).
 
 Two tasks. `--task letter` (the default, on the project's tiny random model): the reward is
 the fraction of generated tokens whose text contains `--target`, so even a random model
@@ -22,6 +28,7 @@ the same code runs on every backend:
     python examples/grpo.py --backend vllm --backend-option dtype=float32
     python examples/grpo.py --config grpo.yaml   # the same keys as the flags
     python examples/grpo.py --backend hf --replicas 2   # replica processes, pushed over shm
+    python examples/grpo.py --task sums --async 1 --threads 1   # sampling overlaps training
     python examples/grpo.py --server http://127.0.0.1:8000 --model DIR   # a rollout serve
 
 Without `--model`, the letter task builds the project's tiny model (nothing is downloaded)
@@ -32,6 +39,7 @@ evaluation; examples/plot_grpo.py draws the reward curves from such files.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -42,6 +50,7 @@ import yaml
 import rollout
 import rollout.kit.models
 from rollout.apps.datasets import sums
+from rollout.apps.rl import GroupSampler, largest_gap
 from rollout.service.served import open_sampler
 
 WORDS = "the ka lo mi ne su ta ri po def return print x y if for".split()
@@ -61,6 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--server", help="sample from a running `rollout serve` at this URL")
     parser.add_argument("--api-key", help="the server's API key")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--async", dest="eta", type=int, default=0, metavar="ETA",
+                        help="sample up to ETA batches ahead of the trainer (0: synchronous)")
+    parser.add_argument("--tis-cap", type=float, default=2.0,
+                        help="the truncation of each token's importance ratio")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of the trainer (and of an in-process engine); "
+                        "0: torch's default")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -81,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.config:  # the file gives the defaults; flags given on the command line win
         with open(args.config) as f:
             config = {k.replace("-", "_"): v for k, v in (yaml.safe_load(f) or {}).items()}
+        if "async" in config:
+            config["eta"] = config.pop("async")
         unknown = set(config) - set(vars(args))
         if unknown:
             parser.error(f"unknown keys in {args.config}: {', '.join(sorted(unknown))}")
@@ -166,6 +184,49 @@ def sequence_logprobs(model, results) -> list:
     return out
 
 
+class Versions:
+    """The trainer's weights of the versions a batch may hold tokens of (the last `eta`
+    besides the current one), and each token's logprob under its version's."""
+
+    def __init__(self, model, eta: int):
+        self.model, self.eta = model, eta
+        self.saved: dict[int, dict] = {}
+        self.scratch = None  # a second model that old versions are loaded into
+        self.add(0)
+
+    @staticmethod
+    def label(version: int | None) -> int:
+        return 0 if version is None else version  # tokens before the first push
+
+    def of(self, results) -> set[int]:
+        return {self.label(x.version) for r in results for x in r.weight_versions}
+
+    def add(self, version: int) -> None:
+        if self.eta:
+            self.saved[version] = {k: v.detach().clone()
+                                   for k, v in self.model.state_dict().items()}
+            self.saved.pop(version - self.eta - 1, None)
+
+    def logprobs_under(self, current: int, results, current_logprobs):
+        """`largest_gap`'s callable: the trainer's own pass for the current version, a pass
+        of the scratch model under a saved version's weights for an older one."""
+        import copy
+
+        import torch
+
+        mine = {id(r): lp.detach() for r, lp in zip(results, current_logprobs)}
+
+        def under(version, holding):
+            if self.label(version) == current:
+                return [mine[id(r)] for r in holding]
+            if self.scratch is None:
+                self.scratch = copy.deepcopy(self.model)
+            self.scratch.load_state_dict(self.saved[self.label(version)])
+            with torch.no_grad():
+                return sequence_logprobs(self.scratch, holding)
+        return under
+
+
 def accuracy(sampler, task, max_tokens: int) -> float:
     """The share of held-out prompts answered right under greedy decoding."""
     requests = [{**fields, "sampling": {"temperature": 0.0, "max_tokens": max_tokens}}
@@ -193,6 +254,8 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(args.seed)
+    if args.threads:  # one process, one thread count: the trainer's and an in-process engine's
+        torch.set_num_threads(args.threads)
     # The trainer: float32, and eval() so the forward pass is the one the sampler runs
     # (no dropout); gradients still flow.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -223,70 +286,91 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
         record({"step": step, "accuracy": score})
         return score
 
-    rewards_per_step, version, worst_diff, timings = [], None, 0.0, []
+    def score(request, results) -> list[float]:
+        return [task.score(r, request.metadata["answer"]) for r in results]
+
+    # Every batch's prompts, in order; the group sampler takes them as the bound allows.
+    def prompts():
+        for step in itertools.count(1):
+            for i, (fields, answer) in enumerate(task.batch(step)):
+                yield {**fields, "id": f"s{step}-{i}", "metadata": {"answer": answer},
+                       "sampling": {"temperature": args.temperature,
+                                    "max_tokens": args.max_tokens, "logprobs": 0,
+                                    # A seed of its own per prompt, the same from run to run.
+                                    **({"seed": args.seed * 1_000_003 + step * 1000 + i * 64}
+                                       if seeded else {})}}
+
+    rewards_per_step, worst_diff, timings = [], 0.0, []
+    # The weights of the versions a batch may still hold tokens of, for the logprob check.
+    kept = Versions(model, args.eta)
+    groups = None
     try:
         before = evaluate(0)
+        groups = GroupSampler(sampler, prompts(), group_size=args.group_size,
+                              batch_size=args.prompts, eta=args.eta, score=score)
         for step in range(1, args.steps + 1):
             started = time.perf_counter()
-            batch = task.batch(step)
-            requests = [{**fields, "sampling": {
-                "n": args.group_size, "temperature": args.temperature,
-                "max_tokens": args.max_tokens,
-                # A seed of its own per request, the same from run to run.
-                "logprobs": 0, **({"seed": args.seed * 1_000_003 + step * 1000 + i}
-                                  if seeded else {})}}
-                for i, (fields, _) in enumerate(batch)]
-            results = [r for c in sampler.generate(requests) for r in c.unwrap()]
+            batch = groups.next_batch(timeout=1800)
+            results = [r for g in batch for r in g.results]
             sampled = time.perf_counter()
+            version = groups.version
 
-            # Sync check 1: the samples came from the weights pushed last.
-            stale = {r.weight_version for r in results} - {version}
-            if stale:
-                print(f"step {step}: results carry weight_version {stale}, expected {version}")
+            # Sync check 1: every token came from weights no older than the bound allows.
+            old = {v for v in kept.of(results) if not version - args.eta <= v <= version}
+            if old:
+                print(f"step {step}: tokens of weight versions {old}, the trainer at {version}")
                 return 1
 
-            # Sync check 2: the sampler's logprobs are the trainer's. The same forward pass
-            # then gives the loss's gradients.
+            # Sync check 2: each token's logprob is the one its version's weights give. The
+            # forward pass under the current weights then gives the loss's gradients.
             logprobs = sequence_logprobs(model, results)
-            diff = max((lp.detach() - torch.tensor(r.logprobs)).abs().max().item()
-                       for lp, r in zip(logprobs, results))
+            diff = largest_gap(results, kept.logprobs_under(version, results, logprobs))
             worst_diff = max(worst_diff, diff)
             if diff > args.tolerance:
                 print(f"step {step}: logprobs differ by {diff:.2e} > {args.tolerance:g}")
                 return 1
 
             # Group-relative advantages: each sample against the others of its prompt.
-            answers = [answer for _, answer in batch for _ in range(args.group_size)]
-            reward = torch.tensor([task.score(r, a) for r, a in zip(results, answers)])
-            reward = reward.view(len(batch), args.group_size)
+            reward = torch.tensor([g.rewards for g in batch])
             advantage = ((reward - reward.mean(1, keepdim=True))
                          / (reward.std(1, keepdim=True) + 1e-4))
-            # Policy gradient: raise the logprob of samples better than their group.
-            loss = -(advantage.flatten() * torch.stack([lp.sum() for lp in logprobs])).mean()
+            # Policy gradient: raise the logprob of samples better than their group, each
+            # token weighted by its truncated importance ratio (1 when sampled by these
+            # very weights, as in the synchronous loop).
+            ratios = [torch.exp(lp.detach() - torch.tensor(r.logprobs)).clamp(max=args.tis_cap)
+                      for lp, r in zip(logprobs, results)]
+            loss = -(advantage.flatten() * torch.stack(
+                [(w * lp).sum() for w, lp in zip(ratios, logprobs)])).mean()
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             trained = time.perf_counter()
 
-            # Push the new weights; later samples must carry this version.
-            sampler.update_weights(model.named_parameters(), version=step)
-            version = step
+            # Push the new weights as the next version: running samples go on under them.
+            kept.add(groups.update_weights(model.named_parameters()))
             pushed = time.perf_counter()
             rewards_per_step.append(reward.mean().item())
+            tokens = sum(r.completion_tokens for r in results)
             timing = {"sample_s": sampled - started, "train_s": trained - sampled,
                       "push_s": pushed - trained, "step_s": pushed - started}
             timings.append(timing)
+            stale = sum(x.end - x.start for r in results for x in r.weight_versions
+                        if kept.label(x.version) < version) / max(tokens, 1)
             record({"step": step, "reward": rewards_per_step[-1], "max_logprob_diff": diff,
+                    "stale_token_share": round(stale, 4), "eta": args.eta,
                     **{k: round(v, 4) for k, v in timing.items()}})
             print(f"step {step:3d}  reward {rewards_per_step[-1]:.3f}  "
                   f"max|logprob diff| {diff:.1e}  {timing['step_s']:.2f} s "
                   f"(sample {timing['sample_s']:.2f}, train {timing['train_s']:.2f}, "
-                  f"push {timing['push_s']:.2f})", flush=True)
+                  f"push {timing['push_s']:.2f})  stale tokens {stale:.0%}", flush=True)
             if args.eval_every and step % args.eval_every == 0 and step != args.steps:
                 evaluate(step)
+        groups.close()
         after = evaluate(args.steps)
     finally:
+        if groups is not None:
+            groups.close()
         sampler.close()
         if log:
             log.close()
@@ -296,6 +380,7 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     last = sum(rewards_per_step[-window:]) / window
     mean = {k: round(sum(t[k] for t in timings) / len(timings), 4) for k in timings[0]} if timings else {}
     print(json.dumps({"backend": args.backend, "task": args.task, "steps": args.steps,
+                      "eta": args.eta,
                       "first_reward": round(first, 4), "last_reward": round(last, 4),
                       "accuracy_before": before, "accuracy_after": after,
                       "max_logprob_diff": worst_diff, "mean_seconds": mean,

@@ -207,3 +207,64 @@ def test_the_prompts_running_out_and_a_bad_prompt_are_told_not_waited_on(ro):
                       batch_size=1) as groups:
         with pytest.raises(InvalidRequestError, match="top_p"):
             groups.next_batch(timeout=300)
+
+
+def _trainer_logprobs(model, results):
+    """Each output token's logprob under `model`, from one forward pass per result."""
+    import torch
+
+    rows = []
+    with torch.no_grad():
+        for r in results:
+            ids = torch.tensor([list(r.prompt_token_ids) + list(r.token_ids)])
+            logits = model(input_ids=ids).logits[0, len(r.prompt_token_ids) - 1:-1].float()
+            picked = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.token_ids)[:, None])
+            rows.append(picked[:, 0].tolist())
+    return rows
+
+
+def test_each_token_has_its_versions_logprob_and_a_span_off_by_one_shows(ro, tiny_model,
+                                                                        tmp_path):
+    import asyncio
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout.apps.rl import largest_gap
+    from rollout.testing.contract import on_engine_loop, wait_until
+    from rollout.testing.model_folders import perturbed_copy
+
+    other = perturbed_copy(tiny_model, tmp_path / "other")
+    trainers = {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+                for v, d in ((None, tiny_model), (1, other))}
+    start = ro.weight_version
+    trainers[start] = trainers.pop(None)
+    request = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "ignore_eos": True,
+                                                   "logprobs": 0, "max_tokens": 400}}
+
+    async def run():  # a keep update lands while the request runs (see the contract suite)
+        stream = ro.stream(request)
+        update = None
+        async for chunk in stream:
+            if chunk.token_ids and update is None:
+                update = asyncio.get_running_loop().run_in_executor(None, lambda: (
+                    ro.update_weights(load_weights(other).items(), version=1, pause="keep")))
+                assert wait_until(lambda: ro.updating)
+        await asyncio.wait_for(update, 120)
+        return stream.completion
+
+    try:
+        [result] = on_engine_loop(run()).unwrap()
+    finally:
+        ro.update_weights(load_weights(tiny_model).items(), version=start)
+    first, second = result.weight_versions
+
+    def under(version, holding):
+        return _trainer_logprobs(trainers[version], holding)
+
+    assert largest_gap([result], under) < 1e-3
+    for shift in (-1, 1):  # the edge one token early, or late
+        edge = first.end + shift
+        spans = (attrs.evolve(first, end=edge), attrs.evolve(second, start=edge))
+        off = attrs.evolve(result, weight_versions=[x for x in spans if x.start < x.end])
+        assert largest_gap([off], under) > 1e-2, shift

@@ -28,3 +28,19 @@ def test_the_same_loop_through_two_replica_processes(tiny_model):
     run = run_grpo("hf", {}, tiny_model, "--replicas", 2, "--steps", 8, "--prompts", 4,
                    "--group-size", 4, "--seed", 0, timeout=300)
     assert run.summary["max_logprob_diff"] <= 1e-3 and len(run.summary["rewards"]) == 8
+
+
+def test_the_asynchronous_loop_learns_with_each_tokens_logprob_checked(tiny_model):
+    """--async 1: a batch is sampled ahead while the trainer trains; every token's logprob
+    is checked against the trainer's weights of that token's version."""
+    run = run_grpo("hf", {}, tiny_model, "--async", 1, "--steps", 20, "--prompts", 4,
+                   "--group-size", 8, "--seed", 0, "--check", timeout=120)
+    assert run.summary["eta"] == 1 and len(run.steps) == 20
+    assert run.summary["max_logprob_diff"] <= 1e-3
+    assert run.summary["last_reward"] > run.summary["first_reward"] + 0.05, run.summary
+
+
+def test_the_asynchronous_loop_through_two_replica_processes(tiny_model):
+    run = run_grpo("hf", {}, tiny_model, "--replicas", 2, "--async", 2, "--steps", 8,
+                   "--prompts", 4, "--group-size", 4, "--seed", 0, timeout=300)
+    assert run.summary["max_logprob_diff"] <= 1e-3 and len(run.summary["rewards"]) == 8

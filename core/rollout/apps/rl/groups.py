@@ -137,6 +137,8 @@ class GroupSampler:
     def close(self) -> None:
         """Stop the groups still running (their samples are aborted) and start no more."""
         with self._gate:
+            if self._closed:
+                return
             self._closed = True
             ids = list(self._ids)
         if ids:
