@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sample up to ETA batches ahead of the trainer (0: synchronous)")
     parser.add_argument("--tis-cap", type=float, default=2.0,
                         help="the truncation of each token's importance ratio")
+    parser.add_argument("--device", default="cpu", help="the trainer's torch device")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of the trainer (and of an in-process engine); "
                         "0: torch's default")
@@ -176,14 +177,16 @@ def sequence_logprobs(model, results) -> list:
     for i, seq in enumerate(seqs):
         ids[i, :len(seq)] = torch.tensor(seq)
         mask[i, :len(seq)] = 1
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+    hidden = model.get_decoder()(input_ids=ids.to(model.device),
+                                 attention_mask=mask.to(model.device)).last_hidden_state
     out = []
     for i, r in enumerate(results):
         start, n = len(r.prompt_token_ids), len(r.token_ids)
         # Position t predicts token t + 1.
         logits = model.get_output_embeddings()(hidden[i, start - 1 : start - 1 + n]).float()
         logprobs = torch.log_softmax(logits, dim=-1)
-        out.append(logprobs.gather(1, torch.tensor(r.token_ids).unsqueeze(1)).squeeze(1))
+        picked = torch.tensor(r.token_ids, device=model.device).unsqueeze(1)
+        out.append(logprobs.gather(1, picked).squeeze(1))
     return out
 
 
@@ -263,6 +266,7 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     # (no dropout); gradients still flow.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.to(args.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     # The sampler: which engine, and where it runs, is configuration only. Served ones
@@ -336,13 +340,14 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
                 return 1
 
             # Group-relative advantages: each sample against the others of its prompt.
-            reward = torch.tensor([g.rewards for g in batch])
+            reward = torch.tensor([g.rewards for g in batch], device=model.device)
             advantage = ((reward - reward.mean(1, keepdim=True))
                          / (reward.std(1, keepdim=True) + 1e-4))
             # Policy gradient: raise the logprob of samples better than their group, each
             # token weighted by its truncated importance ratio (1 when sampled by these
             # very weights, as in the synchronous loop).
-            ratios = [torch.exp(lp.detach() - torch.tensor(r.logprobs)).clamp(max=args.tis_cap)
+            ratios = [torch.exp(lp.detach() - torch.tensor(r.logprobs, device=model.device))
+                      .clamp(max=args.tis_cap)
                       for lp, r in zip(logprobs, results)]
             loss = -(advantage.flatten() * torch.stack(
                 [(w * lp).sum() for w, lp in zip(ratios, logprobs)])).mean()

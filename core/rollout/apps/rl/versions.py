@@ -29,6 +29,7 @@ def largest_gap(results: Sequence[Result], logprobs_under: LogprobsUnder) -> flo
     for version in versions_in(results):
         holding = [r for r in results if any(x.version == version for x in r.weight_versions)]
         for result, under in zip(holding, logprobs_under(version, holding)):
+            under = under.tolist() if hasattr(under, "tolist") else under  # (one copy)
             for span in result.weight_versions:
                 if span.version == version:
                     for t in range(span.start, span.end):
