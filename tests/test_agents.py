@@ -169,9 +169,41 @@ def test_a_timeout_and_an_abort_stop_the_running_turn_and_keep_what_it_made(ro):
     for t in (timed, aborted):
         assert 0 < sum(t.mask) < 900 and t.turns[-1].finish_reason == "abort"
         check_lined_up(t)
+        check_spans(t)  # the cut turn's tokens too
     assert other.end_reason == "done"
     health = ro.health()
     assert health.get("running", 0) == 0, health  # the cut turns stopped in the engine
+
+
+def check_spans(t) -> None:
+    """The weight spans cover exactly the sampled tokens, in order."""
+    covered = [i for span in t.weight_versions for i in range(span.start, span.end)]
+    assert covered == [i for i, m in enumerate(t.mask) if m]
+    assert all(span.start < span.end for span in t.weight_versions)
+
+
+def test_each_turn_s_tokens_carry_the_version_of_the_weights_that_sampled_them(
+        ro, tiny_model):
+    from rollout.testing.model_folders import load_weights
+
+    weights = load_weights(tiny_model)
+
+    class Updating(Chatty):
+        """Loads the same weights under the next version after every turn."""
+
+        version = 1
+
+        async def respond(self, row, messages):
+            self.version += 1
+            await asyncio.to_thread(ro.update_weights, weights.items(), version=self.version)
+            return super().respond(row, messages)
+
+    ro.update_weights(weights.items(), version=1)
+    [t] = run(ro, Updating(), [{"prompt": "hi", "turns": 3}], sampling=SHORT)
+    assert t.end_reason == "done" and t.num_turns == 3
+    check_spans(t)
+    # One span per turn (appended tokens lie between them), turn k sampled by version k + 1.
+    assert [(s.version, s.end - s.start) for s in t.weight_versions] == [(1, 4), (2, 4), (3, 4)]
 
 
 def test_a_template_that_drops_earlier_reasoning_is_named_and_tokens_stay_exact(ro, tiny_model):

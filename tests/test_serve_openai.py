@@ -2,9 +2,11 @@
 contract (OpenAI routes through the official `openai` client, the native route, keys, load),
 plus what does not depend on the backend."""
 
+import json
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import openai
 import pytest
@@ -12,7 +14,9 @@ import pytest
 import rollout
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutTimeoutError
 from rollout.apps.serving.app import ServerThread
-from rollout.testing.server_contract import CHAT, ServerContract, http
+from rollout.service.service import LocalService
+from rollout.testing.model_folders import load_weights
+from rollout.testing.server_contract import CHAT, KEY, MODEL, ServerContract, http
 
 
 class TestHFServer(ServerContract):
@@ -21,6 +25,73 @@ class TestHFServer(ServerContract):
     def make_rollout(cls):
         return lambda model, max_model_len: rollout.load_backend(
             "hf", model=model, max_model_len=max_model_len)
+
+
+# --- weight versions -----------------------------------------------------------------------
+
+
+def _stream_lines(url: str, body: dict) -> list[dict]:
+    """The newline-delimited JSON of a native stream."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return [json.loads(line) for line in response.read().splitlines()]
+
+
+def test_served_results_say_which_weights_made_their_tokens(tiny_model):
+    """After update_weights(version=7) each choice's `weight_versions` covers its tokens with
+    version 7, and each streamed piece with tokens says 7; the native routes carry the same
+    fields, and a sample continued after the next update is split between 7 and 8."""
+    weights = load_weights(tiny_model)
+    with rollout.load_backend("hf", model=str(tiny_model), max_model_len=256) as ro, \
+            ServerThread(LocalService(ro, MODEL), api_key=KEY) as server:
+        ro.update_weights(weights.items(), version=7)  # the same weights, a new label
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+        fixed = {"ignore_eos": True, "return_token_ids": True}
+        completions = client.completions.create(model=MODEL, prompt=["def add", "the"], n=2,
+                                                max_tokens=5, seed=1, extra_body=fixed)
+        chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                              temperature=0, extra_body=fixed)
+        for choice in [*completions.choices, *chat.choices]:
+            assert choice.model_extra["weight_versions"] == [
+                {"version": 7, "start": 0, "end": len(choice.model_extra["token_ids"])}]
+        plain = client.completions.create(model=MODEL, prompt="the", max_tokens=3,
+                                          extra_body={"ignore_eos": True})
+        assert plain.choices[0].model_extra["weight_versions"] == [
+            {"version": 7, "start": 0, "end": 3}]  # without return_token_ids too
+
+        for stream in (
+                client.completions.create(model=MODEL, prompt="the", max_tokens=6, stream=True,
+                                          extra_body=fixed),
+                client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6,
+                                               stream=True, extra_body=fixed)):
+            pieces = [c.model_extra for chunk in stream for c in chunk.choices]
+            assert sum(len(p.get("token_ids") or ()) for p in pieces) == 6
+            for piece in pieces:  # a version on a piece with tokens, none on one without
+                assert piece.get("weight_version", "none") == (
+                    7 if piece.get("token_ids") else "none"), piece
+
+        url = server.url
+        ask = {"prompt": "def add", "sampling": {"max_tokens": 3, "temperature": 0,
+                                                 "ignore_eos": True}}
+        status, body = http(f"{url}/rollout/generate", {"requests": [ask]})
+        (first,) = body["completions"][0]["results"]
+        assert status == 200 and first["weight_version"] == 7
+        assert first["weight_versions"] == [{"version": 7, "start": 0, "end": 3}]
+
+        ro.update_weights(weights.items(), version=8)
+        # The 3 tokens made under 7, continued as if an update had stopped them.
+        go_on = {**ask, "sampling": {**ask["sampling"], "max_tokens": 5},
+                 "continue_from": {**first, "finish_reason": "abort"}}
+        mixed = [{"version": 7, "start": 0, "end": 3}, {"version": 8, "start": 3, "end": 5}]
+        status, body = http(f"{url}/rollout/generate", {"requests": [go_on]})
+        (result,) = body["completions"][0]["results"]
+        assert status == 200 and result["weight_versions"] == mixed
+        assert result["weight_version"] == 8
+        lines = _stream_lines(f"{url}/rollout/stream", {"request": go_on})
+        chunks = [line["chunk"] for line in lines[:-1]]
+        assert [c["weight_version"] for c in chunks if c["token_ids"]] == [8, 8]
+        assert lines[-1]["completion"]["results"][0]["weight_versions"] == mixed
 
 
 # --- a service that cannot serve ----------------------------------------------------------

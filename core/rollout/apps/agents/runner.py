@@ -243,16 +243,15 @@ class AgentRunner:
                               images=[None if i.id in sent else i.image for i in t.images],
                               image_uuids=[i.id for i in t.images], sampling=sampling,
                               session_id=t.id if cfg.sessions else None)
-            partial: list = []  # (token ids, logprobs) so far, kept if the turn is cut short
+            partial: list = []  # the results so far, kept if the turn is cut short
             started = time.monotonic()
             try:
                 completion = await self._step(running, self._sample_with_images(
                     request, t.images, partial, running))
             except _Stop:
-                tokens = [i for ids, _ in partial for i in ids]
-                t.add(tokens, True, [x for ids, lps in partial
-                                     for x in (lps or [0.0] * len(ids))])
-                turn.sampled_tokens = len(tokens)
+                for cut in partial:
+                    t.add(cut.token_ids, True, cut.logprobs, cut.weight_versions)
+                turn.sampled_tokens = sum(len(cut.token_ids) for cut in partial)
                 raise
             finally:
                 turn.engine_s = time.monotonic() - started
@@ -261,7 +260,7 @@ class AgentRunner:
             if list(result.prompt_token_ids) != context:
                 raise PrefixMismatchError(index, context, result.prompt_token_ids)
             sampled = list(result.token_ids)
-            t.add(sampled, True, result.logprobs)
+            t.add(sampled, True, result.logprobs, result.weight_versions)
             turn.sampled_tokens, turn.finish_reason, turn.text = \
                 len(sampled), result.finish_reason, result.text
             turn.cached_tokens = result.cached_tokens
@@ -396,7 +395,7 @@ class AgentRunner:
         completion = await patiently(lambda: self.sampler.agenerate(request))
         if completion.ok:
             result = completion.results[0]
-            partial.append((result.token_ids, result.logprobs))
+            partial.append(result)
         return completion
 
     async def _call_tools(self, running: _Running, turn: Turn, parsed) -> list[Message]:

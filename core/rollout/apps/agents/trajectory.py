@@ -1,11 +1,12 @@
 """What one trajectory holds: every token after the first prompt with a mask of the sampled
-ones and their logprobs, the conversation, a record per turn, the reward and why it ended."""
+ones, their logprobs and the weight versions that sampled them, the conversation, a record
+per turn, the reward and why it ended."""
 
 from __future__ import annotations
 
 import attrs
 
-from rollout.contract.schemas import Message
+from rollout.contract.schemas import Message, WeightSpan
 
 END_REASONS = ("done", "max_turns", "max_tokens", "context_length", "tool_error", "timeout",
                "aborted", "error")
@@ -50,6 +51,10 @@ class Trajectory:
     response_ids: list[int] = attrs.field(factory=list)
     mask: list[int] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
+    # Which weights sampled which tokens (`rollout.WeightSpan`s): spans (version, start, end)
+    # over `response_ids` that cover exactly the sampled tokens (mask 1), in order; the
+    # appended tokens between turns are in none.
+    weight_versions: list[WeightSpan] = attrs.field(factory=list)
     messages: list[Message] = attrs.field(factory=list)
     # The images of the conversation, one per image placeholder in the tokens, in order
     # (`rollout.kit.images.PromptImage`: the RGB picture and its uuid).
@@ -73,11 +78,25 @@ class Trajectory:
         seen += [self.final_render] if self.final_render is not None else []
         return max(seen, key=RENDER_RULES.index) if seen else None
 
-    def add(self, token_ids, sampled: bool, logprobs=None) -> None:
+    def add(self, token_ids, sampled: bool, logprobs=None, weight_versions=()) -> None:
+        """Append tokens; sampled ones with their result's `weight_versions` (spans over
+        these tokens; none given: one span of version None, unknown)."""
         token_ids = list(token_ids)
+        start = len(self.response_ids)
+        if sampled and token_ids:
+            spans = weight_versions or (WeightSpan(None, 0, len(token_ids)),)
+            for span in spans:
+                self._add_span(span.version, start + span.start, start + span.end)
         self.response_ids += token_ids
         self.mask += [int(sampled)] * len(token_ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(token_ids)
+
+    def _add_span(self, version: int | None, start: int, end: int) -> None:
+        last = self.weight_versions[-1] if self.weight_versions else None
+        if last is not None and last.version == version and last.end == start:
+            self.weight_versions[-1] = WeightSpan(version, last.start, end)  # one run of tokens
+        else:
+            self.weight_versions.append(WeightSpan(version, start, end))
 
     def end(self, reason: str, detail: str = "") -> None:
         self.end_reason, self.end_detail = reason, detail

@@ -247,6 +247,14 @@ class Call:
         return {"token_ids": list(result.token_ids),
                 "prompt_token_ids": list(result.prompt_token_ids)}
 
+    def chunk_tokens(self, chunk: Chunk) -> dict:
+        """A streamed piece's extensions: its `token_ids` (if asked for) and the version of
+        the weights that made them, where it has tokens."""
+        extra = {"token_ids": list(chunk.token_ids)} if self.return_token_ids else {}
+        if chunk.token_ids:
+            extra["weight_version"] = chunk.weight_version
+        return extra
+
 
 class CompletionsCall(Call):
     object = "text_completion"
@@ -266,14 +274,14 @@ class CompletionsCall(Call):
     def choice(self, i: int, result: Result) -> dict:
         return {"index": self.index(i, result), "text": result.text,
                 "logprobs": completion_logprobs(result),
-                "finish_reason": result.finish_reason, **self.token_ids(i, result)}
+                "finish_reason": result.finish_reason, **self.token_ids(i, result),
+                "weight_versions": weight_spans(result)}
 
     def delta_chunk(self, i: int, chunk: Chunk) -> dict:
         return self.chunk([{"index": self.index(i, chunk), "text": chunk.text,
                             "logprobs": completion_logprobs(chunk),
                             "finish_reason": chunk.finish_reason,
-                            **({"token_ids": list(chunk.token_ids)}
-                               if self.return_token_ids else {})}])
+                            **self.chunk_tokens(chunk)}])
 
 
 class ChatCall(Call):
@@ -322,7 +330,7 @@ class ChatCall(Call):
         message, finish_reason = self.tools.message(result)
         return {"index": self.index(i, result), "message": message,
                 "logprobs": chat_logprobs(result), "finish_reason": finish_reason,
-                **self.token_ids(i, result)}
+                **self.token_ids(i, result), "weight_versions": weight_spans(result)}
 
     def opening_chunks(self) -> list[dict]:
         return [self.chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
@@ -335,8 +343,7 @@ class ChatCall(Call):
         return self.chunk([{"index": self.index(i, chunk), "delta": {"content": chunk.text},
                             "logprobs": chat_logprobs(chunk),
                             "finish_reason": chunk.finish_reason,
-                            **({"token_ids": list(chunk.token_ids)}
-                               if self.return_token_ids else {})}])
+                            **self.chunk_tokens(chunk)}])
 
     def closing_chunks(self, i: int, completion: Completion) -> list[dict]:
         if self.tools.mode == "none":
@@ -349,7 +356,7 @@ class ChatCall(Call):
                 delta["tool_calls"][k] = {"index": k, **call}
             contents.append({"index": self.index(i, r), "delta": delta,
                              "logprobs": chat_logprobs(r), "finish_reason": None,
-                             **self.token_ids(i, r)})
+                             **self.token_ids(i, r), "weight_versions": weight_spans(r)})
             ends.append({"index": self.index(i, r), "delta": {}, "logprobs": None,
                          "finish_reason": finish_reason})
         return [self.chunk(contents), self.chunk(ends)]
@@ -614,6 +621,12 @@ def usage(completions: list[Completion]) -> dict:
     generated = sum(r.completion_tokens for c in completions for r in c.results)
     return {"prompt_tokens": prompt, "completion_tokens": generated,
             "total_tokens": prompt + generated}
+
+
+def weight_spans(result: Result) -> list[dict]:
+    """Which weights made which output tokens (an extension: `Result.weight_versions`)."""
+    return [{"version": s.version, "start": s.start, "end": s.end}
+            for s in result.weight_versions]
 
 
 def token_label(token_id: int) -> str:
