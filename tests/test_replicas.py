@@ -228,3 +228,28 @@ def test_streams_through_the_pool_come_token_by_token_and_follow_their_session(t
     assert in_flight == [0, 0]
     assert new_home is not pinned and moved.unwrap()[0].token_ids == sample.token_ids
     assert tuple(t for c in moved_chunks for t in c.token_ids) == sample.token_ids
+
+
+def test_every_replica_down_at_once_a_request_waits_for_their_restart(tiny_model):
+    """Both replicas killed together: a request sent then waits (bounded) for a restarted
+    one instead of failing with NoReplicaError, so a run rides over it."""
+    from rollout import Request, SamplingParams
+
+    request = Request(prompt="the ka", sampling=SamplingParams(max_tokens=4))
+
+    async def main():
+        pool = await start_replicas("hf", str(tiny_model), {}, 2)
+        try:
+            assert (await pool.generate(request)).ok
+            first = {r.process.proc.pid for r in pool.replicas}
+            for replica in pool.replicas:
+                os.killpg(replica.process.proc.pid, signal.SIGKILL)
+                await asyncio.to_thread(replica.process.proc.wait)
+            after = await pool.generate(request)
+            return first, after, {r.process.proc.pid for r in pool.replicas if r.healthy}
+        finally:
+            await pool.close()
+
+    first, after, serving = asyncio.run(main())
+    assert after.ok, after.error
+    assert serving and not serving & first  # served by a restarted process

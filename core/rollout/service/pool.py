@@ -37,6 +37,10 @@ MAX_RESTARTS = 3  # by default, a replica whose process dies is started again th
 MAX_CATCH_UPS = 3  # tries to bring a restarted replica to the pool's weights
 RESTART_BACKOFF_S = 1.0  # before the first restart; doubled before each next one
 MAX_SENDS = 3  # a request that took down this many replicas fails instead of another
+# The longest a request waits for a replica to serve again (one restarting, or one behind
+# the pool's weights) before it fails with NoReplicaError: a run rides over every replica
+# being down at once. The caller's own timeout, where shorter, ends the wait first.
+REPLICA_WAIT_S = 120.0
 HEALTH_STRIKES = 2  # failed health checks in a row before a running replica is taken out
 
 
@@ -126,11 +130,24 @@ class ReplicaPool:
     async def _acquire(self, session: str | None = None) -> Replica:
         """The session's replica while it is healthy; else the healthy replica with the
         fewest requests in flight (which a new session is pinned to)."""
+        deadline = None
         async with self._changed:
             while True:
                 up = [r for r in self.replicas if self._serves(r)]
                 if not up:
-                    raise NoReplicaError(self._no_replica_message())
+                    if not any(self._may_come_back(r) for r in self.replicas):
+                        raise NoReplicaError(self._no_replica_message())
+                    now = asyncio.get_running_loop().time()
+                    if deadline is None:
+                        deadline = now + REPLICA_WAIT_S
+                        for replica in self.replicas:  # a version seen before an update
+                            if replica.healthy and replica.recovering is None:
+                                asyncio.ensure_future(self._refresh(replica))
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), deadline - now)
+                    except TimeoutError:
+                        raise NoReplicaError(self._no_replica_message()) from None
+                    continue
                 pinned = self._sessions.get(session) if session else None
                 if pinned is not None and self._serves(pinned):
                     self._sessions.move_to_end(session)
@@ -153,6 +170,29 @@ class ReplicaPool:
                     await self._changed.wait()
                 finally:
                     self.waiting -= 1
+
+    def _may_come_back(self, replica: Replica) -> bool:
+        """Up but behind the pool's weights (an update or a catch-up brings it), dirty (a
+        full update cleans it), or restarting."""
+        return (replica.healthy or replica.dirty or replica.recovering is not None
+                or (replica.restart is not None and replica.restarts_left > 0))
+
+    async def _refresh(self, replica: Replica) -> None:
+        """Ask a replica its weight version now, not at the next health check."""
+        updates = self._updates_ended
+        try:
+            state = await replica.service.health()
+        except RolloutError:
+            return  # the health checks deal with it
+        await self._saw_version(replica, state.get("weight_version"), updates)
+
+    async def _saw_version(self, replica: Replica, version: int | None, updates: int) -> None:
+        if updates != self._updates_ended:  # the answer predates an update's end
+            return
+        if replica.weight_version != version:
+            async with self._changed:
+                replica.weight_version = version
+                self._changed.notify_all()
 
     def _serves(self, replica: Replica) -> bool:
         return replica.healthy and (not self._versioned
@@ -208,8 +248,7 @@ class ReplicaPool:
                 await self._take_out(replica, str(exc))
         else:
             replica.failed_checks, replica.dirty = 0, False
-            if updates == self._updates_ended:  # else the answer predates an update's end
-                replica.weight_version = state.get("weight_version")
+            await self._saw_version(replica, state.get("weight_version"), updates)
             if not replica.healthy:
                 await self._put_back(replica)
             if self._can_catch_up(replica):
