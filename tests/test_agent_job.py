@@ -35,6 +35,10 @@ def test_trajectories_to_parquet_with_a_summary(tiny_model, tmp_path):
     for r in table:
         assert r["end_reason"] == "done" and r["num_turns"] == 3, r["end_detail"]
         assert len(r["response_ids"]) == len(r["mask"]) == len(r["logprobs"])
+        # One unversioned span per turn's sampled run of tokens, covering mask 1 exactly.
+        covered = [t for x in r["weight_versions"] for t in range(x["start"], x["end"])]
+        assert covered == [t for t, m in enumerate(r["mask"]) if m]
+        assert {x["version"] for x in r["weight_versions"]} == {None}
         turns = json.loads(r["turns"])
         assert [c["outcome"] for t in turns for c in t["tool_calls"]] == ["ok", "ok"]
         assert json.loads(r["messages"])[-1]["role"] == "assistant"

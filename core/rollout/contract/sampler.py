@@ -55,9 +55,12 @@ class Sampler(Protocol):
 
     def update_weights(self, named_tensors: Iterable, bucket_bytes: int | None = None,
                        version: int | None = None, pause: str = "wait") -> None:
-        """Load new weights, (name, tensor) pairs, packed into buckets. `pause`: "wait"
-        lets running requests finish first, "abort" stops them. A failed update leaves
-        the weights dirty: nothing runs until a full update succeeds."""
+        """Load new weights, (name, tensor) pairs, packed into buckets; `version` labels
+        the tokens made from then on (`Result.weight_versions`). `pause`: "wait" lets
+        running requests finish first, "abort" stops them (continue one later with
+        `Request.continue_from`), "keep" holds them while the weights load and then lets
+        them go on under the new ones (`capabilities.keep`). A failed update leaves the
+        weights dirty: nothing runs until a full update succeeds."""
 
     def health(self) -> dict:
         """What runs now; raises when nothing can serve."""

@@ -22,7 +22,7 @@ from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError
 
 COLUMNS = ("sample", "trajectory_id", "prompt_ids", "response_ids", "mask", "logprobs",
-           "messages", "turns", "num_turns", "reward", "end_reason", "end_detail", "render")
+           "weight_versions", "messages", "turns", "num_turns", "reward", "end_reason", "end_detail", "render")
 
 
 def _schema():
@@ -32,7 +32,10 @@ def _schema():
     return pa.schema([
         ("row", pa.int64()), ("sample", pa.int64()), ("trajectory_id", pa.string()),
         ("prompt_ids", ids), ("response_ids", ids), ("mask", pa.list_(pa.int8())),
-        ("logprobs", pa.list_(pa.float32())), ("messages", pa.string()),
+        ("logprobs", pa.list_(pa.float32())),
+        ("weight_versions", pa.list_(pa.struct([("version", pa.int64()), ("start", pa.int64()),
+                                                ("end", pa.int64())]))),
+        ("messages", pa.string()),
         ("turns", pa.string()), ("num_turns", pa.int64()), ("reward", pa.float64()),
         ("end_reason", pa.string()), ("end_detail", pa.string()), ("render", pa.string())])
 
@@ -105,6 +108,7 @@ class AgentJob(ChunkedJob):
 def trajectory_row(t: Trajectory) -> dict:
     return {"trajectory_id": t.id, "prompt_ids": t.prompt_ids, "response_ids": t.response_ids,
             "mask": t.mask, "logprobs": t.logprobs,
+            "weight_versions": convert.unstructure(t.weight_versions),
             "messages": json.dumps(convert.unstructure(t.messages)),
             "turns": json.dumps(convert.unstructure(t.turns)), "num_turns": t.num_turns,
             "reward": t.reward, "end_reason": t.end_reason, "end_detail": t.end_detail,
