@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from rollout import load_backend
 from rollout.service.served import ServedRollout
 from rollout.testing.contract import probe_requests
@@ -85,3 +87,45 @@ def test_without_kept_weights_a_restarted_replica_waits_for_the_next_update(tiny
         # ... until the next update reaches it.
         trainer.update_weights(weights.items(), version=2)
         assert list(served_by(trainer).values()) == [2, 2]
+
+
+def test_a_replica_killed_during_a_keep_update(tiny_model):
+    """Requests run on both replicas while an update with pause="keep" is under way; one
+    replica is killed in the middle of it. Every request ends (on the survivor, or with a
+    clear error), none hangs; the update names the dead replica; the restarted one is
+    brought to the new version before it serves."""
+    import concurrent.futures
+
+    from rollout import RolloutError
+
+    weights = load_weights(tiny_model)
+    long = [{"id": f"long-{i}", "prompt": "the ka lo",
+             "sampling": {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0}}
+            for i in range(4)]
+    with ServedRollout.start("hf", str(tiny_model), replicas=2,
+                             options={"max_model_len": 512}) as trainer:
+        victim = trainer.service.replicas[0]
+
+        def tensors_killing_halfway():
+            items = list(weights.items())
+            yield from items[: len(items) // 2]
+            os.killpg(victim.process.proc.pid, signal.SIGKILL)
+            victim.process.proc.wait()
+            yield from items[len(items) // 2:]
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(trainer.generate, long)
+            wait_for(lambda: trainer.health()["running"] >= 2, 60, "requests on both replicas")
+            dead_url = victim.service.url
+            with pytest.raises(RolloutError, match=dead_url):  # its part failed, by name
+                trainer.update_weights(tensors_killing_halfway(), version=1, pause="keep")
+            completions = running.result(timeout=300)
+        for completion in completions:  # each ran to its end somewhere, or says why not
+            assert completion.ok or isinstance(completion.error, RolloutError)
+            if completion.ok:
+                assert completion.unwrap()[0].completion_tokens == 300
+        assert any(c.ok for c in completions)
+        wait_for(lambda: victim.healthy and victim.weight_version == 1, 120,
+                 "the restarted replica at the new version")
+        assert {r.weight_version for c in trainer.generate(probe_requests() * 4)
+                for r in c.unwrap()} == {1}

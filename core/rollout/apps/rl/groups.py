@@ -73,9 +73,9 @@ class GroupSampler:
             raise InvalidRequestError("pause", f"got {pause!r}", "keep, abort")
         self.sampler, self.group_size, self.pause = sampler, group_size, pause
         self.score, self.keep = score, keep
-        self.bound = Staleness(batch_size, eta, stale, oversample, max_running)
         start = sampler.weight_version
         self.version = start if isinstance(start, int) else 0
+        self.bound = Staleness(batch_size, eta, stale, oversample, max_running, self.version)
         self._unversioned = self.version  # what tokens made before any versioned update count as
         self._prompts = iter(prompts)
         self._gate = threading.Condition()

@@ -1,7 +1,7 @@
 """The staleness bound of asynchronous RL, with no I/O: when a new group may start, and
 what happens to a finished group that is too old when the trainer takes it.
 
-Versions count weight updates. A group's `oldest` is the oldest version any of its tokens
+Versions count weight updates (from any start). A group's `oldest` is the oldest version any of its tokens
 came from; handed to the trainer at version v, its staleness is v - oldest. AReaL's rule
 admits a group while (eta + v + 1) * batch_size - (accepted + running) > 0: at most
 eta + 1 batches beyond those trained on are sampled or kept at any time, so eta = 0 is the
@@ -28,7 +28,7 @@ class Staleness:
     Not thread-safe: its owner calls it under one lock."""
 
     def __init__(self, batch_size: int, eta: int, policy: str = "drop", oversample: int = 0,
-                 max_running: int | None = None):
+                 max_running: int | None = None, version: int = 0):
         for field, value, least in (("batch_size", batch_size, 1), ("eta", eta, 0),
                                     ("oversample", oversample, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -40,7 +40,7 @@ class Staleness:
                                       "an integer >= 1 or null")
         self.batch_size, self.eta, self.policy = batch_size, eta, policy
         self.oversample, self.max_running = oversample, max_running
-        self.version = 0  # weight updates so far
+        self.version = self.first = version  # the weights' version now, and at the start
         self.accepted = 0  # groups kept: handed to the trainer or ready
         self.running = 0
         self.ready: list[Any] = []  # finished groups (with `.oldest`), oldest first
@@ -48,7 +48,8 @@ class Staleness:
 
     def capacity(self) -> int:
         """How many groups may start now."""
-        room = ((self.eta + self.version + 1) * self.batch_size + self.oversample
+        updates = self.version - self.first
+        room = ((self.eta + updates + 1) * self.batch_size + self.oversample
                 - (self.accepted + self.running))
         if self.max_running is not None:
             room = min(room, self.max_running - self.running)
