@@ -18,6 +18,7 @@ def read_run(path: str) -> dict:
         entry = json.loads(line)
         replicas = entry.get("replicas") or 0
         label = entry["backend"] + (f", {replicas} replicas" if replicas else ", in process")
+        label += f", async {entry['eta']}" if entry.get("eta") else ""
         (evals if "accuracy" in entry else steps).append(entry)
     return {"label": label, "steps": steps, "evals": evals}
 
@@ -44,7 +45,7 @@ def table(runs: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def plot(runs: list[dict], out: str, window: int) -> None:
+def plot(runs: list[dict], out: str, window: int, by_time: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,13 +54,22 @@ def plot(runs: list[dict], out: str, window: int) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:
         steps = [s["step"] for s in run["steps"]]
-        line, = left.plot(steps, moving_mean([s["reward"] for s in run["steps"]], window),
+        # Seconds of training steps so far (evaluations not counted), or step numbers.
+        at, spent = {0: 0.0}, 0.0
+        for s in run["steps"]:
+            spent += s["step_s"]
+            at[s["step"]] = spent
+        x = [at[k] for k in steps] if by_time else steps
+        line, = left.plot(x, moving_mean([s["reward"] for s in run["steps"]], window),
                           label=run["label"])
-        right.plot([e["step"] for e in run["evals"]], [e["accuracy"] for e in run["evals"]],
+        evals = [e for e in run["evals"] if e["step"] in at]
+        right.plot([at[e["step"]] if by_time else e["step"] for e in evals],
+                   [e["accuracy"] for e in evals],
                    marker="o", color=line.get_color(), label=run["label"])
-    left.set(xlabel="step", ylabel=f"training reward (mean of {window} steps)",
+    xlabel = "seconds of training steps" if by_time else "step"
+    left.set(xlabel=xlabel, ylabel=f"training reward (mean of {window} steps)",
              title="Mean reward of the sampled answers")
-    right.set(xlabel="step", ylabel="accuracy", ylim=(0, 1),
+    right.set(xlabel=xlabel, ylabel="accuracy", ylim=(0, 1),
               title="Held-out sums, greedy, through the sampler")
     for ax in (left, right):
         ax.grid(alpha=0.3)
@@ -74,9 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("logs", nargs="+", help="--log files of examples/grpo.py")
     parser.add_argument("-o", "--output", default="grpo.png")
     parser.add_argument("--window", type=int, default=5)
+    parser.add_argument("--by-time", action="store_true",
+                        help="against the seconds the steps took, not the step number")
     args = parser.parse_args(argv)
     runs = [read_run(path) for path in args.logs]
-    plot(runs, args.output, args.window)
+    plot(runs, args.output, args.window, args.by_time)
     print(table(runs))
     print(f"wrote {args.output}")
 
