@@ -13,12 +13,13 @@ from pathlib import Path
 
 
 def read_run(path: str) -> dict:
-    steps, evals, label = [], [], Path(path).stem
+    steps, evals, label, eta = [], [], Path(path).stem, 0
     for line in Path(path).read_text().splitlines():
         entry = json.loads(line)
         replicas = entry.get("replicas") or 0
+        eta = entry.get("eta", eta)  # (on step lines only)
         label = entry["backend"] + (f", {replicas} replicas" if replicas else ", in process")
-        label += f", async {entry['eta']}" if entry.get("eta") else ""
+        label += f", async {eta}" if eta else ""
         (evals if "accuracy" in entry else steps).append(entry)
     return {"label": label, "steps": steps, "evals": evals}
 
