@@ -335,9 +335,9 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
             if (step - 1) % args.check_every == 0:
                 diff = largest_gap(results, kept.logprobs_under(version, results, logprobs))
                 worst_diff = max(worst_diff, diff)
-            if diff is not None and diff > args.tolerance:
-                print(f"step {step}: logprobs differ by {diff:.2e} > {args.tolerance:g}")
-                return 1
+                if diff > args.tolerance:
+                    print(f"step {step}: logprobs differ by {diff:.2e} > {args.tolerance:g}")
+                    return 1
 
             # Group-relative advantages: each sample against the others of its prompt.
             reward = torch.tensor([g.rewards for g in batch], device=model.device)

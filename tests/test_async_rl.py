@@ -226,13 +226,11 @@ def _trainer_logprobs(model, results):
 
 def test_each_token_has_its_versions_logprob_and_a_span_off_by_one_shows(ro, tiny_model,
                                                                         tmp_path):
-    import asyncio
-
     import torch
     from transformers import AutoModelForCausalLM
 
     from rollout.apps.rl import largest_gap
-    from rollout.testing.contract import on_engine_loop, wait_until
+    from rollout.testing.contract import across_a_keep
     from rollout.testing.model_folders import perturbed_copy
 
     other = perturbed_copy(tiny_model, tmp_path / "other")
@@ -243,19 +241,8 @@ def test_each_token_has_its_versions_logprob_and_a_span_off_by_one_shows(ro, tin
     request = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "ignore_eos": True,
                                                    "logprobs": 0, "max_tokens": 400}}
 
-    async def run():  # a keep update lands while the request runs (see the contract suite)
-        stream = ro.stream(request)
-        update = None
-        async for chunk in stream:
-            if chunk.token_ids and update is None:
-                update = asyncio.get_running_loop().run_in_executor(None, lambda: (
-                    ro.update_weights(load_weights(other).items(), version=1, pause="keep")))
-                assert wait_until(lambda: ro.updating)
-        await asyncio.wait_for(update, 120)
-        return stream.completion
-
-    try:
-        [result] = on_engine_loop(run()).unwrap()
+    try:  # a keep update lands while the request runs
+        [result] = across_a_keep(ro, ro, request, load_weights(other), 1).unwrap()
     finally:
         ro.update_weights(load_weights(tiny_model).items(), version=start)
     first, second = result.weight_versions

@@ -33,7 +33,7 @@ from rollout.contract.errors import (
     WeightsDirtyError,
 )
 from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result, \
-    Timing, WeightSpan
+    Timing, WeightSpan, add_span
 from rollout.kit.aio import Relay, engine_loop, on_loop, uncancel
 from rollout.kit.images import ImageStore, image_sources
 from rollout.kit.text import TextStream, cut, final_text
@@ -586,11 +586,7 @@ class _Sample:
         start = len(self.tokens)
         self.tokens += chunk.token_ids
         if chunk.token_ids:
-            last = self.spans[-1] if self.spans else None
-            if last is not None and last.version == version and last.end == start:
-                self.spans[-1] = WeightSpan(version, last.start, len(self.tokens))
-            else:
-                self.spans.append(WeightSpan(version, start, len(self.tokens)))
+            add_span(self.spans, version, start, len(self.tokens))
         if self.logprobs is not None:
             self.logprobs += chunk.logprobs or ()
         if self.top is not None:

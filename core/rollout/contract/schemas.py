@@ -415,6 +415,16 @@ class WeightSpan:
     end: int
 
 
+def add_span(spans: list[WeightSpan], version: int | None, start: int, end: int) -> None:
+    """Append tokens [start, end) of `version` to `spans`, as one span with the last where
+    they join it."""
+    last = spans[-1] if spans else None
+    if last is not None and last.version == version and last.end == start:
+        spans[-1] = WeightSpan(version, last.start, end)
+    else:
+        spans.append(WeightSpan(version, start, end))
+
+
 @attrs.frozen
 class Result:
     """One sample of one request.

@@ -78,6 +78,28 @@ def wait_until(condition, timeout: float = 120.0) -> bool:
     return True
 
 
+def across_a_keep(sampler: Sampler, rollout: Rollout, request: dict, weights: dict,
+                  version: int, after: int = 1):
+    """`request` streamed through `sampler`; once `after` tokens are out, `weights` are
+    pushed through it as `version` with pause="keep". Returns the request's Completion.
+    `rollout` is the backend behind `sampler`, watched for the update to begin."""
+
+    async def run():  # on the engine loop: see on_engine_loop
+        stream, made, update = sampler.stream(request), 0, None
+        async for chunk in stream:
+            made += len(chunk.token_ids)
+            if made >= after and update is None:
+                update = asyncio.get_running_loop().run_in_executor(None, lambda: (
+                    sampler.update_weights(weights.items(), version=version, pause="keep")))
+                # The loop holds still until the update holds running requests, so the
+                # request cannot end first, however late the update's thread runs.
+                assert wait_until(lambda: rollout.updating), "the update never began"
+        await asyncio.wait_for(update, 120)
+        return stream.completion
+
+    return on_engine_loop(run())
+
+
 def on_engine_loop(coro):
     """Run a test's coroutine on the engine loop, where the engines' outputs are read, and
     wait for it. A check that races an engine (is the request still running?) must run
@@ -539,25 +561,11 @@ class BackendContract(SamplingContract):
     def test_keep_goes_on_under_the_new_weights_with_exact_spans(self, harness, sampler):
         skip_unless(harness.caps, "update_weights")
         assert harness.caps.keep in ("continue",)
-        rollout, request = harness.rollout, self._greedy_long(harness, "kept")
+        request = self._greedy_long(harness, "kept")
         other = load_weights(harness.other_dir)
-
-        async def run():  # on the engine loop: see on_engine_loop
-            stream = sampler.stream(request)
-            update, made = None, 0
-            async for chunk in stream:
-                made += len(chunk.token_ids)
-                if made >= self.EDGE_AFTER and update is None:
-                    update = asyncio.get_running_loop().run_in_executor(None, lambda: (
-                        sampler.update_weights(other.items(), version=1, pause="keep")))
-                    # The loop holds still until the update holds running requests, so
-                    # the request cannot end first, however late the update's thread runs.
-                    assert wait_until(lambda: rollout.updating), "the update never began"
-            await asyncio.wait_for(update, 120)
-            return stream.completion
-
         try:
-            [kept] = on_engine_loop(run()).unwrap()
+            [kept] = across_a_keep(sampler, harness.rollout, request, other, 1,
+                                   self.EDGE_AFTER).unwrap()
             assert kept.finish_reason == "length"  # nothing lost: it ran to its end
             assert kept.completion_tokens == request["sampling"]["max_tokens"]
             before, after = kept.weight_versions

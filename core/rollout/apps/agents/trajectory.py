@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import attrs
 
-from rollout.contract.schemas import Message, WeightSpan
+from rollout.contract.schemas import Message, WeightSpan, add_span
 
 END_REASONS = ("done", "max_turns", "max_tokens", "context_length", "tool_error", "timeout",
                "aborted", "error")
@@ -86,17 +86,11 @@ class Trajectory:
         if sampled and token_ids:
             spans = weight_versions or (WeightSpan(None, 0, len(token_ids)),)
             for span in spans:
-                self._add_span(span.version, start + span.start, start + span.end)
+                add_span(self.weight_versions, span.version, start + span.start,
+                         start + span.end)
         self.response_ids += token_ids
         self.mask += [int(sampled)] * len(token_ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(token_ids)
-
-    def _add_span(self, version: int | None, start: int, end: int) -> None:
-        last = self.weight_versions[-1] if self.weight_versions else None
-        if last is not None and last.version == version and last.end == start:
-            self.weight_versions[-1] = WeightSpan(version, last.start, end)  # one run of tokens
-        else:
-            self.weight_versions.append(WeightSpan(version, start, end))
 
     def end(self, reason: str, detail: str = "") -> None:
         self.end_reason, self.end_detail = reason, detail

@@ -76,7 +76,6 @@ class GroupSampler:
         start = sampler.weight_version
         self.version = start if isinstance(start, int) else 0
         self.bound = Staleness(batch_size, eta, stale, oversample, max_running, self.version)
-        self._unversioned = self.version  # what tokens made before any versioned update count as
         self._prompts = iter(prompts)
         self._gate = threading.Condition()
         self._error: BaseException | None = None
@@ -186,13 +185,11 @@ class GroupSampler:
                 await asyncio.to_thread(self.score, request, results))
             group = Group(request, tuple(results), rewards, self._oldest(results), self.version)
             kept = self.keep is None or bool(await asyncio.to_thread(self.keep, group))
-        except asyncio.CancelledError:
-            with self._gate:
-                self.bound.running -= 1
-            raise
-        except Exception as exc:  # noqa: BLE001 - the trainer gets it from next_batch
+        except BaseException as exc:  # the group ends unkept; a failure goes to next_batch
             with self._gate:
                 self.bound.finish(None, kept=False)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             self._fail(exc)
             return
         with self._gate:
@@ -221,7 +218,8 @@ class GroupSampler:
                 self._ids.discard(sample.id)
 
     def _oldest(self, results: Sequence[Result]) -> int:
-        versions = [self._unversioned if x.version is None else x.version
+        # Tokens made before any versioned update count as the starting version.
+        versions = [self.bound.first if x.version is None else x.version
                     for r in results for x in r.weight_versions]
         return min(versions, default=self.version)
 
