@@ -230,26 +230,42 @@ def test_streams_through_the_pool_come_token_by_token_and_follow_their_session(t
     assert tuple(t for c in moved_chunks for t in c.token_ids) == sample.token_ids
 
 
-def test_every_replica_down_at_once_a_request_waits_for_their_restart(tiny_model):
+def test_every_replica_down_at_once_a_request_waits_for_their_restart(tiny_model,
+                                                                        monkeypatch):
     """Both replicas killed together: a request sent then waits (bounded) for a restarted
-    one instead of failing with NoReplicaError, so a run rides over it."""
+    one instead of failing with NoReplicaError, so a run rides over it. Each replica, and
+    its restart, keeps to its own share of the cores."""
     from rollout import Request, SamplingParams
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the user's choice turns it off
     request = Request(prompt="the ka", sampling=SamplingParams(max_tokens=4))
+    cores = sorted(os.sched_getaffinity(0))
+
+    def shares(pool):
+        return [sorted(os.sched_getaffinity(r.process.proc.pid)) for r in pool.replicas]
 
     async def main():
         pool = await start_replicas("hf", str(tiny_model), {}, 2)
         try:
             assert (await pool.generate(request)).ok
             first = {r.process.proc.pid for r in pool.replicas}
+            before = shares(pool)
             for replica in pool.replicas:
                 os.killpg(replica.process.proc.pid, signal.SIGKILL)
                 await asyncio.to_thread(replica.process.proc.wait)
             after = await pool.generate(request)
-            return first, after, {r.process.proc.pid for r in pool.replicas if r.healthy}
+            await asyncio.to_thread(wait_for, lambda: all(r.healthy for r in pool.replicas),
+                                    120, "both replicas back")
+            return first, after, {r.process.proc.pid for r in pool.replicas if r.healthy}, \
+                before, shares(pool)
         finally:
             await pool.close()
 
-    first, after, serving = asyncio.run(main())
+    first, after, serving, before, restarted = asyncio.run(main())
     assert after.ok, after.error
     assert serving and not serving & first  # served by a restarted process
+    each = max(1, len(cores) // 2)
+    assert all(len(share) == each for share in before)
+    if len(cores) >= 2:
+        assert not set(before[0]) & set(before[1])
+    assert restarted == before

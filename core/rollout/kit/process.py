@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from rollout.contract.errors import EngineDeadError, RolloutTimeoutError
@@ -57,12 +57,25 @@ def die_with_parent_hook():
     return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _before_exec(hook, cpus: Collection[int] | None):
+    """The child's preexec_fn: `hook`, then (with `cpus`) the child kept to those cores, it
+    and every process and thread it starts."""
+    if not cpus:
+        return hook
+
+    def run():
+        if hook is not None:
+            hook()
+        os.sched_setaffinity(0, cpus)
+    return run
+
+
 class ServerProcess:
     """`die_with_parent`: for a server owned by a thread that lives as long as it is used
     (an engine's event loop); the signal comes when that thread ends."""
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                 die_with_parent: bool = False):
+                 die_with_parent: bool = False, cpus: Collection[int] | None = None):
         self.name = name
         handle, path = tempfile.mkstemp(prefix=f"rollout-{name}-", suffix=".log")
         self.log_path = Path(path)
@@ -70,7 +83,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             list(argv), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})}, start_new_session=True,  # its own process group
-            preexec_fn=die_with_parent_hook() if die_with_parent else None,
+            preexec_fn=_before_exec(die_with_parent_hook() if die_with_parent else None, cpus),
         )
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:

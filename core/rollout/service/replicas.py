@@ -57,10 +57,11 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
         restart = {i: on_ray.restarter(i) for i in range(count)}
         on_close = on_ray.close
     else:
-        env = {KEY_VARIABLE: key, NODE_VARIABLE: this_node(), **_thread_share(count)}
+        env = {KEY_VARIABLE: key, NODE_VARIABLE: this_node()}
+        shares = cpu_shares(count)
         started = await asyncio.gather(*(asyncio.to_thread(
-            _start_local, f"replica-{i}", backend, model, options, env, startup_timeout)
-            for i in range(count)), return_exceptions=True)
+            _start_local, f"replica-{i}", backend, model, options, env, startup_timeout,
+            shares[i]) for i in range(count)), return_exceptions=True)
         failed = [s for s in started if isinstance(s, BaseException)]
         if failed:
             for s in started:
@@ -68,7 +69,7 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
                     await asyncio.to_thread(s[1].stop)
             raise failed[0]
         restart = {i: _restarter(f"replica-{i}", backend, model, options, env, startup_timeout,
-                                 request_timeout) for i in range(count)}
+                                 request_timeout, shares[i]) for i in range(count)}
     replicas = [Replica(RemoteService(url, key, request_timeout), process, restart.get(i),
                         restarts) for i, (url, process) in enumerate(started)]
     # Kept weights bring a restarted replica to the pool's version (one copy of the model
@@ -79,27 +80,33 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
 
 
 def _restarter(name: str, backend: str, model: str, options: Mapping, env: dict,
-               startup_timeout: float, request_timeout: float):
+               startup_timeout: float, request_timeout: float, cpus: list[int] | None):
     async def restart() -> tuple[RemoteService, ServerProcess]:
         url, process = await asyncio.to_thread(_start_local, name, backend, model, options,
-                                               env, startup_timeout)
+                                               env, startup_timeout, cpus)
         return RemoteService(url, env[KEY_VARIABLE], request_timeout), process
     return restart
 
 
-def _thread_share(count: int) -> dict[str, str]:
-    """Replicas on one machine split its cores: each with every core, their OpenMP threads
-    fight over them and all of them slow down many times over."""
+def cpu_shares(count: int) -> list[list[int] | None]:
+    """Each local replica's own cores: an equal share of the ones this process may use
+    (one each, shared round robin, when there are more replicas than cores). With every
+    core each, the engines' OpenMP threads fight over them and all of them slow down many
+    times over; vLLM's CPU build binds its threads to every core a process may use. None
+    for each where the user chose the threads (OMP_NUM_THREADS set)."""
     if "OMP_NUM_THREADS" in os.environ:
-        return {}
-    return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // count))}
+        return [None] * count
+    cores = sorted(os.sched_getaffinity(0))
+    each = max(1, len(cores) // count)
+    return [[cores[(i * each + j) % len(cores)] for j in range(each)] for i in range(count)]
 
 
 def _start_local(name: str, backend: str, model: str, options: Mapping, env: dict,
-                 timeout: float) -> tuple[str, ServerProcess]:
+                 timeout: float, cpus: list[int] | None = None) -> tuple[str, ServerProcess]:
     port = free_port()
+    threads = {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
     process = ServerProcess(name, replica_argv(backend, model, options, HOST, port),
-                            env={**env, REPLICA_VARIABLE: name})
+                            env={**env, **threads, REPLICA_VARIABLE: name}, cpus=cpus)
     url = f"http://{HOST}:{port}"
     process.wait_healthy(f"{url}/health", timeout,
                          {"Authorization": f"Bearer {env[KEY_VARIABLE]}"})

@@ -359,9 +359,10 @@ class BackendContract(SamplingContract):
             return stream.completion, await spared
 
         aborted, spared = on_engine_loop(run())
+        ends = [(r.finish_reason, r.completion_tokens) for r in aborted.unwrap()]
         for result in aborted.unwrap():
-            assert result.finish_reason == "abort"
-            assert result.completion_tokens < long["sampling"]["max_tokens"]
+            assert result.finish_reason == "abort", (ends, aborted.timing)
+            assert result.completion_tokens < long["sampling"]["max_tokens"], ends
         assert spared.unwrap()[0].finish_reason == "length"
         assert spared.unwrap()[0].completion_tokens == 4
 

@@ -1,0 +1,38 @@
+"""A KV cache for vLLM's CPU build that fits beside other work.
+
+vLLM on CPU asks for `gpu_memory_utilization` (0.92) of the node's whole memory and fails
+at start-up when other processes hold part of it. Unless the caller sized the cache
+(`kv_cache_memory_bytes`, `gpu_memory_utilization`, or VLLM_CPU_KVCACHE_SPACE), it is sized
+here from the memory free now, with a cap. Threads need nothing here: vLLM binds its OpenMP
+threads to the cores this process may use, so a replica started on a share of the cores
+(rollout.service.replicas) keeps to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("rollout.vllm")
+
+KV_SHARE = 0.5  # of the memory available when the engine starts
+KV_CAP_BYTES = 4 * 2**30
+SIZED_BY = ("kv_cache_memory_bytes", "gpu_memory_utilization")
+
+
+def kv_cache_args(engine_args: dict) -> dict:
+    """`engine_args` with a KV cache size from the free memory, on CPU where the caller set
+    none."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or any(k in engine_args for k in SIZED_BY) or \
+            os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return engine_args
+    import psutil
+
+    available = psutil.virtual_memory().available
+    size = min(KV_CAP_BYTES, int(available * KV_SHARE))
+    log.info("vLLM on CPU: a KV cache of %.1f GiB (%d%% of the %.1f GiB free, at most "
+             "%d GiB); set kv_cache_memory_bytes to choose", size / 2**30, KV_SHARE * 100,
+             available / 2**30, KV_CAP_BYTES // 2**30)
+    return {**engine_args, "kv_cache_memory_bytes": size}
