@@ -90,3 +90,20 @@ def test_completion_errors_serialize():
     assert str(back.error) == str(error)
     with pytest.raises(InvalidRequestError):
         back.unwrap()
+
+
+def test_prompt_logprobs_are_bounded_and_one_per_prompt_token():
+    from rollout.contract.schemas import PROMPT_LOGPROBS_MAX, Result, SamplingParams
+
+    assert SamplingParams(prompt_logprobs=PROMPT_LOGPROBS_MAX).prompt_logprobs == 100
+    for bad in (-1, PROMPT_LOGPROBS_MAX + 1, True, 1.0):
+        with pytest.raises(InvalidRequestError) as caught:
+            SamplingParams(prompt_logprobs=bad)
+        assert caught.value.field == "prompt_logprobs"
+    fields = dict(request_id="r", index=0, token_ids=(1,), text="", finish_reason="length",
+                  prompt_tokens=3, prompt_token_ids=(4, 5, 6))
+    assert Result(**fields, prompt_logprobs=(None, -1.0, -2.0)).prompt_logprobs[1:] == (-1.0,
+                                                                                        -2.0)
+    with pytest.raises(InvalidRequestError) as caught:
+        Result(**fields, prompt_logprobs=(None, -1.0))
+    assert caught.value.field == "prompt_logprobs"

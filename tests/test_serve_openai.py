@@ -16,7 +16,10 @@ from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutTime
 from rollout.apps.serving.app import ServerThread
 from rollout.service.service import LocalService
 from rollout.testing.model_folders import load_weights
-from rollout.testing.server_contract import CHAT, KEY, MODEL, ServerContract, http
+from rollout.testing.schemas import MODEL as STRICT_MODEL
+from rollout.testing.schemas import StrictToolsContract
+from rollout.testing.schemas import tool as strict_tool
+from rollout.testing.server_contract import CALL_REGEX, CHAT, KEY, MODEL, ServerContract, http
 
 
 class TestHFServer(ServerContract):
@@ -25,6 +28,133 @@ class TestHFServer(ServerContract):
     def make_rollout(cls):
         return lambda model, max_model_len: rollout.load_backend(
             "hf", model=model, max_model_len=max_model_len)
+
+
+# --- tools: what TRL sends, strict schemas, finish reasons ----------------------------------
+
+
+class TestHFStrictTools(StrictToolsContract):
+    """Hypothesis-made strict tools (rollout.testing.schemas), and what the tools section of
+    docs/serving.md promises about them."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def make_rollout(cls):
+        return lambda model: rollout.load_backend("hf", model=model, max_model_len=2048)
+
+    def test_a_function_tool_with_a_return_schema_reaches_the_template(self, served,
+                                                                       tiny_model):
+        """TRL's chat(tools=[a_python_function]) sends get_json_schema's `return` key: taken,
+        and rendered by the chat template with the tool (vLLM's server takes and drops it)."""
+        from transformers import AutoTokenizer
+        from transformers.utils import get_json_schema
+
+        def add(a: int, b: int) -> int:
+            """Add two integers.
+
+            Args:
+                a: the first
+                b: the second
+
+            Returns:
+                their sum
+            """
+            return a + b
+
+        spec = get_json_schema(add)
+        assert "return" in spec["function"]
+        client, _, _ = served
+        answer = client.chat.completions.create(model=STRICT_MODEL, messages=CHAT, tools=[spec],
+                                                max_tokens=2, temperature=0)
+        tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+
+        def length(tools):
+            return len(tokenizer.apply_chat_template(CHAT, tools=tools, tokenize=True,
+                                                     add_generation_prompt=True,
+                                                     return_dict=False))
+
+        bare = {**spec, "function": {k: v for k, v in spec["function"].items()
+                                     if k != "return"}}
+        assert answer.usage.prompt_tokens == length([spec]) > length([bare])
+        with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.returns?\b"):
+            client.chat.completions.create(
+                model=STRICT_MODEL, messages=CHAT, max_tokens=2,
+                tools=[{**spec, "function": {**spec["function"], "return": "an int"}}])
+        with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.retrun: "
+                                                         "unknown field"):
+            client.chat.completions.create(
+                model=STRICT_MODEL, messages=CHAT, max_tokens=2,
+                tools=[{**spec, "function": {**spec["function"], "retrun": {}}}])
+
+    @pytest.mark.parametrize(("node", "keyword"), [
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
+        ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "string", "format": "date"}, "format"),
+        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "pattern"),
+        ({"type": "string", "pattern": '^a"b$'}, "pattern"),
+        ({"type": "string", "enum": ["long", "no"], "maxLength": 2}, "enum"),
+        ({"type": "object", "required": ["x"]}, "required"),
+        ({"if": {"type": "integer"}, "then": {"minimum": 5}}, "if"),
+    ])
+    @pytest.mark.parametrize("where", ["auto", "required", "response_format"])
+    def test_what_the_grammar_cannot_hold_a_value_to_is_refused_naming_it(
+            self, served, node, keyword, where):
+        client, _, _ = served
+        schema = {"type": "object", "properties": {"v": node}, "required": ["v"]}
+        if where == "response_format":
+            call = {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "v", "schema": schema, "strict": True}}}
+            param = "response_format.json_schema.schema.properties.v." + keyword
+        else:
+            call = {"tools": [strict_tool(schema)], "tool_choice": where}
+            param = "tools[0].function.parameters.properties.v." + keyword
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=STRICT_MODEL, messages=CHAT, max_tokens=2,
+                                           **call)
+        assert caught.value.body["param"] == param, caught.value.body
+        # Not strict, a tool's schema is the template's only: taken as it is.
+        if where != "response_format":
+            loose = {"tools": [{**strict_tool(schema), "function": {
+                **strict_tool(schema)["function"], "strict": False}}], "tool_choice": "auto"}
+            client.chat.completions.create(model=STRICT_MODEL, messages=CHAT, max_tokens=2,
+                                           **loose)
+
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_calls_whose_later_text_was_cut_finish_as_tool_calls_as_on_vllm(self, served,
+                                                                           stream):
+        """A call, then a second block cut by max_tokens: the call comes back, the cut
+        block stays text with its reason, and the finish reason is `tool_calls` (vLLM's
+        server: any call read in "auto" ends so)."""
+        client, _, _ = served
+        regex = CALL_REGEX + r"\n<tool_call>\{" + "x" * 400
+        tools = [{"type": "function", "function": {
+            "name": "add", "parameters": {"type": "object", "properties": {
+                "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+        kwargs = dict(messages=CHAT, tools=tools, max_tokens=120, temperature=0,
+                      extra_body={"structured_outputs": {"regex": regex}})
+        if stream:
+            chunks = list(client.chat.completions.create(model=STRICT_MODEL, stream=True,
+                                                         **kwargs))
+            choices = [c for chunk in chunks for c in chunk.choices]
+            calls = [t for c in choices for t in c.delta.tool_calls or ()]
+            finish = [c.finish_reason for c in choices if c.finish_reason]
+            content = "".join(c.delta.content or "" for c in choices)
+        else:
+            (choice,) = client.chat.completions.create(model=STRICT_MODEL, **kwargs).choices
+            calls, finish, content = choice.message.tool_calls, [choice.finish_reason], \
+                choice.message.content
+            (error,) = choice.message.model_extra["tool_call_errors"]
+            assert "never closed" in error["reason"] and error["text"] in content
+        (call,) = calls
+        assert call.function.name == "add" and finish == ["tool_calls"]
+        assert content.startswith("<tool_call>{") and "add" not in content  # only the cut one
+        response = client.responses.create(model=STRICT_MODEL, input="hi", tools=[{
+            "type": "function", **tools[0]["function"]}], max_output_tokens=120, temperature=0,
+            extra_body={"structured_outputs": {"regex": regex}})
+        assert response.status == "completed"
+        assert [item.type for item in response.output] == ["message", "function_call"]
 
 
 # --- weight versions -----------------------------------------------------------------------

@@ -173,6 +173,13 @@ class Rollout:
             needs.append(("logprobs", "sampling.logprobs"))
         if request.sampling.seed is not None:
             needs.append(("seed", "sampling.seed"))
+        if request.sampling.prompt_logprobs is not None:
+            needs.append(("prompt_logprobs", "sampling.prompt_logprobs"))
+            if image_sources(request):
+                raise InvalidRequestError(
+                    "sampling.prompt_logprobs", "scoring a prompt with images is not "
+                    "supported (engines expand each image into a run of tokens)",
+                    "prompt_logprobs with a text prompt")
         if request.images:
             needs.append(("images", "images"))
         if request.messages is not None:
@@ -279,6 +286,11 @@ class Rollout:
             return Completion(request.id, error=BackendContractError(
                 f"backend {self.name!r}: the output of request {request.id!r} ended with "
                 "unfinished samples"))
+        if s.prompt_logprobs is not None and not flight.aborted and not all(
+                x.scored(len(prompt)) for x in samples):
+            return Completion(request.id, error=BackendContractError(
+                f"backend {self.name!r}: request {request.id!r} asked prompt_logprobs and "
+                f"did not get one entry (and top-k list) per prompt token"))
         results = []
         for sample in samples:
             results.append(sample.result(request, prompt, self.weight_version))
@@ -325,6 +337,11 @@ class Rollout:
                                         streaming=sink is not None, images=images)
         try:
             async for chunk in chunks:
+                if chunk.prompt_logprobs is not None:  # the prompt's, for every sample
+                    for sample in targets:
+                        sample.take_prompt_scores(chunk)
+                    if not chunk.token_ids and chunk.finish_reason is None:
+                        continue  # (scores alone may come after a sample's end)
                 if not 0 <= chunk.index < len(targets) or targets[chunk.index].finish:
                     raise BackendContractError(
                         f"backend {self.name!r}: chunk for sample {chunk.index} of a request "
@@ -544,6 +561,9 @@ class _Sample:
         self.spans: list[WeightSpan] = []
         self.finish: str | None = None
         self.cached: int | None = None
+        # The prompt's scores (sampling.prompt_logprobs) from the first engine call that
+        # gave them; a continued call's prompt starts with the same tokens.
+        self.prompt_scores: tuple | None = None
         self.stream = TextStream(decode, s) if streaming else None
         self.streamed_end = False
         self.before = 0  # tokens made before the running engine call (in its prompt)
@@ -562,8 +582,22 @@ class _Sample:
         self.spans = list(done.weight_versions) or (
             [WeightSpan(done.weight_version, 0, len(self.tokens))] if self.tokens else [])
         self.cached = done.cached_tokens
+        if done.prompt_logprobs is not None and self.s.prompt_logprobs is not None:
+            self.prompt_scores = (done.prompt_logprobs, done.prompt_top_logprobs)
         if self.stream is not None:
             self.stream.add(self.tokens)  # the text so far is the caller's already
+
+    def take_prompt_scores(self, chunk: Chunk) -> None:
+        if self.prompt_scores is None:
+            self.prompt_scores = (chunk.prompt_logprobs, chunk.prompt_top_logprobs)
+
+    def scored(self, prompt_len: int) -> bool:
+        """The engine gave the prompt's scores, as many as asked."""
+        if self.prompt_scores is None:
+            return False
+        values, tops = self.prompt_scores
+        return len(values) >= prompt_len and (not self.s.prompt_logprobs or (
+            tops is not None and len(tops) >= prompt_len))
 
     def check_room(self) -> None:
         if not self.finish and len(self.tokens) >= self.s.max_tokens:
@@ -627,7 +661,16 @@ class _Sample:
             weight_version=self.spans[-1].version if self.spans else weight_version,
             weight_versions=tuple(self.spans),
             logprobs=None if self.logprobs is None else tuple(self.logprobs),
-            top_logprobs=None if self.top is None else tuple(self.top))
+            top_logprobs=None if self.top is None else tuple(self.top),
+            **self._prompt_scores(len(prompt)))
+
+    def _prompt_scores(self, prompt_len: int) -> dict:
+        if self.s.prompt_logprobs is None or not self.scored(prompt_len):
+            return {}
+        values, tops = self.prompt_scores  # (a continued call's prompt is longer)
+        return {"prompt_logprobs": values[:prompt_len],
+                "prompt_top_logprobs": tuple(tops[:prompt_len]) if self.s.prompt_logprobs
+                else None}
 
 
 class _Lifecycle:

@@ -89,6 +89,9 @@ class StructuredOutputs:
 
 PENALTY_RANGE = 2.0
 BIAS_RANGE = 100.0
+# The most alternatives `prompt_logprobs` may ask per prompt position (TRL's scoring client
+# asks 100 by default).
+PROMPT_LOGPROBS_MAX = 100
 
 
 @attrs.frozen
@@ -103,6 +106,11 @@ class SamplingParams:
     `logit_bias` adds to a token's logit; `min_p` drops tokens less likely than `min_p`
     times the most likely one; `min_tokens` keeps EOS, stop tokens and stop strings from
     ending a sample before it has that many tokens.
+
+    `prompt_logprobs` scores the prompt: None returns nothing; k >= 0 returns the logprob
+    of every prompt token given the tokens before it (`Result.prompt_logprobs`, raw model,
+    as `logprobs`), and for k > 0 the k most likely tokens at each prompt position. With
+    `max_tokens=1` this scores given token sequences (reference or recomputed logprobs).
     """
 
     temperature: float = 1.0
@@ -123,6 +131,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = attrs.field(factory=dict, converter=_frozen_dict)
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = None
 
     def __attrs_post_init__(self):
         _check("temperature", _is_number(self.temperature) and self.temperature >= 0,
@@ -150,6 +159,11 @@ class SamplingParams:
         _check("logprobs", self.logprobs is None
                or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"got {self.logprobs!r}", "None, or an integer from 0 to 20")
+        _check("prompt_logprobs", self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs
+                   <= PROMPT_LOGPROBS_MAX),
+               f"got {self.prompt_logprobs!r}",
+               f"None, or an integer from 0 to {PROMPT_LOGPROBS_MAX}")
         _check("ignore_eos", isinstance(self.ignore_eos, bool),
                f"got {self.ignore_eos!r}", "true or false")
         _check("repetition_penalty", _is_number(self.repetition_penalty)
@@ -245,23 +259,30 @@ class ToolCall:
 @attrs.frozen
 class Tool:
     """A function the model may call, as OpenAI's `function` object: `parameters` is the
-    JSON schema of its arguments. The chat template renders it."""
+    JSON schema of its arguments. The chat template renders it. `returns` describes what
+    the function gives back (the `return` key that transformers' `get_json_schema` writes,
+    and TRL sends): it only goes to the chat template, as the function's `return`."""
 
     name: str
     description: str | None = None
     parameters: dict = attrs.field(factory=lambda: {"type": "object", "properties": {}},
                                    converter=_frozen_dict)
+    returns: dict | None = attrs.field(default=None, converter=_frozen_dict)
 
     def __attrs_post_init__(self):
         _check("name", isinstance(self.name, str) and self.name != "", f"got {self.name!r}",
                "a non-empty string")
         _check("parameters", isinstance(self.parameters, dict), f"got {self.parameters!r}",
                "a JSON schema (an object)")
+        _check("returns", self.returns is None or isinstance(self.returns, dict),
+               f"got {self.returns!r}", "a JSON schema (an object) of the result, or null")
 
     def as_openai(self) -> dict:
         function = {"name": self.name, "parameters": self.parameters}
         if self.description is not None:
             function["description"] = self.description
+        if self.returns is not None:
+            function["return"] = self.returns
         return {"type": "function", "function": function}
 
 
@@ -434,6 +455,10 @@ class Result:
     `prompt_token_ids` are exactly the tokens the engine saw before them. `logprobs` are
     the chosen tokens' log-probabilities under the model's raw distribution (temperature 1,
     no top-p or top-k), one per token; `top_logprobs` the k most likely tokens per position.
+    `prompt_logprobs` (asked with `sampling.prompt_logprobs`) score the prompt the same way:
+    one entry per prompt token, the logprob of `prompt_token_ids[i]` given the tokens before
+    it, None for the first token (nothing comes before it); `prompt_top_logprobs` the k most
+    likely tokens at each prompt position (empty at the first), for k > 0.
     """
 
     request_id: str
@@ -456,8 +481,17 @@ class Result:
     # says which weights made each token, as spans that cover `token_ids` in order.
     weight_version: int | None = None
     weight_versions: tuple[WeightSpan, ...] = attrs.field(default=(), converter=_tuple)
+    prompt_logprobs: tuple[float | None, ...] | None = attrs.field(default=None,
+                                                                   converter=_tuple)
+    prompt_top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = attrs.field(
+        default=None, converter=_tuple)
 
     def __attrs_post_init__(self):
+        for name in ("prompt_logprobs", "prompt_top_logprobs"):
+            value = getattr(self, name)
+            _check(name, value is None or len(value) == self.prompt_tokens,
+                   f"{len(value or ())} entries but prompt_tokens={self.prompt_tokens}",
+                   "one entry per prompt token")
         _check("prompt_token_ids", not self.prompt_token_ids
                or len(self.prompt_token_ids) == self.prompt_tokens,
                f"{len(self.prompt_token_ids)} ids but prompt_tokens={self.prompt_tokens}",
@@ -497,6 +531,13 @@ class Chunk:
     cached_tokens: int | None = None
     # The version of the weights that made its tokens; the core sets it.
     weight_version: int | None = None
+    # The prompt's scores (`sampling.prompt_logprobs`), as `Result.prompt_logprobs` and
+    # `prompt_top_logprobs` hold them, for the prompt the engine was given: on any one
+    # chunk of the request (a chunk may carry them and no token); None elsewhere.
+    prompt_logprobs: tuple[float | None, ...] | None = attrs.field(default=None,
+                                                                   converter=_tuple)
+    prompt_top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = attrs.field(
+        default=None, converter=_tuple)
 
 
 @attrs.frozen
@@ -536,6 +577,7 @@ CAPABILITIES = {
     "release": "free weights and KV cache with release() and bring them back with resume()",
     "update_weights": "replace the weights in place with update_weights()",
     "logprobs": "return per-token logprobs",
+    "prompt_logprobs": "score the prompt's tokens (sampling.prompt_logprobs)",
     "seed": "reproduce a sample from a per-request seed",
     "chat": "render chat messages with the model's chat template",
     "images": "image parts in messages",

@@ -294,6 +294,48 @@ class BackendContract(SamplingContract):
             assert top[0].token_id == token  # greedy picks the most likely token
             assert abs(top[0].logprob - logprob) < 1e-4
 
+    def test_prompt_logprobs_score_given_tokens_as_a_forward_pass_does(
+            self, harness, sampler, reference):
+        """Scoring given sequences (reference and recomputed logprobs): each prompt token's
+        logprob and the top k equal a plain transformers forward pass in float32, through
+        both faces, also when the prompt is in the prefix cache, for every sample."""
+        skip_unless(harness.caps, "prompt_logprobs")
+        import random
+
+        import torch
+
+        rng = random.Random(5)
+        sequences = [reference.prompt + [rng.randrange(reference.vocab) for _ in range(40)],
+                     [rng.randrange(reference.vocab) for _ in range(9)]]
+        asked = [{"prompt_token_ids": ids, "sampling": {
+            "temperature": 1.0, "n": 2, "max_tokens": 1, "prompt_logprobs": 3}}
+            for ids in sequences]
+        asked.append({"prompt_token_ids": sequences[1], "sampling": {
+            "max_tokens": 1, "prompt_logprobs": 0}})
+        first = sampler.generate(asked)
+        again = sampler.generate(asked)  # now from the prefix cache, where the engine has one
+        for ids, completion, repeated in zip(sequences, first, again):
+            expected = torch.log_softmax(reference.logits(ids), dim=-1)[:-1]
+            top_values, top_ids = expected.topk(3, dim=-1)
+            for result in completion.unwrap() + repeated.unwrap():
+                assert result.prompt_token_ids == tuple(ids)
+                assert result.prompt_logprobs[0] is None and result.prompt_top_logprobs[0] == ()
+                assert len(result.prompt_logprobs) == len(result.prompt_top_logprobs) == len(ids)
+                got = torch.tensor(result.prompt_logprobs[1:], dtype=torch.float64)
+                want = expected.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].double()
+                assert (got - want).abs().max().item() < 1e-4
+                for position, tops in enumerate(result.prompt_top_logprobs[1:]):
+                    assert [t.token_id for t in tops] == top_ids[position].tolist()
+                    assert max(abs(t.logprob - v) for t, v in zip(
+                        tops, top_values[position].tolist())) < 1e-4
+        [alone] = first[2].unwrap()
+        assert alone.prompt_top_logprobs is None
+        assert alone.prompt_logprobs[0] is None
+        assert alone.prompt_logprobs[1:] == pytest.approx(
+            first[1].results[0].prompt_logprobs[1:], abs=1e-4)
+        [plain] = sampler.generate([{"prompt_token_ids": sequences[1]}])[0].unwrap()
+        assert plain.prompt_logprobs is None and plain.prompt_top_logprobs is None
+
     def test_chat_messages_use_the_chat_template(self, harness):
         skip_unless(harness.caps, "chat")
         from transformers import AutoTokenizer

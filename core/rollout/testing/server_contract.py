@@ -176,6 +176,36 @@ class ServerContract:
         assert only_chosen.top_logprobs == [{t: v} for t, v in zip(only_chosen.tokens,
                                                                     only_chosen.token_logprobs)]
 
+    def test_completion_prompt_logprobs_as_vllm_writes_them(self, client, ro):
+        """vLLM's `prompt_logprobs` (what TRL's get_sequence_logprobs reads): per prompt
+        position None first, then token id -> {logprob, rank, decoded_token} for the
+        prompt's token and the k most likely, equal to the engine's scores."""
+        if not ro.capabilities.supports("prompt_logprobs"):
+            pytest.skip(f"unsupported: {ro.capabilities.unsupported['prompt_logprobs']}")
+        prompts = [[5, 17, 42, 9, 3], [7, 8, 9, 10]]
+        response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1,
+                                             temperature=0, extra_body={"prompt_logprobs": 2})
+        for prompt, choice in zip(prompts, response.choices):
+            (expected,) = direct(ro, prompt_token_ids=prompt, sampling={
+                "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2})
+            scores = choice.model_dump()["prompt_logprobs"]
+            assert len(scores) == len(prompt) and scores[0] is None
+            for token, value, tops, position in zip(prompt[1:], expected.prompt_logprobs[1:],
+                                                    expected.prompt_top_logprobs[1:],
+                                                    scores[1:]):
+                assert position[str(token)]["logprob"] == pytest.approx(value, abs=1e-5)
+                assert position[str(token)]["decoded_token"] == f"token_id:{token}"
+                ranked = sorted(position.items(), key=lambda item: item[1]["rank"])
+                assert [int(t) for t, _ in ranked[:2]] == [t.token_id for t in tops]
+                assert [e["rank"] for _, e in ranked[:2]] == [1, 2]
+                if str(token) not in dict(ranked[:2]):  # outside the top k: after them
+                    assert position[str(token)]["rank"] == 3 and len(position) == 3
+        plain = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=1)
+        assert "prompt_logprobs" not in plain.choices[0].model_dump()
+        status, body = http(client.base_url.__str__().rstrip("/") + "/completions", {
+            "model": MODEL, "prompt": prompts[0], "prompt_logprobs": 1, "stream": True})
+        assert status == 400 and body["error"]["param"] == "prompt_logprobs"
+
     def test_completion_stops_before_a_stop_string(self, client):
         full = client.completions.create(model=MODEL, prompt="the", max_tokens=12, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text

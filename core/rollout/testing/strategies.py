@@ -93,6 +93,8 @@ CORRUPTIONS = {
     "max_tokens float": ("sampling.max_tokens", _set(("sampling", "max_tokens"), 2.5)),
     "n zero": ("sampling.n", _set(("sampling", "n"), 0)),
     "logprobs too many": ("sampling.logprobs", _set(("sampling", "logprobs"), 21)),
+    "prompt_logprobs negative": ("sampling.prompt_logprobs",
+                                 _set(("sampling", "prompt_logprobs"), -1)),
     "empty stop string": ("sampling.stop", _set(("sampling", "stop"), [""])),
     "negative stop token": ("sampling.stop_token_ids", _set(("sampling", "stop_token_ids"), [-1])),
     "string seed": ("sampling.seed", _set(("sampling", "seed"), "seven")),

@@ -21,6 +21,7 @@ from rollout.testing.server_contract import http
 PROMPTS = [[5, 17, 42], [7, 8, 9, 10]]
 CHAT = [{"role": "user", "content": "def add(a, b):"}]
 REGEX = r"[0-9]{3}"
+SEQUENCES = [[5, 17, 42, 9, 3], [7, 8, 9, 10]]  # scored from position 2 on
 
 
 def run(url: str) -> dict:
@@ -30,7 +31,9 @@ def run(url: str) -> dict:
     return {"greedy": client.generate(PROMPTS, n=1, temperature=0.0, max_tokens=5),
             "sampled": client.generate(PROMPTS, n=3, temperature=1.0, max_tokens=6,
                                        structured_outputs_regex=REGEX),
-            "chat": client.chat([CHAT], n=1, temperature=0.0, max_tokens=5, logprobs=0)}
+            "chat": client.chat([CHAT], n=1, temperature=0.0, max_tokens=5, logprobs=0),
+            "scored": client.get_sequence_logprobs(SEQUENCES, [2] * len(SEQUENCES),
+                                                   top_logprobs=3)}
 
 
 def check_trl_client(python: str, backend: str, model_dir: str,
@@ -44,6 +47,9 @@ def check_trl_client(python: str, backend: str, model_dir: str,
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": 5, "temperature": 0.0,
             "logprobs": 0, "return_token_ids": True}, key=None))["choices"][0]
             for prompt in PROMPTS]
+        scores = [_ok(http(url + "/v1/completions", {
+            "model": MODEL_NAME, "prompt": sequence, "max_tokens": 1, "prompt_logprobs": 3},
+            key=None))["choices"][0]["prompt_logprobs"] for sequence in SEQUENCES]
         chat = _ok(http(url + "/v1/chat/completions", {
             "model": MODEL_NAME, "messages": CHAT, "max_tokens": 5, "temperature": 0.0,
             "return_token_ids": True}, key=None))
@@ -58,6 +64,15 @@ def check_trl_client(python: str, backend: str, model_dir: str,
     assert len(sampled) == 6 and all(re.fullmatch(REGEX, t) for t in texts), texts
     assert out["chat"]["completion_ids"] == [chat["choices"][0]["token_ids"]]
     assert out["chat"]["prompt_ids"] == [chat["prompt_token_ids"]]
+    scored = out["scored"]
+    for i, (sequence, positions) in enumerate(zip(SEQUENCES, scores)):
+        assert scored["actual_token_ids"][i] == [[t] for t in sequence[2:]]
+        assert [a for (a,) in scored["actual_logprobs"][i]] == pytest.approx(
+            [positions[p][str(sequence[p])]["logprob"] for p in range(2, len(sequence))],
+            abs=1e-5)
+        for p, ids in zip(range(2, len(sequence)), scored["logprob_token_ids"][i]):
+            ranked = sorted(positions[p].items(), key=lambda item: item[1]["rank"])
+            assert ids == [int(t) for t, _ in ranked[:3]]
     return out
 
 

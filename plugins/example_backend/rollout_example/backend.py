@@ -44,6 +44,7 @@ class ExampleBackend:
         return Capabilities(unsupported={
             "release": "not in the example (the HF backend shows how to free memory)",
             "images": "the example serves text-only models",
+            "prompt_logprobs": "not in the example (the HF backend scores prompts)",
         })
 
     @rollout.hookimpl

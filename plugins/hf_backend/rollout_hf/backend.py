@@ -104,7 +104,7 @@ class HFBackend:
     @rollout.hookimpl
     async def generate(self, request: Request, prompt_token_ids: list[int], images):
         s = request.sampling
-        job = Job(asyncio.get_running_loop())
+        job = Job(asyncio.get_running_loop(), s.prompt_logprobs)
         if s.structured_outputs is None and not images:
             job.rows = self._rows(job, request, prompt_token_ids)
         else:  # compiling a grammar, processing images take a while: not on the loop

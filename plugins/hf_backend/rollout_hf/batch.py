@@ -88,9 +88,11 @@ class Batch:
         self.rows = [self.rows[i] for i in keep]
 
 
-def prefill(model, rows: list[Row], pad_id: int, device: torch.device,
-            ) -> tuple[Batch, torch.Tensor]:
-    """Run the prompts of new rows; their batch and next-token logits [rows, vocab]."""
+def prefill(model, rows: list[Row], pad_id: int, device: torch.device, every: bool = False,
+            ) -> tuple[Batch, torch.Tensor, torch.Tensor | None]:
+    """Run the prompts of new rows; their batch, next-token logits [rows, vocab] and, with
+    `every`, the logits at every position [rows, width, vocab] (left-padded), to score the
+    prompts."""
     width = max(len(r.prompt) for r in rows)
     input_ids = torch.tensor([[pad_id] * (width - len(r.prompt)) + r.prompt for r in rows],
                              device=device)
@@ -102,8 +104,10 @@ def prefill(model, rows: list[Row], pad_id: int, device: torch.device,
         positions, deltas, images = prefill_inputs(model, rows, input_ids, mask)
     cache = DynamicCache()
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=1, **images)
-    return Batch(list(rows), cache, mask, deltas), out.logits[:, -1, :].float()
+                past_key_values=cache, use_cache=True, logits_to_keep=0 if every else 1,
+                **images)
+    return (Batch(list(rows), cache, mask, deltas), out.logits[:, -1, :].float(),
+            out.logits if every else None)
 
 
 def _deltas(batch: Batch) -> torch.Tensor:

@@ -31,7 +31,7 @@ from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
 from rollout.kit.sampler import LogitsProcessor, Row, next_tokens, uses_processing
 
 from rollout_hf.batch import Batch, prefill
-from rollout_hf.handoff import Job, Token, deliver
+from rollout_hf.handoff import Job, PromptScores, Token, deliver
 
 # An elementwise op this large runs in parallel (ATen's grain size is 32768 elements).
 OPENMP_TEAM_ELEMENTS = 1 << 20
@@ -139,8 +139,17 @@ class Engine:
         parts = []
         if batch.rows:
             parts.append(batch.decode(self.model))
+        scores = {}
         if self._joining:
-            newcomers, logits = prefill(self.model, self._joining, self.pad_id, self.device)
+            scoring = [i for i, row in enumerate(self._joining) if _to_score(row.owner)]
+            newcomers, logits, every = prefill(self.model, self._joining, self.pad_id,
+                                               self.device, every=bool(scoring))
+            for i in scoring:  # one row of a job scores its prompt, once
+                row = self._joining[i]
+                if not row.owner.scored:
+                    row.owner.scored = True
+                    scores[row.owner] = [score_prompt(every[i], row.prompt,
+                                                      row.owner.prompt_logprobs)]
             parts.append(logits)
             batch.join(newcomers)
             self._processor_stale = True
@@ -150,7 +159,7 @@ class Engine:
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         chosen, logprobs, tops = self._choose(batch.rows, logits)
         ids = chosen.tolist()
-        output: dict[Job, list] = {}
+        output: dict[Job, list] = scores
         keep = []
         for i, row in enumerate(batch.rows):
             finish = row.push(ids[i], self.tokenizer)
@@ -231,6 +240,26 @@ class Engine:
         self._batch, self._joining, self._processor = Batch(), [], None
         self._send({job: [EngineDeadError(str(self.dead))] for job in jobs},
                    even_cancelled=True)
+
+
+def _to_score(job: Job) -> bool:
+    return job.prompt_logprobs is not None and not job.scored
+
+
+def score_prompt(logits: torch.Tensor, prompt: list[int], k: int) -> PromptScores:
+    """The prompt's scores from one row's logits at every position [width, vocab] (the
+    prompt at its right end): each token's logprob given those before it, and the k most
+    likely tokens at each position."""
+    n = len(prompt)
+    width = logits.shape[0]
+    logprobs = torch.log_softmax(logits[width - n: width - 1].float(), dim=-1)  # [n-1, V]
+    ids = torch.tensor(prompt[1:], dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(-1, ids[:, None])[:, 0].tolist()
+    tops: list[tuple] = [()]
+    if k:
+        values, indices = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        tops += [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    return PromptScores([None, *chosen], tops if k else None)
 
 
 def _start_openmp_team() -> None:

@@ -26,9 +26,20 @@ class Token(NamedTuple):
     finish: str | None
 
 
+class PromptScores(NamedTuple):
+    """A job's prompt scored (`sampling.prompt_logprobs`): None, then one logprob per later
+    prompt token; for k > 0, the top k (token id, logprob) pairs per position (none at the
+    first)."""
+
+    logprobs: list[float | None]
+    top: list[tuple[tuple[int, float], ...]] | None
+
+
 class Job:
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt_logprobs: int | None = None):
         self.loop = loop
+        self.prompt_logprobs = prompt_logprobs  # score the prompt, with this many tops
+        self.scored = False  # (engine thread only) one row has scored it
         self.rows: list = []  # its samples' Rows
         self.vision = None  # its images' VisionInputs (vision.py), for its rows' prefill
         # Set on the loop when the consumer is gone (an abort, a timeout, a dropped
@@ -68,12 +79,19 @@ def deliver(batch: list[tuple[Job, list]]) -> None:
         job.feed(items)
 
 
-def chunks(tokens: list[Token], logprobs: int | None) -> list[Chunk]:
-    """One Chunk per sample of these tokens (several steps' when the loop fell behind)."""
+def chunks(tokens: list, logprobs: int | None) -> list[Chunk]:
+    """One Chunk per sample of these tokens (several steps' when the loop fell behind); the
+    prompt's scores, where they came, on a chunk of their own first."""
     by_index: dict[int, list[Token]] = {}
-    for token in tokens:
-        by_index.setdefault(token.index, []).append(token)
     out = []
+    for token in tokens:
+        if isinstance(token, PromptScores):
+            out.append(Chunk(0, prompt_logprobs=token.logprobs, prompt_top_logprobs=None
+                             if token.top is None else tuple(
+                                 tuple(TokenLogprob(i, v) for i, v in position)
+                                 for position in token.top)))
+        else:
+            by_index.setdefault(token.index, []).append(token)
     for index, group in by_index.items():
         out.append(Chunk(
             index, tuple(t.token_id for t in group),

@@ -198,6 +198,11 @@ class SGLangBackend:
         # One sample is read on the request's own task; several, on a task each.
         chunks = samples[0] if len(samples) == 1 else _merged(samples)
         try:
+            if s.prompt_logprobs is not None:  # scored by a prefill of its own, first
+                out = await self.engine.generate(protocol.prompt_score_body(
+                    uuid.uuid4().hex, prompt_token_ids, s.prompt_logprobs))
+                yield Chunk(0, **protocol.parse_prompt_scores(out, len(prompt_token_ids),
+                                                              s.prompt_logprobs))
             async with contextlib.aclosing(chunks):  # closed, SGLang aborts what still runs
                 async for chunk in chunks:
                     yield chunk

@@ -159,6 +159,32 @@ def score_body(rid: str, prompt: list[int], tokens: list[int], logprobs: int,
     return body
 
 
+def prompt_score_body(rid: str, prompt: list[int], logprobs: int) -> dict:
+    """A prefill of the prompt alone that generates nothing and returns the raw logprob of
+    every prompt token (`sampling.prompt_logprobs`), with the top `logprobs` per position."""
+    return {"rid": rid, "input_ids": list(prompt),
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": logprobs,
+            "stream": False}
+
+
+def parse_prompt_scores(out: dict, prompt: int, logprobs: int) -> dict:
+    """The Chunk fields of a prompt_score_body's answer: None, then the logprob of each
+    later prompt token; for k > 0 the top k per position (none at the first)."""
+    meta = out["meta_info"]
+    steps = meta.get("input_token_logprobs") or []
+    if len(steps) != prompt:
+        raise GenerationError(f"SGLang scored {len(steps)} positions of a {prompt}-token prompt")
+    values = [None, *(_logprob(step[0]) for step in steps[1:])]
+    tops = None
+    if logprobs:
+        tops = [(), *(_top(step, logprobs) for step in (meta.get("input_top_logprobs") or [])[1:])]
+        if len(tops) != prompt:
+            raise GenerationError(f"SGLang gave the top logprobs of {len(tops)} positions "
+                                  f"of a {prompt}-token prompt")
+    return {"prompt_logprobs": values, "prompt_top_logprobs": tops}
+
+
 def parse_scores(out: dict, tokens: int, logprobs: int):
     """(logprobs, top_logprobs) of the `tokens` scored tokens."""
     meta = out["meta_info"]

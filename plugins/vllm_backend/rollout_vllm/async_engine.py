@@ -98,7 +98,7 @@ class AsyncEngine:
 
         self._check()
         sampling = sampling_params(params, self.stream_interval)
-        k = params.get("logprobs")
+        k, scores = params.get("logprobs"), params.get("prompt_logprobs")
         # Tokens alone as a rendered token input: vLLM takes it on this thread. A prompt with
         # images goes through vLLM's renderer (its thread pool), which processes them.
         rendered = prompt if "multi_modal_data" in prompt else \
@@ -110,7 +110,9 @@ class AsyncEngine:
             async with aclosing(outputs):
                 async for output in outputs:
                     finished = output.finished
-                    for chunk in chunks([output], k):
+                    for chunk in chunks([output], k, scores):
+                        if chunk.prompt_logprobs is not None:
+                            scores = None  # (each of n samples' outputs repeats them)
                         yield chunk
         except Exception as exc:  # noqa: BLE001 - sorted: dead engine or this request's error
             raise self._error(exc) from None

@@ -14,7 +14,7 @@ from rollout.kit.aio import engine_loop
 from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
 from rollout.weights.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
-from rollout.contract.schemas import SamplingParams, StructuredOutputs
+from rollout.contract.schemas import PROMPT_LOGPROBS_MAX, SamplingParams, StructuredOutputs
 from rollout.kit.structured import constraint_error, structural_tag_grammar
 
 from rollout_vllm.async_engine import AsyncEngine
@@ -59,7 +59,8 @@ def vllm_sampling(s: SamplingParams) -> dict:
             "frequency_penalty": s.frequency_penalty, "min_p": s.min_p,
             "min_tokens": s.min_tokens, "logit_bias": dict(s.logit_bias) or None,
             "include_stop_str_in_output": s.include_stop_str_in_output,
-            "structured_outputs": structured_outputs(s.structured_outputs)}
+            "structured_outputs": structured_outputs(s.structured_outputs),
+            "prompt_logprobs": s.prompt_logprobs}
 
 
 def structured_outputs(so: StructuredOutputs | None) -> dict | None:
@@ -118,6 +119,8 @@ class VLLMBackend:
             else DEFAULT_BUCKET_BYTES)
         self.sleep_reason = sleep_unsupported_reason()
         engine_args = dict(engine_args or {})
+        # vLLM refuses (prompt) logprobs over this: the contract's most.
+        engine_args.setdefault("max_logprobs", PROMPT_LOGPROBS_MAX)
         vision = config.model_type in VISION_MODEL_TYPES
         if vision:
             # Images only (the contract has no video): vLLM then profiles and budgets no video

@@ -60,9 +60,31 @@ def sampling_params(params: dict, stream_interval: int):
         raise refusal(exc) from None
 
 
-def chunks(outputs: list, k: int | None) -> list[Chunk]:
+def chunks(outputs: list, k: int | None, pk: int | None = None) -> list[Chunk]:
     """A chunk per sample from delta RequestOutputs (several merged when they piled up),
-    with vLLM's count of the prompt tokens it found in its prefix cache."""
+    with vLLM's count of the prompt tokens it found in its prefix cache, and the prompt's
+    scores (`pk`: sampling.prompt_logprobs) first where vLLM gave them."""
+    made = _chunks(outputs, k)
+    if pk is not None:
+        scored = next((o for o in outputs if o.prompt_logprobs), None)
+        if scored is not None:
+            made.insert(0, Chunk(0, **prompt_scores(scored.prompt_token_ids,
+                                                    scored.prompt_logprobs, pk)))
+    return made
+
+
+def prompt_scores(prompt: list[int], steps: list, k: int) -> dict:
+    """vLLM's prompt logprobs (None, then per position token id -> Logprob, the prompt's
+    token and the top k) as the Chunk's fields."""
+    if len(steps) != len(prompt):
+        raise GenerationError(f"vLLM scored {len(steps)} positions of a {len(prompt)}-token "
+                              "prompt")
+    values = [None, *(float(step[t].logprob) for t, step in zip(prompt[1:], steps[1:]))]
+    return {"prompt_logprobs": values,
+            "prompt_top_logprobs": [(), *_top(steps[1:], k)] if k else None}
+
+
+def _chunks(outputs: list, k: int | None) -> list[Chunk]:
     cached = outputs[-1].num_cached_tokens
     if len(outputs) == 1:  # the usual case: one step's output
         return [Chunk(o.index, o.token_ids, _chosen(o.token_ids, o.logprobs) if k is not None

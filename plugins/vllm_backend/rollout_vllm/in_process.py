@@ -148,13 +148,15 @@ class InProcessEngine:
             # Sent once this loop iteration is over, with every request that came in it: the
             # engine then schedules them together instead of stepping on a trickle.
             self.loop.call_soon(self._send_adds)
-        k = params.get("logprobs")
+        k, scores = params.get("logprobs"), params.get("prompt_logprobs")
         finished = False
         try:
             while not finished:
                 outputs = await stream.take(self.loop)
                 finished = outputs[-1].finished
-                for chunk in chunks(outputs, k):
+                for chunk in chunks(outputs, k, scores):
+                    if chunk.prompt_logprobs is not None:
+                        scores = None  # (each of n samples' outputs may repeat them)
                     yield chunk
         finally:
             del self.streams[rid]

@@ -106,6 +106,11 @@ class ServerEngine:
         import aiohttp
 
         self.server.check()
+        if params.get("prompt_logprobs") is not None and "multi_modal_data" not in prompt:
+            # vLLM's server scores prompts only in a whole (not streamed) answer.
+            async for chunk in self._scored(rid, prompt, params):
+                yield chunk
+            return
         if "multi_modal_data" in prompt:
             path, parse = "/inference/v1/generate", _generate_chunks
             body = await _generate_body(rid, prompt, params, self.encoded)
@@ -146,6 +151,35 @@ class ServerEngine:
             raise
         except (aiohttp.ClientError, OSError, RuntimeError) as exc:  # RuntimeError: closed
             raise await self.server.failure(exc, f"vLLM server call {path}") from None
+
+    async def _scored(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
+        """A request with prompt_logprobs, in one answer from /v1/completions: the prompt's
+        scores first, then every sample whole."""
+        import aiohttp
+
+        path = "/v1/completions"
+        body = {"model": SERVED_NAME, "prompt": prompt["prompt_token_ids"], "request_id": rid,
+                "return_token_ids": True, "return_tokens_as_token_ids": True,
+                **{k: v for k, v in params.items() if v is not None}}
+        try:
+            async with self.server.session.post(
+                self.url + path, json=body,
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout),
+            ) as response:
+                answer = await _json(response, path)
+        except RolloutError:
+            raise
+        except (aiohttp.ClientError, OSError, RuntimeError) as exc:  # RuntimeError: closed
+            raise await self.server.failure(exc, f"vLLM server call {path}") from None
+        choices = answer.get("choices") or []
+        if not choices:
+            raise GenerationError(f"vLLM server answered no choice on {path}: {answer}")
+        yield Chunk(0, **_prompt_scores(prompt["prompt_token_ids"],
+                                        choices[0].get("prompt_logprobs"),
+                                        params["prompt_logprobs"]))
+        cached = _cached_tokens(answer)
+        for chunk in _sse_chunks(answer, params.get("logprobs")):
+            yield attrs.evolve(chunk, cached_tokens=cached)
 
     def weight_path(self, transport: str, loop: LoopThread, timeout: float,
                     group_timeout: float) -> GlooSender | ShmPipeline:
@@ -201,6 +235,23 @@ async def _json(response, path: str):
     if response.status != 200:
         raise GenerationError(f"vLLM server answered {response.status} on {path}: {data}")
     return data
+
+
+def _prompt_scores(prompt: list[int], steps: list | None, k: int) -> dict:
+    """vLLM's server's prompt_logprobs (None, then per position token id -> {logprob,
+    rank, decoded_token}: the prompt's token and the top k) as the Chunk's fields."""
+    if not steps or len(steps) != len(prompt):
+        raise GenerationError(f"vLLM server scored {len(steps or ())} positions of a "
+                              f"{len(prompt)}-token prompt")
+    values: list[float | None] = [None]
+    tops: list[tuple] = [()]
+    for token, step in zip(prompt[1:], steps[1:]):
+        values.append(_logprob(step[str(token)]["logprob"]))
+        ranked = sorted(((int(t), _logprob(e["logprob"])) for t, e in step.items()
+                         if e.get("rank") is not None and e["rank"] <= k),
+                        key=lambda pair: -pair[1])[:k]
+        tops.append(tuple(TokenLogprob(t, v) for t, v in ranked))
+    return {"prompt_logprobs": values, "prompt_top_logprobs": tops if k else None}
 
 
 def _cached_tokens(event: dict) -> int | None:

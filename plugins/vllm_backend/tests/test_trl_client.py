@@ -96,3 +96,28 @@ def test_nccl_weight_sync_is_refused_with_the_way_that_works(served):
         client.init_communicator(device="cpu")
     with pytest.raises(Exception, match="501.*rollout.integrations.trl"):
         client.get_world_size()
+
+
+def test_get_sequence_logprobs_scores_given_sequences_as_the_engine(served):
+    """TRL's teacher scoring (`prompt_logprobs` on /v1/completions), unchanged, with its
+    defaults (the top 100 per position), against the engine's own scores."""
+    import math
+
+    ro, client = served
+    sequences = [[5, 17, 42, 9, 3, 11], [7, 8, 9, 10, 12]]
+    prompt_lengths = [3, 2]
+    out = client.get_sequence_logprobs(sequences, prompt_lengths, chunk_size=1)
+    for i, (sequence, start) in enumerate(zip(sequences, prompt_lengths)):
+        (expected,) = direct(ro, prompt_token_ids=sequence,
+                             sampling={"max_tokens": 1, "prompt_logprobs": 100})
+        positions = range(start, len(sequence))
+        assert out["actual_token_ids"][i] == [[sequence[p]] for p in positions]
+        assert [a for (a,) in out["actual_logprobs"][i]] == pytest.approx(
+            [expected.prompt_logprobs[p] for p in positions], abs=1e-5)
+        for p, ids, values in zip(positions, out["logprob_token_ids"][i], out["logprobs"][i]):
+            top = expected.prompt_top_logprobs[p]
+            assert len(ids) == len(values) == 100
+            assert ids[:len(top)] == [t.token_id for t in top]
+            assert values[:len(top)] == pytest.approx([t.logprob for t in top], abs=1e-5)
+            assert all(v == -math.inf for v in values[len(top):])  # TRL's padding
+            assert values[:len(top)] == sorted(values[:len(top)], reverse=True)

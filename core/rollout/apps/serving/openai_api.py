@@ -18,6 +18,8 @@ import time
 import uuid
 from typing import Any
 
+import attrs
+
 from rollout.contract import convert
 from rollout.contract.errors import (
     EngineDeadError,
@@ -31,6 +33,7 @@ from rollout.contract.errors import (
 )
 from rollout.contract.schemas import Chunk, Completion, Request, Result, Tool
 from rollout.apps.tool_parsers import DEFAULT_PARSER, forced, load_tool_parser
+from rollout.apps.tool_parsers import strict as strict_schemas
 
 # Fields that change sampling, under their OpenAI names, with vLLM's and SGLang's
 # extensions; rollout's sampling fields carry the same names.
@@ -42,7 +45,7 @@ COMMON_FIELDS = ("model", "stream", "stream_options", "return_token_ids",
                  "return_tokens_as_token_ids", "max_tokens",
                  "max_completion_tokens", "response_format", "structured_outputs",
                  *SAMPLING_FIELDS)
-COMPLETIONS_FIELDS = ("prompt", "logprobs", *COMMON_FIELDS)
+COMPLETIONS_FIELDS = ("prompt", "logprobs", "prompt_logprobs", *COMMON_FIELDS)
 CHAT_FIELDS = ("messages", "logprobs", "top_logprobs", "tools", "tool_choice",
                "parallel_tool_calls", *COMMON_FIELDS)
 
@@ -66,11 +69,16 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "web_search_options": ((None,), "web search is not supported"),
     "moderation": ((None,), "moderation is not supported"),
     "store": ((None, False), "completions are not stored"),
+    # vLLM's extension; rollout's text never holds special tokens.
+    "skip_special_tokens": ((None, True), "the text always leaves special tokens out "
+                                          "(token_ids has them)"),
 }
 # vLLM's `structured_outputs` object: what rollout takes of it.
 STRUCTURED_FIELDS = ("regex", "json", "choice", "grammar", "structural_tag", "json_object")
 
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
+# A function tool's keys: `return` (the result's schema) goes to the chat template.
+FUNCTION_FIELDS = ("name", "description", "parameters", "strict", "return")
 # What the openai client puts in a returned message: fine to send back while empty.
 EMPTY_MESSAGE_FIELDS = ("refusal", "function_call", "audio", "annotations")
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
@@ -264,6 +272,11 @@ class CompletionsCall(Call):
     def __init__(self, body: Any, model_name: str):
         super().__init__(body, model_name, COMPLETIONS_FIELDS)
         self._set("logprobs", "logprobs")
+        # vLLM's extension: the prompt's scores, in the response only (as vLLM's server).
+        self._set("prompt_logprobs", "prompt_logprobs")
+        if self.stream and body.get("prompt_logprobs") is not None:
+            raise bad_field("prompt_logprobs", "not available when stream is true",
+                            "stream false, or no prompt_logprobs")
         self.requests = self._structure(_prompts(body.get("prompt")))
 
     def param(self, field: str, index: int = 0, count: int = 1) -> str:
@@ -272,10 +285,12 @@ class CompletionsCall(Call):
         return super().param(field, index, count)
 
     def choice(self, i: int, result: Result) -> dict:
+        scores = {} if self.body.get("prompt_logprobs") is None else \
+            {"prompt_logprobs": prompt_logprobs(result)}
         return {"index": self.index(i, result), "text": result.text,
                 "logprobs": completion_logprobs(result),
                 "finish_reason": result.finish_reason, **self.token_ids(i, result),
-                "weight_versions": weight_spans(result)}
+                **scores, "weight_versions": weight_spans(result)}
 
     def delta_chunk(self, i: int, chunk: Chunk) -> dict:
         return self.chunk([{"index": self.index(i, chunk), "text": chunk.text,
@@ -373,6 +388,8 @@ class ToolUse:
             raise bad_field("tools", f"got {_short(given)}", "a list of function tools")
         self.tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(given or [])]
         strict = [bool(t["function"].get("strict")) for t in given or []]
+        self.strict = {t.name: t.parameters for t, is_strict in zip(self.tools, strict)
+                       if is_strict}
         self.parallel = _flag(body, "parallel_tool_calls") if body.get(
             "parallel_tool_calls") is not None else True
         choice = body.get("tool_choice")
@@ -403,9 +420,21 @@ class ToolUse:
         if constrained:
             raise bad_field("tool_choice", f"{self.mode} sets its own output constraint",
                             "auto or none together with response_format or structured_outputs")
-        constraint = forced.named_constraint(self.named) if self.mode == "named" else \
-            forced.required_constraint(self.tools, self.parallel)
+        tools = self._grammar_tools(strict)
+        constraint = forced.named_constraint(tools[names.index(self.named.name)]) \
+            if self.mode == "named" else forced.required_constraint(tools, self.parallel)
         self.constraint = convert.unstructure(constraint)
+
+    def _grammar_tools(self, strict: list[bool]) -> list[Tool]:
+        """The tools as the grammar engine gets them: each schema rewritten where the
+        grammar would let invalid JSON through, and a strict one refused (a 400 naming the
+        keyword) where the grammar cannot hold a call to it exactly."""
+        try:
+            return [attrs.evolve(t, parameters=strict_schemas.prepare(
+                        t.parameters, f"tools[{i}].function.parameters", refuse=is_strict))
+                    for i, (t, is_strict) in enumerate(zip(self.tools, strict))]
+        except InvalidRequestError as exc:
+            raise api_error(exc) from None
 
     def _strict_constraint(self, parser: str, strict: list[bool], constrained: bool) -> dict:
         """Strict tools under "auto": free text, and a call's arguments held to its tool's
@@ -419,7 +448,8 @@ class ToolUse:
             raise bad_field(where, f"the {parser!r} tool-call format cannot hold calls to "
                             "their schemas in tool_choice auto", 'false, or tool_choice '
                             '"required" or a named tool')
-        return {"structural_tag": self.parser.strict_constraint(self.tools, strict)}
+        return {"structural_tag": self.parser.strict_constraint(self._grammar_tools(strict),
+                                                                strict)}
 
     def message(self, result: Result) -> tuple[dict, str]:
         """The assistant message and finish reason of one sample."""
@@ -433,18 +463,37 @@ class ToolUse:
             parsed = self.parser.parse(result.text, self.tools)
         # Without parallel calls the first one is the call; "required" asked for one only.
         calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
+        for call in calls:
+            self._hold_to_schema(call)
         message = {"role": "assistant", "content": parsed.content or None}
         if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": c.arguments}} for c in calls]
         if parsed.errors:  # text, as what it is (cut: `length`), with why it is no call
-            message["content"] = result.text
+            if not calls:
+                message["content"] = result.text
             message["tool_call_errors"] = [{"text": e.text, "reason": e.reason}
                                            for e in parsed.errors]
-            return message, result.finish_reason
         if not calls:
-            return {"role": "assistant", "content": result.text}, result.finish_reason
+            return message, result.finish_reason
+        # As vLLM's server: calls read in "auto" end in `tool_calls` whatever cut the text
+        # after them; "required" only when its list of calls was finished (stop).
+        if self.mode == "required" and result.finish_reason != "stop":
+            return message, result.finish_reason
         return message, "tool_calls"
+
+    def _hold_to_schema(self, call) -> None:
+        """A strict tool's call that does not validate never reaches the client, and is not
+        passed off as text either: the whole call fails (a server error, since the grammar
+        should have made it impossible)."""
+        schema = self.strict.get(call.name)
+        if schema is None:
+            return
+        why = strict_schemas.validate(json.loads(call.arguments), schema)
+        if why is not None:
+            raise ApiError(500, f"a call to strict tool {call.name!r} does not validate "
+                           f"against its schema ({why}); it was not returned",
+                           type="server_error", code="strict_violation")
 
 
 def _tool(tool: Any, where: str) -> Tool:
@@ -457,11 +506,19 @@ def _tool(tool: Any, where: str) -> Tool:
     if function.get("strict") not in (None, True, False):
         raise bad_field(f"{where}.function.strict", f"got {_short(function['strict'])}",
                         "true or false")
-    fields = {k: v for k, v in function.items() if k != "strict" and v is not None}
+    unknown = sorted(set(function) - set(FUNCTION_FIELDS))
+    if unknown:
+        raise bad_field(f"{where}.function.{unknown[0]}", "unknown field",
+                        ", ".join(FUNCTION_FIELDS))
+    # `return` (what transformers' get_json_schema writes) describes the result for the
+    # chat template only; rollout's Tool calls it `returns`.
+    fields = {("returns" if k == "return" else k): v for k, v in function.items()
+              if k != "strict" and v is not None}
     try:
         return convert.structure(fields, Tool)
     except InvalidRequestError as exc:
-        raise api_error(exc, f"{where}.function.{exc.field}") from None
+        field = "return" if exc.field == "returns" else exc.field
+        raise api_error(exc, f"{where}.function.{field}") from None
 
 
 def _structured_outputs(body: dict) -> tuple[dict, str] | None:
@@ -507,8 +564,22 @@ def _structured_outputs(body: dict) -> tuple[dict, str] | None:
                 except ValueError as exc:
                     raise bad_field(f"structured_outputs.{key}", f"not valid JSON: {exc}",
                                     allowed) from None
+        if isinstance(ours.get("json"), dict):
+            ours["json"] = _json_schema(ours["json"], "structured_outputs.json")
         return ours, "structured_outputs"
+    if fmt is not None:
+        fmt = {"json": _json_schema(fmt["json"], "response_format.json_schema.schema")}
     return (fmt, "response_format") if fmt is not None else None
+
+
+def _json_schema(schema: dict, where: str) -> dict:
+    """A JSON constraint's schema as the grammar engine gets it: what comes back validates
+    against it, or the schema is refused here naming the keyword (see
+    rollout.apps.tool_parsers.strict)."""
+    try:
+        return strict_schemas.prepare(schema, where)
+    except InvalidRequestError as exc:
+        raise api_error(exc) from None
 
 
 def _check_fields(body: dict, fields: tuple[str, ...],
@@ -561,11 +632,17 @@ def _message(message: Any, where: str) -> dict:
             raise bad_field(f"{where}.{name}", "unknown or unsupported field",
                             ", ".join(MESSAGE_FIELDS))
     out = {k: v for k, v in message.items() if k in MESSAGE_FIELDS and v is not None}
+    if out.get("role") == "developer":  # OpenAI's newer name for system (as /v1/responses)
+        out["role"] = "system"
     content = message.get("content")
     # An assistant turn that only calls tools has no content.
     out["content"] = "" if content is None else content
     if isinstance(content, list):
         out["content"] = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+        if out["content"] and all(p["type"] == "text" for p in out["content"]):
+            # Text parts alone are one text, joined by newlines, as vLLM's server joins
+            # them for a chat template that takes text.
+            out["content"] = "\n".join(str(p.get("text", "")) for p in out["content"])
     if isinstance(out.get("tool_calls"), list):
         out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]")
                              for k, c in enumerate(out["tool_calls"])]
@@ -650,6 +727,30 @@ def completion_logprobs(result: Result) -> dict | None:
     return {"tokens": [token_label(t) for t in result.token_ids],
             "token_logprobs": [_logprob(v) for v in result.logprobs],
             "top_logprobs": top, "text_offset": None}
+
+
+def prompt_logprobs(result: Result) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt position, None at the first, then token id ->
+    {logprob, rank, decoded_token} for the prompt's token and the k most likely. Ranks are
+    places among those k; the prompt's token, when not among them, gets k + 1 (rollout
+    keeps no rank beyond the top k)."""
+    if result.prompt_logprobs is None:
+        return None
+    tops = result.prompt_top_logprobs or [()] * len(result.prompt_logprobs)
+    out: list[dict | None] = []
+    for token, value, top in zip(result.prompt_token_ids, result.prompt_logprobs, tops):
+        if value is None:
+            out.append(None)
+            continue
+        ids = [t.token_id for t in top]
+        entries = {str(token): {"logprob": _logprob(value),
+                                "rank": ids.index(token) + 1 if token in ids else len(ids) + 1,
+                                "decoded_token": token_label(token)}}
+        for rank, t in enumerate(top, 1):
+            entries.setdefault(str(t.token_id), {"logprob": _logprob(t.logprob), "rank": rank,
+                                                 "decoded_token": token_label(t.token_id)})
+        out.append(entries)
+    return out
 
 
 def chat_logprobs(result: Result) -> dict | None:

@@ -69,7 +69,7 @@ def make_call(data, tools: Sequence[Tool] | None, arguments_key: str = "argument
     arguments = data.get(arguments_key, {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
+            arguments = json.loads(arguments, strict=False)
         except ValueError:
             return f"{arguments_key} is not valid JSON"
     if not isinstance(arguments, dict):

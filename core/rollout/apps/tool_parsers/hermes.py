@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from rollout.contract.schemas import Tool
 from rollout.apps.tool_parsers import ParsedMessage, ToolCallError, make_call
+from rollout.apps.tool_parsers.strict import loads
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)", re.DOTALL)
@@ -28,20 +29,28 @@ class HermesParser:
                 "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": tags}}
 
     def parse(self, text: str, tools: Sequence[Tool] | None) -> ParsedMessage:
-        calls, errors = [], []
+        """Calls, and the rest as content: the text around the blocks, and blocks that are
+        no call (each also in `errors`, with why) where they stand."""
+        calls, errors, kept, start = [], [], [], 0
         for block in BLOCK.finditer(text):
-            if not block.group(2):
-                errors.append(ToolCallError(block.group(0), f"{OPEN} is never closed"))
-                continue
-            try:
-                data = json.loads(block.group(1))
-            except ValueError as exc:
-                errors.append(ToolCallError(block.group(0), f"not valid JSON: {exc}"))
-                continue
-            call = make_call(data, tools)
-            if isinstance(call, str):
-                errors.append(ToolCallError(block.group(0), call))
+            kept.append(text[start:block.start()])
+            start = block.end()
+            reason = self._read(block, tools)
+            if isinstance(reason, str):
+                errors.append(ToolCallError(block.group(0), reason))
+                kept.append(block.group(0))
             else:
-                calls.append(call)
-        content = BLOCK.sub("", text).strip() if calls or errors else text
+                calls.append(reason)
+        content = ("".join(kept) + text[start:]).strip() if calls or errors else text
         return ParsedMessage(content, tuple(calls), tuple(errors))
+
+    @staticmethod
+    def _read(block: re.Match, tools: Sequence[Tool] | None):
+        """The call in one block, or why it is none."""
+        if not block.group(2):
+            return f"{OPEN} is never closed"
+        try:
+            data = loads(block.group(1))
+        except ValueError as exc:
+            return f"not valid JSON: {exc}"
+        return make_call(data, tools)
