@@ -278,9 +278,10 @@ class Tool:
                f"got {self.returns!r}", "a JSON schema (an object) of the result, or null")
 
     def as_openai(self) -> dict:
-        function = {"name": self.name, "parameters": self.parameters}
-        if self.description is not None:
-            function["description"] = self.description
+        """The tool as chat templates get it: the fields in vLLM's server's order, a missing
+        description as null, so that a template renders the prompt vLLM's server does."""
+        function = {"name": self.name, "description": self.description,
+                    "parameters": self.parameters}
         if self.returns is not None:
             function["return"] = self.returns
         return {"type": "function", "function": function}

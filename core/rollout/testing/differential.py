@@ -467,6 +467,9 @@ IGNORED = {
     # Describe the server, not the answer.
     "system_fingerprint": "vLLM's build",
     "metrics": "vLLM's per-request timing",
+    # Prefix-cache hits depend on which requests each server ran before, and when.
+    "usage.prompt_tokens_details.cached_tokens": "the prefix cache's state",
+    "usage.input_tokens_details.cached_tokens": "the prefix cache's state",
     # Hand-offs between vLLM's disaggregated prefill/decode instances; not in this server.
     "kv_transfer_params": "vLLM's disaggregated serving",
     "ec_transfer_params": "vLLM's disaggregated serving",
@@ -682,6 +685,8 @@ def _walk(ref: Any, got: Any, path: str, exact: bool, out: list[tuple[str, str]]
             out.append((path, PROMPT_TEXT))
         elif ref and got.startswith(ref):
             out.append((path, STOP_TOKEN_TEXT))
+        elif _without_special(ref) != ref:  # (and bytes beside them decode otherwise)
+            out.append((path, SPECIAL_TEXT))
         else:
             out.append((path, f"{_short(ref)} vs {_short(got)}"))
 
@@ -728,6 +733,17 @@ PROMPT_TEXT = "vLLM's text starts with text of the prompt (undecoded bytes at it
 # The text of a stop token (stop_token_ids) ends rollout's text: vLLM leaves it out unless
 # include_stop_str_in_output (DOCUMENTED["stop token text"]).
 STOP_TOKEN_TEXT = "rollout's text goes on where vLLM's stops"
+# vLLM's hermes tool parser turns skip_special_tokens off for a request with tools, so its
+# text holds the special tokens' text (DOCUMENTED["special tokens with tools"]).
+SPECIAL_TEXT = "vLLM's text holds special tokens' text"
+
+
+def _without_special(text: str) -> str:
+    from rollout.kit.tiny_model import SPECIAL
+
+    for token in SPECIAL:
+        text = text.replace(token, "")
+    return text
 
 
 def _empty_message(item: dict) -> bool:
@@ -917,6 +933,13 @@ DOCUMENTED: dict[str, Callable[[Case, Difference], bool]] = {
         and case.kind.startswith("chat")),
     "responses echo": _field("tool_choice", "top_p", "text", "service_tier",
                              kinds=("responses", "responses+stream")),
+    "special tokens with tools": lambda case, diff: (
+        diff.detail == SPECIAL_TEXT and _has_tools(case)),
+    # transformers' get_json_schema writes a function's `return`; rollout renders it to
+    # the chat template (as TRL's own server does), vLLM's server drops it.
+    "tool return": lambda case, diff: any(
+        isinstance(t, dict) and isinstance(t.get("function"), dict)
+        and "return" in t["function"] for t in case.body.get("tools") or []),
     # prompt_logprobs: tokens are named "token_id:N" as everywhere (token names above);
     # a prompt token outside the top k has rank k + 1 (the engines give no rank beyond the
     # top k), and a stream with prompt_logprobs is refused.
@@ -932,13 +955,22 @@ DOCUMENTED: dict[str, Callable[[Case, Difference], bool]] = {
 # differences"): listed by name so that a new difference stands out as unexplained, and
 # the test fails once an entry explains nothing any more.
 OPEN: dict[str, Callable[[Case, Difference], bool]] = {
-    # Tools: vLLM renders each tool to the chat template as its pydantic dump (null
-    # description, `defer_loading`, `strict` where given; no `return`), and forces calls
-    # under tool_choice required / named in the parser's own format (`<tool_call>`), where
-    # rollout renders the function as given and forces a JSON list. Anything that differs
-    # on a request with tools or tool turns.
-    "tools": lambda case, diff: _has_tools(case),
+    # Tools: vLLM renders a tool's `strict` to the chat template, and forces calls under
+    # tool_choice required / named in the parser's own format (`<tool_call>`), where
+    # rollout leaves `strict` out of the template and forces a JSON list of calls.
+    "tools": lambda case, diff: _has_tools(case) and (_forced_call(case) or _strict(case)),
 }
+
+
+def _forced_call(case: Case) -> bool:
+    choice = case.body.get("tool_choice")
+    return choice == "required" or isinstance(choice, dict)
+
+
+def _strict(case: Case) -> bool:
+    """A tool with `strict` given: vLLM renders it to the chat template, rollout does not."""
+    return any(isinstance(t, dict) and "strict" in (t.get("function") if isinstance(
+        t.get("function"), dict) else t) for t in case.body.get("tools") or [])
 
 
 def classify(case: Case, diff: Difference) -> Difference:
