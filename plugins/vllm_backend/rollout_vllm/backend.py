@@ -18,7 +18,7 @@ from rollout.contract.schemas import PROMPT_LOGPROBS_MAX, SamplingParams, Struct
 from rollout.kit.structured import constraint_error, structural_tag_grammar
 
 from rollout_vllm.async_engine import AsyncEngine
-from rollout_vllm.cpu import kv_cache_args
+from rollout_vllm.cpu import cpu_engine_args
 from rollout_vllm.engine import Engine, WeightPath
 from rollout_vllm.in_process import InProcessEngine
 from rollout_vllm.server_engine import ServerEngine
@@ -139,7 +139,7 @@ class VLLMBackend:
                 "enable_sleep_mode": self.sleep_reason is None,
                 "structured_outputs_config": {**STRUCTURED_OUTPUTS_CONFIG, **(structured or {})}
                 if structured is None or isinstance(structured, dict) else structured,
-                **kv_cache_args(engine_args)}
+                **cpu_engine_args(engine_args)}
         self.request_timeout = request_timeout
         self.stream_interval = stream_interval
         self.engine: Engine = (

@@ -1,11 +1,14 @@
-"""A KV cache for vLLM's CPU build that fits beside other work.
+"""Engine settings for vLLM's CPU build (0.32) that keep it up beside other work.
 
-vLLM on CPU asks for `gpu_memory_utilization` (0.92) of the node's whole memory and fails
-at start-up when other processes hold part of it. Unless the caller sized the cache
-(`kv_cache_memory_bytes`, `gpu_memory_utilization`, or VLLM_CPU_KVCACHE_SPACE), it is sized
-here from the memory free now, with a cap. Threads need nothing here: vLLM binds its OpenMP
-threads to the cores this process may use, so a replica started on a share of the cores
-(rollout.service.replicas) keeps to it.
+- The KV cache: vLLM on CPU asks for `gpu_memory_utilization` (0.92) of the node's whole
+  memory and fails at start-up when other processes hold part of it. Unless the caller
+  sized the cache (`kv_cache_memory_bytes`, `gpu_memory_utilization`, or
+  VLLM_CPU_KVCACHE_SPACE), it is sized here from the memory free now, with a cap.
+- Chunked prefill is off unless the caller sets it: on CPU, a seeded request whose prompt
+  is prefilled in chunks kills the engine ("CPU Generator does not use offset"), and with
+  it every request in flight.
+Threads need nothing here: vLLM binds its OpenMP threads to the cores this process may
+use, so a replica started on a share of the cores (rollout.service.replicas) keeps to it.
 """
 
 from __future__ import annotations
@@ -20,13 +23,18 @@ KV_CAP_BYTES = 4 * 2**30
 SIZED_BY = ("kv_cache_memory_bytes", "gpu_memory_utilization")
 
 
-def kv_cache_args(engine_args: dict) -> dict:
-    """`engine_args` with a KV cache size from the free memory, on CPU where the caller set
-    none."""
+def cpu_engine_args(engine_args: dict) -> dict:
+    """`engine_args` with the settings above, on CPU, where the caller set none."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu() or any(k in engine_args for k in SIZED_BY) or \
-            os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+    if not current_platform.is_cpu():
+        return engine_args
+    return kv_cache_args({"enable_chunked_prefill": False, **engine_args})
+
+
+def kv_cache_args(engine_args: dict) -> dict:
+    """`engine_args` with a KV cache size from the free memory where the caller set none."""
+    if any(k in engine_args for k in SIZED_BY) or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return engine_args
     import psutil
 

@@ -50,7 +50,10 @@ class ServerEngine:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", args.pop("model"), "--host", HOST, "--port", str(self.server.port),
                 "--served-model-name", SERVED_NAME, "--enable-prompt-tokens-details"]
-        return argv + cli_flags(args)
+        # vLLM's boolean flags take `--no-` for false: a false that differs from vLLM's
+        # default (enable_chunked_prefill, rollout_vllm.cpu) must reach it.
+        off = [f"--no-{key.replace('_', '-')}" for key, value in args.items() if value is False]
+        return argv + cli_flags(args) + off
 
     async def start(self) -> None:
         # Dev mode adds the routes for weight RPCs, sleep and prefix-cache resets. Watched:
