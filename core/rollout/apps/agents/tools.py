@@ -12,7 +12,6 @@ with those parts, which a vision-language model sees.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import json
 import re
@@ -24,6 +23,7 @@ from collections.abc import Callable
 
 import attrs
 
+from rollout.apps.tool_parsers.strict import validate
 from rollout.contract.schemas import Content, ImagePart, TextPart, Tool, ToolCall
 
 OUTCOMES = ("ok", "error", "timeout", "unknown_tool", "bad_arguments", "invalid_arguments")
@@ -135,7 +135,7 @@ async def call_tool(tools: dict[str, FunctionTool], call: ToolCall, timeout: flo
         arguments = json.loads(call.arguments)
     except ValueError as exc:
         return done("bad_arguments", f"error: the arguments are not valid JSON: {exc}")
-    problem = _invalid(arguments, tool.parameters)
+    problem = validate(arguments, tool.parameters)
     if problem:
         return done("invalid_arguments", f"error: invalid arguments for {call.name}: {problem}")
     try:
@@ -196,29 +196,3 @@ def _describe(content: Content) -> str:
     return "".join(p.text for p in content if isinstance(p, TextPart)) + f" [{images} image(s)]"
 
 
-def _invalid(arguments, schema: dict) -> str | None:
-    """Why `arguments` do not match `schema`, or None (what `jsonschema.validate` says)."""
-    import jsonschema
-
-    try:
-        validator = _validator(json.dumps(schema, sort_keys=True))
-    except jsonschema.SchemaError as exc:
-        return f"the tool's own schema is invalid: {exc.message}"
-    error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
-    if error is None:
-        return None
-    where = ".".join(str(p) for p in error.absolute_path)
-    return f"{where + ': ' if where else ''}{error.message}"
-
-
-@functools.lru_cache(maxsize=256)
-def _validator(schema_json: str):
-    """A checked validator per schema (by its JSON), made once: `jsonschema.validate`
-    checks the schema against its metaschema at every call, which cost ~5 ms of the
-    event loop's time per tool call (most of a trajectory's own work between turns)."""
-    import jsonschema
-
-    schema = json.loads(schema_json)
-    cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(schema)  # SchemaError (not cached: raised again at the next call)
-    return cls(schema)
