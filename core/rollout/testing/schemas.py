@@ -263,7 +263,7 @@ def sample_schemas(count: int, seed: int = 0) -> list[dict]:
 # --- the shared test ----------------------------------------------------------------------
 
 import pytest  # noqa: E402 - the contract below is for test folders
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 
 KEY, MODEL = "strict-key", "tiny"
 
@@ -272,7 +272,10 @@ class StrictToolsContract:
     """Subclass in a test folder and override `make_rollout` (a class-scoped fixture giving
     `lambda model: rollout.Rollout`, with a context of 2048 tokens: the tiny model's
     tokenizer spends up to about 1,200 on a schema); the server runs in a thread in front
-    of it."""
+    of it. `unheld` names the modes the backend's grammar engine is known not to hold
+    exactly, each with why: they are left out of the checks here."""
+
+    unheld: dict[str, str] = {}
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -305,6 +308,7 @@ class StrictToolsContract:
     @given(schema=json_schemas(), mode=st.sampled_from(MODES), seed=st.integers(0, 2**16))
     def test_every_strict_call_validates_and_none_comes_back_as_text(self, served, schema,
                                                                     mode, seed):
+        assume(mode not in self.unheld)
         client, opening, seeded = served
         tally = strict_calls(client, schema, mode, model=MODEL, opening=opening,
                              seed=seed if seeded else None)
@@ -314,6 +318,8 @@ class StrictToolsContract:
     def test_length_bounded_strings_come_back_as_valid_calls(self, served, mode):
         """The schema that made xgrammar write raw control characters: calls come back,
         and every one of them is valid JSON and valid against it."""
+        if mode in self.unheld:
+            pytest.skip(self.unheld[mode])
         client, opening, seeded = served
         schema = {"type": "object", "properties": {"note": {"type": "string", "minLength": 2,
                                                             "maxLength": 12}},
