@@ -10,7 +10,7 @@ The trainer and the replicas share this machine. The settings compared:
 Printed: seconds per step for each (mean from step 2 on), and the defaults' ratio to the
 best hand-set one. Target (issue 34): within 1.2x.
 
-    python bench/bench_threads.py --backend hf --replicas 2 --steps 6
+    python bench/bench_threads.py --backend hf --replicas 2 --steps 6 [--model smollm2]
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def run(args, env_extra: dict, flags: list[str]) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "steps.jsonl"
         command = [sys.executable, str(EXAMPLE), "--backend", args.backend, "--replicas",
-                   str(args.replicas), "--steps", str(args.steps), "--log", str(log), *flags]
+                   str(args.replicas), "--steps", str(args.steps), "--log", str(log), *flags,
+                   *(["--model", args.model, "--task", "sums"] if args.model else [])]
         for option in args.backend_option:
             command += ["--backend-option", option]
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -47,7 +48,7 @@ def run(args, env_extra: dict, flags: list[str]) -> float:
         if done.returncode != 0:
             sys.exit(f"{command} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
         steps = [json.loads(line) for line in log.read_text().splitlines()]
-        return statistics.mean(s["step_s"] for s in steps if "step_s" in s][1:])
+        return statistics.mean([s["step_s"] for s in steps if "step_s" in s][1:])
 
 
 def main() -> None:
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--backend", default="hf")
     parser.add_argument("--backend-option", action="append", default=[])
     parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--model", help="e.g. smollm2 (the sums task); default: the tiny model")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
