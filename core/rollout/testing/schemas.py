@@ -132,6 +132,23 @@ class Tally:
     errors: int = 0  # samples of calls that failed otherwise (a 4xx)
     examples: list = field(default_factory=list)
 
+    def judge(self, text: str, check, schema: dict, mode: str) -> None:
+        """Count one returned JSON text: valid against `check` (a validator; None takes any
+        JSON), or invalid with why."""
+        import jsonschema
+
+        try:
+            value = json.loads(text)
+            problem = None if check is None else jsonschema.exceptions.best_match(
+                check.iter_errors(value))
+        except ValueError as exc:
+            problem = exc
+        if problem is None:
+            self.valid += 1
+        else:
+            self.invalid += 1
+            self.examples.append(("invalid", schema, mode, text, str(problem)))
+
     def add(self, other: "Tally") -> None:
         self.valid += other.valid
         self.invalid += other.invalid
@@ -198,36 +215,19 @@ def strict_calls(client, schema: dict, mode: str, *, model: str, opening: int,
         for choice in response.choices:
             if choice.finish_reason == "length":
                 tally.cut += 1
-                continue
-            try:
-                problem = jsonschema.exceptions.best_match(validator.iter_errors(
-                    json.loads(choice.message.content)))
-            except ValueError as exc:
-                problem = exc
-            if problem is None:
-                tally.valid += 1
             else:
-                tally.invalid += 1
-                tally.examples.append(("invalid", schema, mode, choice.message.content,
-                                       str(problem)))
+                tally.judge(choice.message.content, validator, schema, mode)
         return tally
     for choice in response.choices:
         calls = choice.message.tool_calls or ()
         errors = (choice.message.model_extra or {}).get("tool_call_errors") or ()
         for call in calls:
-            try:
-                arguments = json.loads(call.function.arguments)
-                check = schemas[call.function.name]
-                problem = None if check is None else jsonschema.exceptions.best_match(
-                    check.iter_errors(arguments))
-            except (ValueError, KeyError) as exc:
-                problem = exc
-            if problem is None:
-                tally.valid += 1
+            if call.function.name in schemas:
+                tally.judge(call.function.arguments, schemas[call.function.name], schema, mode)
             else:
                 tally.invalid += 1
                 tally.examples.append(("invalid", schema, mode, call.function.arguments,
-                                       str(problem)))
+                                       f"no tool named {call.function.name!r}"))
         if errors and choice.finish_reason != "length":
             tally.as_text += len(errors)
             tally.examples.append(("as text", schema, mode, errors))
