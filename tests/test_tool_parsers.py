@@ -52,6 +52,48 @@ def test_what_looks_like_a_call_but_is_not_is_an_error(hermes, body, reason):
     assert reason in error.reason and error.text == body
 
 
+def hermes_grammar_accepts(hermes, tools, held, choice, parallel):
+    """Whether the grammar of hermes' call constraint accepts a text."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from rollout.kit.structured import structural_tag_grammar
+
+    grammar = xgrammar.Grammar.from_ebnf(structural_tag_grammar(
+        hermes.constraint(tools, held, choice, parallel)))
+    return lambda text: _is_grammar_accept_string(grammar, text)
+
+
+SUB = Tool("sub", parameters={"type": "object", "properties": {"x": {"type": "string"}}})
+
+
+def test_hermes_forces_required_calls_in_its_own_format(hermes):
+    accepts = hermes_grammar_accepts(hermes, [ADD, SUB], [True, True], "required", True)
+    one = '<tool_call>\n{"name": "add", "arguments": {"a":1,"b":2}}\n</tool_call>'
+    two = one + '<tool_call>{"name": "sub", "arguments": {"x":"y"}}</tool_call>'
+    assert accepts(one) and accepts(two)
+    assert not accepts("")  # at least one call
+    assert not accepts("sure " + one)  # nothing but calls
+    assert not accepts('[{"name": "add", "parameters": {"a":1,"b":2}}]')
+    assert not accepts(one.replace('"b":2', '"b":"2"'))  # held to the schema
+    parsed = hermes.parse(two, [ADD, SUB])
+    assert parsed.ok and parsed.content == "" and [c.name for c in parsed.tool_calls] == [
+        "add", "sub"]
+    assert not hermes_grammar_accepts(hermes, [ADD, SUB], [True, True], "required",
+                                      False)(two)  # one call without parallel calls
+
+
+def test_hermes_named_and_auto_constraints(hermes):
+    named = hermes_grammar_accepts(hermes, [SUB], [False], "named", True)
+    sub = '<tool_call>{"name": "sub", "arguments": [1]}</tool_call>'
+    assert named(sub)  # arguments not held: any JSON
+    assert not named(sub + sub)  # one call
+    auto = hermes_grammar_accepts(hermes, [ADD], [True], "auto", True)
+    call_ = '<tool_call>{"name": "add", "arguments": {"a":1,"b":2}}</tool_call>'
+    assert auto("free text") and auto("sure: " + call_ + " and " + call_)
+    assert not auto('sure: <tool_call>{"name": "add", "arguments": {"a":1}}</tool_call>')
+
+
 def test_required_constraint_and_its_parse():
     schema = forced.required_constraint([ADD], parallel=False).json
     text = json.dumps([{"name": "add", "parameters": {"a": 1, "b": 2}}])
@@ -111,3 +153,17 @@ def test_a_third_party_parser_is_found_and_used(site):
     assert {"hermes", "pipe"} <= set(available_tool_parsers())
     parsed = load_tool_parser("pipe").parse('hi\nCALL add|{"a": 1, "b": 2}', [ADD])
     assert parsed.content == "hi" and parsed.tool_calls[0].name == "add"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_calls_take_the_parsers_format_or_json_without_one(site, choice):
+    from rollout.apps.serving.openai_api import ToolUse
+
+    body = {"tools": [ADD.as_openai()], "tool_choice": choice}
+    tag = ToolUse(body, "hermes", constrained=False).constraint["structural_tag"]
+    assert tag["format"]["type"] == "tags_with_separator"
+    assert tag["format"]["tags"][0]["begin"].startswith("<tool_call>")
+    schema = ToolUse(body, "pipe", constrained=False).constraint["json"]  # `forced`'s JSON
+    call = {"a": 1, "b": 2}
+    jsonschema.validate([{"name": "add", "parameters": call}] if choice == "required"
+                        else call, schema)

@@ -261,17 +261,23 @@ class Tool:
     """A function the model may call, as OpenAI's `function` object: `parameters` is the
     JSON schema of its arguments. The chat template renders it. `returns` describes what
     the function gives back (the `return` key that transformers' `get_json_schema` writes,
-    and TRL sends): it only goes to the chat template, as the function's `return`."""
+    and TRL sends): it only goes to the chat template, as the function's `return`. `strict`
+    goes to the chat template as given (vLLM's server renders it too); holding calls to
+    `parameters` is a constraint of the request (`structured_outputs`), which the OpenAI
+    server sets for a strict tool."""
 
     name: str
     description: str | None = None
     parameters: dict = attrs.field(factory=lambda: {"type": "object", "properties": {}},
                                    converter=_frozen_dict)
     returns: dict | None = attrs.field(default=None, converter=_frozen_dict)
+    strict: bool | None = None
 
     def __attrs_post_init__(self):
         _check("name", isinstance(self.name, str) and self.name != "", f"got {self.name!r}",
                "a non-empty string")
+        _check("strict", self.strict is None or isinstance(self.strict, bool),
+               f"got {self.strict!r}", "true, false or null")
         _check("parameters", isinstance(self.parameters, dict), f"got {self.parameters!r}",
                "a JSON schema (an object)")
         _check("returns", self.returns is None or isinstance(self.returns, dict),
@@ -282,6 +288,8 @@ class Tool:
         description as null, so that a template renders the prompt vLLM's server does."""
         function = {"name": self.name, "description": self.description,
                     "parameters": self.parameters}
+        if self.strict is not None:
+            function["strict"] = self.strict
         if self.returns is not None:
             function["return"] = self.returns
         return {"type": "function", "function": function}

@@ -378,7 +378,9 @@ class ServerContract:
                                                      "function": {"name": "add"}}])
     def test_required_and_named_tool_choice_force_a_valid_call(self, client, ro, choice,
                                                                 strict):
-        """Strict tools too: the forced call is held to the schema either way."""
+        """Strict tools too: the forced call is held to the schema either way, written in
+        the tool-call parser's format. As OpenAI's and vLLM's: a named tool's call ends in
+        `stop`, a required one's in `tool_calls`, and the message's content is ""."""
         import jsonschema
 
         tools = [{**t, "function": {**t["function"], "strict": strict}} for t in TOOLS]
@@ -386,7 +388,8 @@ class ServerContract:
             model=MODEL, messages=CHAT, tools=tools, tool_choice=choice, max_tokens=128,
             temperature=1.0, n=2, seed=seed(ro, 3), parallel_tool_calls=False)
         for answer in response.choices:
-            assert answer.finish_reason == "tool_calls"
+            assert answer.finish_reason == ("tool_calls" if choice == "required" else "stop")
+            assert answer.message.content == ""
             (call,) = answer.message.tool_calls
             assert call.function.name == "add"
             jsonschema.validate(json.loads(call.function.arguments),

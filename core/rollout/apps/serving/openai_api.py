@@ -379,22 +379,25 @@ class ChatCall(Call):
 
 class ToolUse:
     """A chat call's `tools`, `tool_choice` and `parallel_tool_calls`: what goes to the
-    chat template, the constraint that "required" or a named tool sets, and how each
-    sample's text becomes tool calls."""
+    chat template, the constraint on calls, and how each sample's text becomes tool calls.
+
+    As vLLM's server does for a parser that has a call constraint (hermes): "required", a
+    named tool, strict tools, and `parallel_tool_calls` false under "auto" hold calls in
+    the parser's own format, so the model writes its calls as it learnt them (and as the
+    chat template writes them back in the next turn). A parser without one gets "required"
+    and a named tool as a JSON constraint (`forced`), and no strict tools under "auto"."""
 
     def __init__(self, body: dict, parser: str, constrained: bool):
         given = body.get("tools")
         if given is not None and not isinstance(given, list):
             raise bad_field("tools", f"got {_short(given)}", "a list of function tools")
         self.tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(given or [])]
-        strict = [bool(t["function"].get("strict")) for t in given or []]
-        self.strict = {t.name: t.parameters for t, is_strict in zip(self.tools, strict)
-                       if is_strict}
+        self.strict = {t.name: t.parameters for t in self.tools if t.strict}
         self.parallel = _flag(body, "parallel_tool_calls") if body.get(
             "parallel_tool_calls") is not None else True
         choice = body.get("tool_choice")
         self.mode = choice if choice is not None else "auto" if self.tools else "none"
-        self.constraint = None
+        self.constraint, self.parser = None, None
         if self.mode == "none":
             return
         if not self.tools:
@@ -412,55 +415,70 @@ class ToolUse:
         elif self.mode not in ("auto", "required"):
             raise bad_field("tool_choice", f"got {_short(choice)}",
                             'none, auto, required, or {"type": "function", "function": {"name"}}')
+        self.parser = load_tool_parser(parser)
         if self.mode == "auto":
-            self.parser = load_tool_parser(parser)
-            if any(strict):
-                self.constraint = self._strict_constraint(parser, strict, constrained)
+            if self.strict:
+                self.constraint = self._auto_constraint(parser, constrained)
+            elif not self.parallel and not constrained and hasattr(self.parser, "constraint"):
+                self.constraint = self._parser_constraint()  # one call: the grammar ends it
             return
         if constrained:
             raise bad_field("tool_choice", f"{self.mode} sets its own output constraint",
                             "auto or none together with response_format or structured_outputs")
-        tools = self._grammar_tools(strict)
+        if hasattr(self.parser, "constraint"):
+            self.constraint = self._parser_constraint()
+            return
+        self.parser = None  # the JSON of `forced`, read by `forced`
+        tools = self._grammar_tools()
         constraint = forced.named_constraint(tools[names.index(self.named.name)]) \
             if self.mode == "named" else forced.required_constraint(tools, self.parallel)
         self.constraint = convert.unstructure(constraint)
 
-    def _grammar_tools(self, strict: list[bool]) -> list[Tool]:
+    def _grammar_tools(self) -> list[Tool]:
         """The tools as the grammar engine gets them: each schema rewritten where the
         grammar would let invalid JSON through, and a strict one refused (a 400 naming the
         keyword) where the grammar cannot hold a call to it exactly."""
         try:
             return [attrs.evolve(t, parameters=strict_schemas.prepare(
-                        t.parameters, f"tools[{i}].function.parameters", refuse=is_strict))
-                    for i, (t, is_strict) in enumerate(zip(self.tools, strict))]
+                        t.parameters, f"tools[{i}].function.parameters", refuse=bool(t.strict)))
+                    for i, t in enumerate(self.tools)]
         except InvalidRequestError as exc:
             raise api_error(exc) from None
 
-    def _strict_constraint(self, parser: str, strict: list[bool], constrained: bool) -> dict:
+    def _parser_constraint(self) -> dict:
+        """The parser's call constraint. A forced call's arguments hold to its tool's
+        schema, strict or not (vLLM 0.32 holds a strict tool's only)."""
+        tools = self._grammar_tools()
+        if self.mode == "named":
+            tools = [t for t in tools if t.name == self.named.name]
+        held = [self.mode != "auto" or bool(t.strict) for t in tools]
+        return {"structural_tag": self.parser.constraint(tools, held, self.mode,
+                                                         self.parallel)}
+
+    def _auto_constraint(self, parser: str, constrained: bool) -> dict:
         """Strict tools under "auto": free text, and a call's arguments held to its tool's
         schema from its opening tag on (the parser's format)."""
-        where = f"tools[{strict.index(True)}].function.strict"
+        where = f"tools[{[bool(t.strict) for t in self.tools].index(True)}].function.strict"
         if constrained:
             raise bad_field(where, "strict tools under tool_choice auto set their own output "
                             "constraint", "false together with response_format or "
                             "structured_outputs")
-        if not hasattr(self.parser, "strict_constraint"):
+        if not hasattr(self.parser, "constraint"):
             raise bad_field(where, f"the {parser!r} tool-call format cannot hold calls to "
                             "their schemas in tool_choice auto", 'false, or tool_choice '
                             '"required" or a named tool')
-        return {"structural_tag": self.parser.strict_constraint(self._grammar_tools(strict),
-                                                                strict)}
+        return self._parser_constraint()
 
     def message(self, result: Result) -> tuple[dict, str]:
         """The assistant message and finish reason of one sample."""
         if self.mode == "none":
             return {"role": "assistant", "content": result.text}, result.finish_reason
-        if self.mode == "named":
-            parsed = forced.parse_named(result.text, self.named)
-        elif self.mode == "required":
-            parsed = forced.parse_required(result.text, self.tools)
-        else:
+        if self.parser is not None:
             parsed = self.parser.parse(result.text, self.tools)
+        elif self.mode == "named":
+            parsed = forced.parse_named(result.text, self.named)
+        else:
+            parsed = forced.parse_required(result.text, self.tools)
         # Without parallel calls the first one is the call; "required" asked for one only.
         calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
         for call in calls:
@@ -469,16 +487,18 @@ class ToolUse:
         if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": c.arguments}} for c in calls]
+            if self.mode != "auto":  # as vLLM's server: a forced call's content is ""
+                message["content"] = parsed.content
         if parsed.errors:  # text, as what it is (cut: `length`), with why it is no call
             if not calls:
                 message["content"] = result.text
             message["tool_call_errors"] = [{"text": e.text, "reason": e.reason}
                                            for e in parsed.errors]
-        if not calls:
-            return message, result.finish_reason
-        # As vLLM's server: calls read in "auto" end in `tool_calls` whatever cut the text
-        # after them; "required" only when its list of calls was finished (stop).
-        if self.mode == "required" and result.finish_reason != "stop":
+        # As vLLM's server and OpenAI: calls read in "auto" end in `tool_calls` whatever
+        # cut the text after them, "required" only when its calls were finished (stop); a
+        # named tool's call ends as the sample did.
+        if not calls or self.mode == "named" or (
+                self.mode == "required" and result.finish_reason != "stop"):
             return message, result.finish_reason
         return message, "tool_calls"
 
@@ -503,9 +523,6 @@ def _tool(tool: Any, where: str) -> Tool:
             set(tool) - {"type", "function"}:
         raise bad_field(where, f"got {_short(tool)}",
                         '{"type": "function", "function": {"name", "description", "parameters"}}')
-    if function.get("strict") not in (None, True, False):
-        raise bad_field(f"{where}.function.strict", f"got {_short(function['strict'])}",
-                        "true or false")
     unknown = sorted(set(function) - set(FUNCTION_FIELDS))
     if unknown:
         raise bad_field(f"{where}.function.{unknown[0]}", "unknown field",
@@ -513,7 +530,7 @@ def _tool(tool: Any, where: str) -> Tool:
     # `return` (what transformers' get_json_schema writes) describes the result for the
     # chat template only; rollout's Tool calls it `returns`.
     fields = {("returns" if k == "return" else k): v for k, v in function.items()
-              if k != "strict" and v is not None}
+              if v is not None}
     try:
         return convert.structure(fields, Tool)
     except InvalidRequestError as exc:

@@ -6,11 +6,12 @@ is a class built without arguments whose `parse(text, tools)` returns a `ParsedM
 Text that looks like a call but is not a valid one (bad JSON, an unknown tool, a block left
 open) is reported in `errors`, never passed off as a final answer.
 
-`tool_choice` "required" and a named tool are enforced by a structured-output constraint
-instead (`forced`), the way vLLM does it, so they hold even for a model that never learnt
-the format. Strict tools under `tool_choice` "auto" are enforced in the parser's own format:
-a parser that has `strict_constraint(tools, strict)` gives a structural tag that leaves
-text free and constrains a call's arguments once its opening tag is written.
+A parser that has a call format gives `constraint(tools, held, choice, parallel)`: the
+structural tag that holds calls in that format under `tool_choice` "auto" (free text, a
+call held from its opening tag on), "required" (calls only) or a named tool (one call),
+as vLLM's server builds it; `held` says whose arguments hold to their schema. For a parser
+without one, "required" and a named tool are a JSON constraint instead (`forced`), which
+holds for any model.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class ParsedMessage:
 class ToolParser(Protocol):
     def parse(self, text: str, tools: Sequence[Tool] | None) -> ParsedMessage: ...
 
-    # Optional: the structural tag (StructuredOutputs.structural_tag) for strict tools.
-    # def strict_constraint(self, tools: Sequence[Tool], strict: Sequence[bool]) -> dict
+    # Optional: the structural tag (StructuredOutputs.structural_tag) that holds calls.
+    # def constraint(self, tools: Sequence[Tool], held: Sequence[bool], choice: str,
+    #                parallel: bool) -> dict
 
 
 def new_call_id() -> str:

@@ -16,17 +16,27 @@ BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)", re.D
 
 
 class HermesParser:
-    def strict_constraint(self, tools: Sequence[Tool], strict: Sequence[bool]) -> dict:
-        """Free text; after each `<tool_call>` a call of one of `tools` in this format, its
-        arguments valid against the tool's schema where the tool is strict (any object
-        otherwise)."""
-        tags = [{"type": "tag",
-                 "begin": f'{OPEN}\n{{"name": {json.dumps(t.name)}, "arguments": ',
+    def constraint(self, tools: Sequence[Tool], held: Sequence[bool], choice: str = "auto",
+                   parallel: bool = True) -> dict:
+        """The structural tag that holds calls to `tools` in this format, as vLLM's server
+        builds it for this parser: under `choice` "auto" free text, and a call after each
+        `<tool_call>`; under "required" one call or more and nothing else; under "named"
+        (`tools` is that one tool) one call. `parallel` False: the first call ends the
+        sample. A call's arguments hold to its tool's schema where `held`, else are any JSON."""
+        tags = [{"type": "tag", "begin": f'{OPEN}{newline}{{"name": {json.dumps(t.name)}, '
+                                         '"arguments": ',
                  "content": {"type": "json_schema",
-                             "json_schema": t.parameters if is_strict else {"type": "object"}},
-                 "end": f"}}\n{CLOSE}"} for t, is_strict in zip(tools, strict)]
-        return {"type": "structural_tag",
-                "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": tags}}
+                             "json_schema": t.parameters if holds else True},
+                 "end": f"}}{newline}{CLOSE}"}
+                for t, holds in zip(tools, held) for newline in ("\n", "")]
+        if choice == "auto":
+            calls = {"type": "triggered_tags", "triggers": [OPEN], "tags": tags}
+        else:
+            calls = {"type": "tags_with_separator", "tags": tags, "separator": "",
+                     "at_least_one": True}
+        if choice == "named" or not parallel:
+            calls["stop_after_first"] = True
+        return {"type": "structural_tag", "format": calls}
 
     def parse(self, text: str, tools: Sequence[Tool] | None) -> ParsedMessage:
         """Calls, and the rest as content: the text around the blocks, and blocks that are
