@@ -234,10 +234,13 @@ def test_every_replica_down_at_once_a_request_waits_for_their_restart(tiny_model
                                                                         monkeypatch):
     """Both replicas killed together: a request sent then waits (bounded) for a restarted
     one instead of failing with NoReplicaError, so a run rides over it. Each replica, and
-    its restart, keeps to its own share of the cores."""
+    its restart, keeps to its own share of the cores (as a vLLM or SGLang replica would:
+    the HF backend's are held to shares here)."""
     from rollout import Request, SamplingParams
+    from rollout.service import replicas
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the user's choice turns it off
+    monkeypatch.setattr(replicas, "BINDS_THREADS", ("hf",))
     request = Request(prompt="the ka", sampling=SamplingParams(max_tokens=4))
     cores = sorted(os.sched_getaffinity(0))
 
@@ -269,3 +272,21 @@ def test_every_replica_down_at_once_a_request_waits_for_their_restart(tiny_model
     if len(cores) >= 2:
         assert not set(before[0]) & set(before[1])
     assert restarted == before
+
+
+def test_only_engines_that_bind_their_threads_get_a_share_of_the_cores(monkeypatch):
+    """vLLM and SGLang bind their threads to every core they may use: each replica gets
+    its own cores. Transformers' threads float: its replicas and the trainer share every
+    core (faster than a split, bench/bench_threads.py). OMP_NUM_THREADS set: no split."""
+    from rollout.service.replicas import cpu_shares
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+    for backend in ("vllm", "sglang"):
+        shares = cpu_shares(3, backend)
+        assert all(share and set(share) <= set(cores) for share in shares)
+        if len(cores) >= 3:
+            assert not set(shares[0]) & set(shares[1])
+    assert cpu_shares(2, "hf") == [None, None]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cpu_shares(2, "vllm") == [None, None]

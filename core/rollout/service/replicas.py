@@ -58,7 +58,7 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
         on_close = on_ray.close
     else:
         env = {KEY_VARIABLE: key, NODE_VARIABLE: this_node()}
-        shares = cpu_shares(count)
+        shares = cpu_shares(count, backend)
         started = await asyncio.gather(*(asyncio.to_thread(
             _start_local, f"replica-{i}", backend, model, options, env, startup_timeout,
             shares[i]) for i in range(count)), return_exceptions=True)
@@ -88,13 +88,18 @@ def _restarter(name: str, backend: str, model: str, options: Mapping, env: dict,
     return restart
 
 
-def cpu_shares(count: int) -> list[list[int] | None]:
-    """Each local replica's own cores: an equal share of the ones this process may use
-    (one each, shared round robin, when there are more replicas than cores). With every
-    core each, the engines' OpenMP threads fight over them and all of them slow down many
-    times over; vLLM's CPU build binds its threads to every core a process may use. None
-    for each where the user chose the threads (OMP_NUM_THREADS set)."""
-    if "OMP_NUM_THREADS" in os.environ:
+# Engines that bind their OpenMP threads to every core their process may use: two such
+# replicas on the same cores fight over them, and each slows down many times over.
+BINDS_THREADS = ("vllm", "sglang")
+
+
+def cpu_shares(count: int, backend: str) -> list[list[int] | None]:
+    """Each local replica's own cores, where its engine binds its threads to cores: an equal
+    share of the ones this process may use (one each, shared round robin, when there are
+    more replicas than cores). None for each where the engine's threads float (transformers:
+    every replica and the trainer then use every core, as fast as a split measured,
+    bench/bench_threads.py), or where the user chose the threads (OMP_NUM_THREADS set)."""
+    if "OMP_NUM_THREADS" in os.environ or backend not in BINDS_THREADS:
         return [None] * count
     cores = sorted(os.sched_getaffinity(0))
     each = max(1, len(cores) // count)
