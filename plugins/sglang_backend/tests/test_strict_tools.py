@@ -11,6 +11,8 @@ from rollout.testing.schemas import StrictToolsContract
 class TestSGLangStrictTools(StrictToolsContract):
     # An open defect: once in CI a strict json_schema answer had a 1-character string
     # where the schema (rewritten to an exact pattern) asked 4 to 6 (minLength/maxLength).
+    # The server's guard now fails such a call (500) instead of returning it; the cause in
+    # the grammar is not found yet.
     unheld = {"response_format": "SGLang's xgrammar (0.2.7) was seen to break a string's "
               "length bounds in a response_format json_schema"}
 

@@ -180,9 +180,11 @@ class Call:
                             "one of max_tokens, max_completion_tokens")
         self._set("max_tokens", "max_tokens")
         self._set("max_tokens", "max_completion_tokens")
+        self.answer_schema = None  # what a JSON answer must validate against, if anything
         constraint = _structured_outputs(body)
         if constraint is not None:
-            self.sampling["structured_outputs"], self.names["structured_outputs"] = constraint
+            (self.sampling["structured_outputs"], self.names["structured_outputs"],
+             self.answer_schema) = constraint
 
     def _set(self, field: str, param: str) -> None:
         """Sampling `field` from the body's `param`, if given."""
@@ -215,6 +217,27 @@ class Call:
             error = completion.error
             field = getattr(error, "field", None)
             raise api_error(error, field and self.param(field, index, len(self.requests)))
+        for result in completion.results:
+            self._hold_to_schema(result)
+
+    def _hold_to_schema(self, result: Result) -> None:
+        """A JSON answer (response_format, structured_outputs.json) that the grammar ended
+        and that does not validate never reaches the client, as a strict tool's call: the
+        whole call fails (a server error, since the grammar should have made it
+        impossible). An answer a limit or a stop string cut is returned as it is."""
+        cut_elsewhere = any(self.sampling.get(k) for k in (
+            "stop", "stop_token_ids", "ignore_eos", "min_tokens"))
+        if self.answer_schema is None or result.finish_reason != "stop" or cut_elsewhere:
+            return
+        try:
+            why = strict_schemas.validate(strict_schemas.loads(result.text), self.answer_schema)
+        except ValueError as exc:
+            why = f"not valid JSON: {exc}"
+        if why is not None:
+            field = self.names["structured_outputs"]
+            raise ApiError(500, f"an answer held to {field} does not validate against its "
+                           f"schema ({why}); it was not returned", type="server_error",
+                           code="strict_violation")
 
     def response(self, completions: list[Completion]) -> dict:
         for i, completion in enumerate(completions):
@@ -538,9 +561,9 @@ def _tool(tool: Any, where: str) -> Tool:
         raise api_error(exc, f"{where}.function.{field}") from None
 
 
-def _structured_outputs(body: dict) -> tuple[dict, str] | None:
-    """(rollout's structured_outputs, the OpenAI field it came from) from OpenAI's
-    `response_format` or vLLM's `structured_outputs` object."""
+def _structured_outputs(body: dict) -> tuple[dict, str, dict | None] | None:
+    """(rollout's structured_outputs, the OpenAI field it came from, the JSON schema as
+    given, if it is one) from OpenAI's `response_format` or vLLM's `structured_outputs`."""
     fmt = body.get("response_format")
     ours = body.get("structured_outputs")
     if fmt is not None:
@@ -581,12 +604,15 @@ def _structured_outputs(body: dict) -> tuple[dict, str] | None:
                 except ValueError as exc:
                     raise bad_field(f"structured_outputs.{key}", f"not valid JSON: {exc}",
                                     allowed) from None
-        if isinstance(ours.get("json"), dict):
-            ours["json"] = _json_schema(ours["json"], "structured_outputs.json")
-        return ours, "structured_outputs"
+        given = ours.get("json")
+        if isinstance(given, dict):
+            ours["json"] = _json_schema(given, "structured_outputs.json")
+        return ours, "structured_outputs", given if isinstance(given, dict) else None
     if fmt is not None:
-        fmt = {"json": _json_schema(fmt["json"], "response_format.json_schema.schema")}
-    return (fmt, "response_format") if fmt is not None else None
+        given = fmt["json"]
+        fmt = {"json": _json_schema(given, "response_format.json_schema.schema")}
+        return fmt, "response_format", given
+    return None
 
 
 def _json_schema(schema: dict, where: str) -> dict:
