@@ -167,3 +167,15 @@ def test_forced_calls_take_the_parsers_format_or_json_without_one(site, choice):
     call = {"a": 1, "b": 2}
     jsonschema.validate([{"name": "add", "parameters": call}] if choice == "required"
                         else call, schema)
+
+
+@pytest.mark.parametrize("text", ["<tool_", '<tool_call>\n{"name": "a'])
+def test_a_forced_answer_cut_before_its_first_call_is_text_with_the_reason(text):
+    from rollout import Result
+    from rollout.apps.serving.openai_api import ToolUse
+
+    use = ToolUse({"tools": [ADD.as_openai()], "tool_choice": "required"}, "hermes", False)
+    message, finish = use.message(Result("r", 0, (1,), text, "length", 3))
+    assert finish == "length" and "tool_calls" not in message
+    (error,) = message["tool_call_errors"]
+    assert message["content"] == error["text"] == text and error["reason"]

@@ -32,7 +32,7 @@ from rollout.contract.errors import (
     WeightsDirtyError,
 )
 from rollout.contract.schemas import Chunk, Completion, Request, Result, Tool
-from rollout.apps.tool_parsers import DEFAULT_PARSER, forced, load_tool_parser
+from rollout.apps.tool_parsers import DEFAULT_PARSER, ToolCallError, forced, load_tool_parser
 from rollout.apps.tool_parsers import strict as strict_schemas
 
 # Fields that change sampling, under their OpenAI names, with vLLM's and SGLang's
@@ -502,6 +502,10 @@ class ToolUse:
             parsed = forced.parse_named(result.text, self.named)
         else:
             parsed = forced.parse_required(result.text, self.tools)
+        if self.mode != "auto" and not parsed.tool_calls and not parsed.errors:
+            # A forced answer holds calls only: without one, it was cut inside the first.
+            parsed = attrs.evolve(parsed, errors=(ToolCallError(
+                result.text, "cut before a whole call was written"),))
         # Without parallel calls the first one is the call; "required" asked for one only.
         calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
         for call in calls:
