@@ -249,15 +249,22 @@ class FailingService:
 
 
 class FailingStream:
+    """Fails at once, or after `made` chunks."""
+
     completion = None
 
-    def __init__(self, error):
-        self.error = error
+    def __init__(self, error, made: int = 0):
+        self.error, self.made = error, made
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
+        from rollout import Chunk
+
+        if self.made:
+            self.made -= 1
+            return Chunk(0, (5,), text="x")
         raise self.error
 
     async def aclose(self):
@@ -282,6 +289,31 @@ def test_a_service_that_cannot_serve_is_a_503_or_504(error, status):
         assert http(f"{server.url}/health")[0] == 503
         assert http(f"{server.url}/rollout/generate", {"requests": [{"prompt": "x"}]})[0] == status
         assert http(f"{server.url}/rollout/stream", {"request": {"prompt": "x"}})[0] == status
+
+
+class MidStreamFailure(FailingService):
+    def stream(self, request):
+        return FailingStream(self.error, made=1)
+
+
+def test_a_stream_that_fails_midway_ends_with_the_error_and_done():
+    """Tokens sent, then the engine fails: the stream's last events are the OpenAI error
+    and `[DONE]`, as vLLM's server ends it, and the openai client raises the error."""
+    from rollout.contract.errors import GenerationError
+
+    with ServerThread(MidStreamFailure(GenerationError("the engine failed"))) as server:
+        request = urllib.request.Request(f"{server.url}/v1/completions", data=json.dumps({
+            "model": "failing", "prompt": "x", "stream": True}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            events = [line.removeprefix(b"data: ").decode()
+                      for line in response.read().splitlines() if line]
+        assert json.loads(events[0])["choices"][0]["text"] == "x"
+        assert json.loads(events[-2])["error"]["code"] == "generation"
+        assert events[-1] == "[DONE]"
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
+        with pytest.raises(openai.APIError, match="the engine failed"):
+            list(client.completions.create(model="failing", prompt="x", stream=True))
 
 
 # --- running the server -------------------------------------------------------------------

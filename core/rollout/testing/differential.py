@@ -229,6 +229,8 @@ def _strategies():
             body["logprobs"] = True
             if draw(st.booleans()):
                 body["top_logprobs"] = draw(st.integers(0, 5))
+        if draw(st.integers(0, 7)) == 3:
+            body["prompt_logprobs"] = draw(st.integers(0, 3))
         if draw(st.integers(0, 3)) == 0:
             body["tools"] = draw(tools)
             choice = draw(tool_choice(body["tools"]))
@@ -919,13 +921,17 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def _refused(param: str | None = None, message: str | None = None):
-    """Rollout refused, naming `param` (its error message starts with it), or saying
-    `message`."""
+    """Rollout refused (where vLLM accepted, or failed with a 500), naming `param` (its
+    error message starts with it), or saying `message`."""
     def match(case: Case, diff: Difference) -> bool:
-        if diff.field != "accepted" or not diff.detail.startswith("rollout refused"):
+        if diff.field == "accepted" and diff.detail.startswith("rollout refused"):
+            said = diff.detail.split("): ", 1)[-1]
+        elif diff.field == "status" and diff.detail.startswith("500 vs 400"):
+            said = diff.detail.split(" / ", 1)[-1]  # vLLM failed (500) where rollout refused
+        else:
             return False
-        return (param is None or f": {param}" in diff.detail) and (
-            message is None or message in diff.detail)
+        return (param is None or said.startswith(param)) and (
+            message is None or message in said)
     return match
 
 

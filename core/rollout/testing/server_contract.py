@@ -206,6 +206,26 @@ class ServerContract:
             "model": MODEL, "prompt": prompts[0], "prompt_logprobs": 1, "stream": True})
         assert status == 400 and body["error"]["param"] == "prompt_logprobs"
 
+    def test_chat_prompt_logprobs_score_the_rendered_prompt(self, client, ro):
+        """Chat takes `prompt_logprobs` too, and answers them at the response's top (as
+        vLLM's server): the scores of the prompt the chat template rendered."""
+        if not ro.capabilities.supports("prompt_logprobs"):
+            pytest.skip(f"unsupported: {ro.capabilities.unsupported['prompt_logprobs']}")
+        response = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=1, temperature=0,
+            extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+        body = response.model_dump()
+        prompt, scores = body["prompt_token_ids"], body["prompt_logprobs"]
+        (expected,) = direct(ro, prompt_token_ids=prompt, sampling={
+            "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1})
+        assert len(scores) == len(prompt) and scores[0] is None
+        for token, value, position in zip(prompt[1:], expected.prompt_logprobs[1:],
+                                          scores[1:]):
+            assert position[str(token)]["logprob"] == pytest.approx(value, abs=1e-5)
+        status, error = http(client.base_url.__str__().rstrip("/") + "/chat/completions", {
+            "model": MODEL, "messages": CHAT, "prompt_logprobs": 1, "stream": True})
+        assert status == 400 and error["error"]["param"] == "prompt_logprobs"
+
     def test_completion_stops_before_a_stop_string(self, client):
         full = client.completions.create(model=MODEL, prompt="the", max_tokens=12, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text

@@ -380,6 +380,7 @@ async def _stream(request: web.Request, service: Service, call: Call) -> web.Str
         error = _api_error(exc, request)
         service.metrics.error(exc, _error_kind(exc, error))
         await send(json.dumps(error.body()))
+        await send("[DONE]")  # the stream still ends as streams do (as vLLM's server)
     finally:
         for task in pumps:
             task.cancel()

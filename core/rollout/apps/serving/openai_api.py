@@ -47,7 +47,7 @@ COMMON_FIELDS = ("model", "stream", "stream_options", "return_token_ids",
                  *SAMPLING_FIELDS)
 COMPLETIONS_FIELDS = ("prompt", "logprobs", "prompt_logprobs", *COMMON_FIELDS)
 CHAT_FIELDS = ("messages", "logprobs", "top_logprobs", "tools", "tool_choice",
-               "parallel_tool_calls", *COMMON_FIELDS)
+               "parallel_tool_calls", "prompt_logprobs", *COMMON_FIELDS)
 
 # Accepted and ignored: they only label or route the call at OpenAI.
 IGNORED_FIELDS = ("user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
@@ -180,6 +180,11 @@ class Call:
                             "one of max_tokens, max_completion_tokens")
         self._set("max_tokens", "max_tokens")
         self._set("max_tokens", "max_completion_tokens")
+        # vLLM's extension: the prompt's scores, in the response only (as vLLM's server).
+        self._set("prompt_logprobs", "prompt_logprobs")
+        if self.stream and body.get("prompt_logprobs") is not None:
+            raise bad_field("prompt_logprobs", "not available when stream is true",
+                            "stream false, or no prompt_logprobs")
         self.answer_schema = None  # what a JSON answer must validate against, if anything
         constraint = _structured_outputs(body)
         if constraint is not None:
@@ -295,11 +300,6 @@ class CompletionsCall(Call):
     def __init__(self, body: Any, model_name: str):
         super().__init__(body, model_name, COMPLETIONS_FIELDS)
         self._set("logprobs", "logprobs")
-        # vLLM's extension: the prompt's scores, in the response only (as vLLM's server).
-        self._set("prompt_logprobs", "prompt_logprobs")
-        if self.stream and body.get("prompt_logprobs") is not None:
-            raise bad_field("prompt_logprobs", "not available when stream is true",
-                            "stream false, or no prompt_logprobs")
         self.requests = self._structure(_prompts(body.get("prompt")))
 
     def param(self, field: str, index: int = 0, count: int = 1) -> str:
@@ -362,6 +362,8 @@ class ChatCall(Call):
         body = super().response(completions)
         if self.return_token_ids:  # where vLLM's chat response has it (TRL reads it there)
             body["prompt_token_ids"] = list(completions[0].results[0].prompt_token_ids)
+        if self.body.get("prompt_logprobs") is not None:  # there too, as vLLM's
+            body["prompt_logprobs"] = prompt_logprobs(completions[0].results[0])
         return body
 
     def choice(self, i: int, result: Result) -> dict:
@@ -510,12 +512,14 @@ class ToolUse:
         calls = parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
         for call in calls:
             self._hold_to_schema(call)
-        message = {"role": "assistant", "content": parsed.content or None}
+        # As vLLM's server: calls read in "auto" with no text around them have content
+        # null; a forced call's is "", and so is an empty answer's.
+        content = None if calls and self.mode == "auto" and not parsed.content.strip() \
+            else parsed.content
+        message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": c.arguments}} for c in calls]
-            if self.mode != "auto":  # as vLLM's server: a forced call's content is ""
-                message["content"] = parsed.content
         if parsed.errors:  # text, as what it is (cut: `length`), with why it is no call
             if not calls:
                 message["content"] = result.text
