@@ -154,8 +154,19 @@ def check_completions(batch: list[dict], completions, caps: Capabilities) -> Non
                     assert values == sorted(values, reverse=True)
 
 
+# The reference probes already made, by `BackendContract.reference_key`.
+_REFERENCES: dict[str, tuple] = {}
+
+
 class BackendContract(SamplingContract):
-    """Subclass and override `make_backend`; every test here then runs on your backend."""
+    """Subclass and override `make_backend`; every test here then runs on your backend.
+
+    `reference_key`: classes that run one engine with one configuration in several modes
+    (in process, a server) may share the reference, the greedy tokens of a fresh load with
+    other weights, which is the same in every mode; give them the same key, and the fresh
+    load runs once per test session instead of once per class."""
+
+    reference_key: str | None = None
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -169,9 +180,13 @@ class BackendContract(SamplingContract):
         model_dir = tiny_model_dir(root)
         other_dir = perturbed_copy(model_dir, root / "tiny-0-other-weights")
         config = json.loads((model_dir / "config.json").read_text())
-        # The fresh load with other weights runs first and alone: one engine at a time.
-        with make_backend(other_dir) as fresh:
-            reference = probe(fresh)
+        reference = _REFERENCES.get(cls.reference_key)
+        if reference is None:
+            # The fresh load with other weights runs first and alone: one engine at a time.
+            with make_backend(other_dir) as fresh:
+                reference = probe(fresh)
+            if cls.reference_key is not None:
+                _REFERENCES[cls.reference_key] = reference
         backend = make_backend(model_dir)
         try:
             yield Harness(backend, model_dir, other_dir, config["vocab_size"],

@@ -8,6 +8,8 @@ from rollout.testing import BackendContract
 
 
 class TestSGLangEngine(BackendContract):
+    reference_key = "sglang"  # one engine configuration (conftest.ENGINE) in every mode
+
     @pytest.fixture(scope="class")
     @classmethod
     def make_backend(cls):

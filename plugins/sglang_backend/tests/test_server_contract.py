@@ -9,6 +9,8 @@ from rollout.testing import BackendContract
 
 
 class TestSGLangServer(BackendContract):
+    reference_key = "sglang"  # one engine configuration (conftest.ENGINE) in every mode
+
     @pytest.fixture(scope="class")
     @classmethod
     def make_backend(cls):

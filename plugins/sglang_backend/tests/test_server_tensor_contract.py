@@ -9,6 +9,8 @@ from rollout.testing import BackendContract, WeightTestsOnly
 
 
 class TestSGLangServerTensor(WeightTestsOnly, BackendContract):
+    reference_key = "sglang"  # one engine configuration (conftest.ENGINE) in every mode
+
     @pytest.fixture(scope="class")
     @classmethod
     def make_backend(cls):

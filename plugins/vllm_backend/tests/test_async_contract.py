@@ -9,6 +9,8 @@ from rollout.testing import BackendContract
 
 
 class TestVLLMAsync(BackendContract):
+    reference_key = "vllm"  # one engine configuration (conftest.ENGINE) in every mode
+
     @pytest.fixture(scope="class")
     @classmethod
     def make_backend(cls):

@@ -8,6 +8,8 @@ from rollout.testing import BackendContract
 
 
 class TestVLLMEngine(BackendContract):
+    reference_key = "vllm"  # one engine configuration (conftest.ENGINE) in every mode
+
     @pytest.fixture(scope="class")
     @classmethod
     def make_backend(cls):

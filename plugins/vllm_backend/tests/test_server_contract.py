@@ -8,6 +8,8 @@ from rollout.testing import BackendContract, WeightTestsOnly
 
 
 class TestVLLMServer(BackendContract):
+    reference_key = "vllm"  # one engine configuration (conftest.ENGINE) in every mode
+
     @pytest.fixture(scope="class")
     @classmethod
     def make_backend(cls):
@@ -17,6 +19,8 @@ class TestVLLMServer(BackendContract):
 class TestVLLMServerShm(WeightTestsOnly, BackendContract):
     """The same server, weights through shared memory and `/collective_rpc` (the default,
     `weight_transport="gloo"`, goes through vLLM's weight-transfer routes)."""
+
+    reference_key = "vllm"  # one engine configuration (conftest.ENGINE) in every mode
 
     @pytest.fixture(scope="class")
     @classmethod
