@@ -42,3 +42,17 @@ def test_replicas_placed_by_ray_serve_and_stop(tiny_model, local_ray):
     assert all(isinstance(r.process, RayReplicaProcess) for r in pool.replicas)
     # Each replica ran in an actor of the placement group, and is gone after close().
     assert not any(r.process.alive() for r in pool.replicas)
+
+
+def test_a_ray_replica_gets_as_many_threads_as_its_bundle_has_cpus(monkeypatch):
+    """Replicas on one node would otherwise each take every core's worth of threads."""
+    from rollout.service.ray_placement import RayPlacement
+    from rollout.service.replicas import RayReplicas
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    replicas = RayReplicas("hf", "m", {}, "key", RayPlacement(cpus=3), 60, 60)
+    assert replicas._env(0)["OMP_NUM_THREADS"] == "3"
+    assert RayReplicas("hf", "m", {}, "key", RayPlacement(cpus=0.5, gpus=1), 60, 60
+                       )._env(1)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice
+    assert replicas._env(0)["OMP_NUM_THREADS"] == "2"

@@ -240,11 +240,13 @@ class RayReplicas:
             raise
         return url, RayReplicaProcess(host)
 
-    @staticmethod
-    def _env(index: int) -> dict:
-        """A replica's name in its logs, and this process's log settings (an actor's
-        environment is its node's, not this process's)."""
-        return {REPLICA_VARIABLE: f"replica-{index}", **log_settings()}
+    def _env(self, index: int) -> dict:
+        """A replica's name in its logs, this process's log settings (an actor's
+        environment is its node's, not this process's), and its threads: as many as its
+        bundle has CPUs, unless this process's OMP_NUM_THREADS says otherwise."""
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, int(self.placement.cpus)))
+        return {REPLICA_VARIABLE: f"replica-{index}", "OMP_NUM_THREADS": threads,
+                **log_settings()}
 
     def _host(self, index: int):
         import ray

@@ -483,7 +483,7 @@ class ToolUse:
     def _auto_constraint(self, parser: str, constrained: bool) -> dict:
         """Strict tools under "auto": free text, and a call's arguments held to its tool's
         schema from its opening tag on (the parser's format)."""
-        where = f"tools[{[bool(t.strict) for t in self.tools].index(True)}].function.strict"
+        where = f"tools[{next(i for i, t in enumerate(self.tools) if t.strict)}].function.strict"
         if constrained:
             raise bad_field(where, "strict tools under tool_choice auto set their own output "
                             "constraint", "false together with response_format or "
