@@ -179,3 +179,11 @@ def test_a_forced_answer_cut_before_its_first_call_is_text_with_the_reason(text)
     assert finish == "length" and "tool_calls" not in message
     (error,) = message["tool_call_errors"]
     assert message["content"] == error["text"] == text and error["reason"]
+
+
+def test_a_closing_tag_inside_a_string_does_not_end_the_call(hermes):
+    """The grammar lets a JSON string hold `</tool_call>`: the call's JSON is read whole."""
+    body = '{"name": "add", "arguments": {"a": 1, "b": 2, "note": "x</tool_call>y"}}'
+    parsed = hermes.parse("<tool_call>" + body + "</tool_call>", None)
+    assert parsed.ok and json.loads(parsed.tool_calls[0].arguments)["note"] == "x</tool_call>y"
+    assert parsed.content == ""

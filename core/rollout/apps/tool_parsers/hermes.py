@@ -4,7 +4,6 @@ one block per call, anywhere in the text (Qwen, Hermes and this project's tiny m
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 
 from rollout.contract.schemas import Tool
@@ -12,7 +11,7 @@ from rollout.apps.tool_parsers import ParsedMessage, ToolCallError, make_call
 from rollout.apps.tool_parsers.strict import loads
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+_JSON = json.JSONDecoder(strict=False)  # a raw control character in a string: itself
 
 
 class HermesParser:
@@ -42,25 +41,54 @@ class HermesParser:
         """Calls, and the rest as content: the text around the blocks, and blocks that are
         no call (each also in `errors`, with why) where they stand."""
         calls, errors, kept, start = [], [], [], 0
-        for block in BLOCK.finditer(text):
-            kept.append(text[start:block.start()])
-            start = block.end()
-            reason = self._read(block, tools)
+        for begin, end, body, closed in _blocks(text):
+            kept.append(text[start:begin])
+            start = end
+            reason = _read(body, closed, tools)
             if isinstance(reason, str):
-                errors.append(ToolCallError(block.group(0), reason))
-                kept.append(block.group(0))
+                errors.append(ToolCallError(text[begin:end], reason))
+                kept.append(text[begin:end])
             else:
                 calls.append(reason)
         content = ("".join(kept) + text[start:]).strip() if calls or errors else text
         return ParsedMessage(content, tuple(calls), tuple(errors))
 
-    @staticmethod
-    def _read(block: re.Match, tools: Sequence[Tool] | None):
-        """The call in one block, or why it is none."""
-        if not block.group(2):
-            return f"{OPEN} is never closed"
-        try:
-            data = loads(block.group(1))
-        except ValueError as exc:
-            return f"not valid JSON: {exc}"
-        return make_call(data, tools)
+
+def _blocks(text: str):
+    """(start, end, body, closed) of each block. A block's JSON is read whole first, so a
+    string in it that holds the closing tag does not end it; text that is no JSON value
+    before a closing tag ends at the first closing tag (or at the end: never closed)."""
+    at = 0
+    while (begin := text.find(OPEN, at)) >= 0:
+        inner = begin + len(OPEN)
+        close = _closing_after_json(text, inner)
+        if close is None:
+            close = text.find(CLOSE, inner)
+        if close < 0:
+            yield begin, len(text), text[inner:], False
+            return
+        yield begin, close + len(CLOSE), text[inner:close], True
+        at = close + len(CLOSE)
+
+
+def _closing_after_json(text: str, at: int) -> int | None:
+    """Where the closing tag starts, if one JSON value (with blank space around it) runs
+    from `at` up to it."""
+    start = len(text) - len(text[at:].lstrip())
+    try:
+        end = _JSON.raw_decode(text, start)[1]
+    except ValueError:
+        return None
+    close = len(text) - len(text[end:].lstrip())
+    return close if text.startswith(CLOSE, close) else None
+
+
+def _read(body: str, closed: bool, tools: Sequence[Tool] | None):
+    """The call in one block, or why it is none."""
+    if not closed:
+        return f"{OPEN} is never closed"
+    try:
+        data = loads(body)
+    except ValueError as exc:
+        return f"not valid JSON: {exc}"
+    return make_call(data, tools)
