@@ -230,19 +230,17 @@ class Call:
         and that does not validate never reaches the client, as a strict tool's call: the
         whole call fails (a server error, since the grammar should have made it
         impossible). An answer a limit or a stop string cut is returned as it is."""
-        cut_elsewhere = any(self.sampling.get(k) for k in (
-            "stop", "stop_token_ids", "ignore_eos", "min_tokens"))
-        if self.answer_schema is None or result.finish_reason != "stop" or cut_elsewhere:
+        if self.answer_schema is None or result.finish_reason != "stop" or any(
+                self.sampling.get(k) for k in ("stop", "stop_token_ids", "ignore_eos",
+                                               "min_tokens")):
             return
         try:
             why = strict_schemas.validate(strict_schemas.loads(result.text), self.answer_schema)
         except ValueError as exc:
             why = f"not valid JSON: {exc}"
         if why is not None:
-            field = self.names["structured_outputs"]
-            raise ApiError(500, f"an answer held to {field} does not validate against its "
-                           f"schema ({why}); it was not returned", type="server_error",
-                           code="strict_violation")
+            raise strict_violation(f"an answer held to {self.names['structured_outputs']}",
+                                   why)
 
     def response(self, completions: list[Completion]) -> dict:
         for i, completion in enumerate(completions):
@@ -542,9 +540,13 @@ class ToolUse:
             return
         why = strict_schemas.validate(json.loads(call.arguments), schema)
         if why is not None:
-            raise ApiError(500, f"a call to strict tool {call.name!r} does not validate "
-                           f"against its schema ({why}); it was not returned",
-                           type="server_error", code="strict_violation")
+            raise strict_violation(f"a call to strict tool {call.name!r}", why)
+
+
+def strict_violation(what: str, why: str) -> ApiError:
+    """The 500 of an output that its grammar should have held to its schema and did not."""
+    return ApiError(500, f"{what} does not validate against its schema ({why}); it was not "
+                    "returned", type="server_error", code="strict_violation")
 
 
 def _tool(tool: Any, where: str) -> Tool:
