@@ -44,6 +44,15 @@ def cli_flags(options: Mapping[str, object]) -> list[str]:
     return argv
 
 
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (Linux; none elsewhere or once it is gone)."""
+    try:
+        return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    except OSError:
+        return []
+
+
 PR_SET_PDEATHSIG = 1
 
 

@@ -11,7 +11,7 @@ from contextlib import aclosing, suppress
 
 from rollout import Chunk, EngineDeadError
 from rollout.kit.aio import LoopThread
-from rollout.kit.process import die_with_parent_hook
+from rollout.kit.process import children, die_with_parent_hook
 
 from rollout_vllm.common import (
     MMCacheCounts,
@@ -25,8 +25,15 @@ from rollout_vllm.transport import ShmPipeline
 
 # vLLM's engine core outlives a process killed without close() (only its workers watch
 # their parent). This watchdog gets SIGTERM when this process ends (die_with_parent) and
-# passes it on to the core's processes (its arguments); it exits once one of them is gone.
-WATCHDOG = """trap 'kill -TERM "$@" 2>/dev/null; exit' TERM
+# passes it on to the core and its workers (its arguments); any still there after
+# WATCHDOG_GRACE_S get SIGKILL, since vLLM's own shutdown waits on its workers for seconds
+# more on a loaded machine. Running, it exits once one of them is gone.
+WATCHDOG_GRACE_S = 5
+WATCHDOG = f"""alive() {{ for p; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }}
+end() {{ kill -TERM "$@" 2>/dev/null; n=0
+  while alive "$@" && [ $n -lt {WATCHDOG_GRACE_S * 10} ]; do sleep 0.1; n=$((n+1)); done
+  kill -KILL "$@" 2>/dev/null; exit; }}
+trap 'end "$@"' TERM
 while kill -0 "$@" 2>/dev/null; do sleep 1 & wait $!; done"""
 
 
@@ -51,7 +58,7 @@ class AsyncEngine:
         self.creating = asyncio.ensure_future(asyncio.to_thread(self._create))
         await asyncio.shield(self.creating)
         self.mm_counts = MMCacheCounts.of(self.engine.renderer)  # images render here
-        pids = [str(p.pid) for p in self._core_processes()]
+        pids = [str(pid) for p in self._core_processes() for pid in (p.pid, *children(p.pid))]
         if pids:
             # Started from the engine loop's thread, which lives as long as the process (the
             # signal comes when the thread that started it ends); prctl is all it runs there.

@@ -11,6 +11,7 @@ from pathlib import Path
 from conftest import ENGINE
 
 import rollout
+from rollout.kit.process import children
 
 OWNER = """
 import pathlib, sys, time, rollout
@@ -34,12 +35,6 @@ def wait_gone(pids: list[int], timeout: float) -> bool:
     while not all(gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     return all(gone(p) for p in pids)
-
-
-def children(pid: int) -> list[int]:
-    tasks = Path(f"/proc/{pid}/task")
-    return [int(c) for t in tasks.iterdir()
-            for c in (t / "children").read_text().split()]
 
 
 def test_close_stops_the_engine_core_and_its_workers(tiny_model):
