@@ -41,6 +41,7 @@ from rollout.weights.update import check_update
 
 # A supported capability needs these hooks implemented.
 HOOKS_FOR = {"release": ("release", "resume"), "update_weights": ("update_weights",)}
+ADAPTER_HOOKS = ("load_adapter", "unload_adapter")
 LIFECYCLE_TIMEOUT_S = 600.0
 
 
@@ -68,6 +69,10 @@ class Rollout:
                     f"backend {name!r} claims {capability!r} but does not implement "
                     f"{', '.join(absent)}; implement it or list it in Capabilities.unsupported"
                 )
+        if caps.supports("adapters") and not all(h in implemented for h in ADAPTER_HOOKS):
+            # Adapters came after the contract's first backends: without the hooks, none.
+            caps = attrs.evolve(caps, unsupported={**caps.unsupported, "adapters": (
+                f"backend {name!r} implements no {' or '.join(ADAPTER_HOOKS)}")})
         self.capabilities = caps
         self.encoder = self._pm.hook.prompt_encoder()
         self._implemented = implemented
@@ -81,6 +86,7 @@ class Rollout:
         self._dead: EngineDeadError | None = None
         self._dirty: str | None = None  # why the weights may be half-updated
         self.weight_version: int | None = None  # of the weights that serve requests now
+        self.adapters: dict[str, int | None] = {}  # the loaded LoRA adapters' versions
         self._gate = threading.Condition()  # guards what follows
         self._flights: dict[str, set[_Flight]] = {}  # request id -> its running calls
         self._running = 0  # requests admitted and not yet done
@@ -188,6 +194,8 @@ class Rollout:
                 needs.append(("images", "messages"))
             if request.tools or any(m.tool_calls for m in request.messages):
                 needs.append(("tools", "tools" if request.tools else "messages"))
+        if request.adapter is not None:
+            needs.append(("adapters", "adapter"))
         structured = request.sampling.structured_outputs
         if structured is not None:
             needs.append((f"structured_outputs.{structured.kind}",
@@ -197,6 +205,9 @@ class Rollout:
                 raise InvalidRequestError(
                     field, f"backend {self.name!r} does not support {capability}: "
                     f"{self.capabilities.unsupported[capability]}")
+        if request.adapter is not None and request.adapter not in self.adapters:
+            raise InvalidRequestError("adapter", f"no adapter named {request.adapter!r}",
+                                      ", ".join(self.adapters) or "none loaded")
 
     def _register(self, request: Request) -> _Flight:
         """Registered on the caller's thread, before anything runs: an abort from now on
@@ -293,7 +304,8 @@ class Rollout:
                 f"did not get one entry (and top-k list) per prompt token"))
         results = []
         for sample in samples:
-            results.append(sample.result(request, prompt, self.weight_version))
+            results.append(sample.result(request, prompt, self.weight_version,
+                                         self.adapters.get(request.adapter)))
             if sink is not None and sample.stream is not None and not sample.streamed_end:
                 sink(Chunk(sample.index, finish_reason=results[-1].finish_reason,
                            text=sample.stream.finish()))
@@ -474,6 +486,34 @@ class Rollout:
             self._dirty = None
             self.weight_version = version
 
+    def load_adapter(self, name: str, named_tensors: Iterable, config: Mapping,
+                     version: int | None = None, bucket_bytes: int | None = None) -> None:
+        """Load LoRA adapter `name` (or replace the one loaded under it) from PEFT's
+        tensors, as (name, tensor) pairs (`get_peft_model_state_dict`) or buckets already
+        packed, and its `LoraConfig` as a dict (`r`, `lora_alpha`, ...). Requests that name
+        it (`Request.adapter`) then sample with it, and their results say `version`.
+        Running requests finish first; new ones wait. A load that fails changes nothing:
+        the adapter loaded before under that name, if any, still serves."""
+        from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
+
+        _check_adapter_name(name)
+        check_update(version, "wait")
+        self.capabilities.require("adapters")
+        with self._lifecycle_section():
+            buckets = _packed(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
+            self._pm.hook.load_adapter(name=name, config=dict(config), buckets=buckets)
+            self.adapters[name] = version
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter `name`; requests that name it are then refused."""
+        self.capabilities.require("adapters")
+        with self._lifecycle_section():
+            if name not in self.adapters:
+                raise InvalidRequestError("adapter", f"no adapter named {name!r}",
+                                          ", ".join(self.adapters) or "none loaded")
+            self._pm.hook.unload_adapter(name=name)
+            del self.adapters[name]
+
     def close(self) -> None:
         """Stop running requests and the engine."""
         if self._closed:
@@ -650,8 +690,8 @@ class _Sample:
                     top_logprobs=None if chunk.top_logprobs is None else chunk.top_logprobs[:k])
         return chunk
 
-    def result(self, request: Request, prompt: list[int],
-               weight_version: int | None) -> Result:
+    def result(self, request: Request, prompt: list[int], weight_version: int | None,
+               adapter_version: int | None = None) -> Result:
         streamed = self.stream.final if self.streamed_end else None  # decoded once only
         return Result(
             request_id=request.id, index=self.index, token_ids=tuple(self.tokens),
@@ -662,6 +702,7 @@ class _Sample:
             weight_versions=tuple(self.spans),
             logprobs=None if self.logprobs is None else tuple(self.logprobs),
             top_logprobs=None if self.top is None else tuple(self.top),
+            adapter=request.adapter, adapter_version=adapter_version,
             **self._prompt_scores(len(prompt)))
 
     def _prompt_scores(self, prompt_len: int) -> dict:
@@ -743,6 +784,11 @@ def _cancel_all(flights: list[_Flight], abort: bool = False) -> None:
         flight.aborted = flight.aborted or abort
         if flight.task is not None and not flight.task.done():
             flight.task.cancel()
+
+
+def _check_adapter_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError("name", f"got {name!r}", "a non-empty string")
 
 
 def aborted_results(request: Request) -> tuple[Result, ...]:

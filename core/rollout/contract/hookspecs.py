@@ -111,5 +111,20 @@ def update_weights(buckets: Iterable[Bucket]) -> None:
 
 
 @hookspec(firstresult=True)
+def load_adapter(name: str, config: dict, buckets: Iterable[Bucket]) -> None:
+    """Load LoRA adapter `name`, or replace the one loaded under that name, from buckets of
+    PEFT's tensors (`base_model.model.<module>.lora_A.weight`, `.lora_B.weight`) and its
+    LoraConfig as a dict. Check everything before changing anything: a load that fails
+    leaves the adapters as they were. Called only while no request runs. A backend that
+    implements it implements `unload_adapter` too, and takes `Request.adapter` in
+    `generate`."""
+
+
+@hookspec(firstresult=True)
+def unload_adapter(name: str) -> None:
+    """Unload adapter `name` (loaded). Called only while no request runs."""
+
+
+@hookspec(firstresult=True)
 def close() -> None:
     """Stop the engine and free everything; the backend is not used again."""

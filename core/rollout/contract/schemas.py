@@ -355,8 +355,13 @@ class Request:
     # (n=1). Generation continues from its tokens, with the max_tokens left; the result
     # holds its tokens, logprobs and weight spans followed by the new ones.
     continue_from: Result | None = None
+    # The LoRA adapter to sample with (`Rollout.load_adapter`); None: the base weights.
+    adapter: str | None = None
 
     def __attrs_post_init__(self):
+        _check("adapter", self.adapter is None or (isinstance(self.adapter, str)
+                                                   and self.adapter != ""),
+               f"got {self.adapter!r}", "the name of a loaded adapter, or null")
         _check("id", isinstance(self.id, str) and self.id != "", f"got {self.id!r}",
                "a non-empty string")
         _check("session_id", self.session_id is None
@@ -494,6 +499,10 @@ class Result:
                                                                    converter=_tuple)
     prompt_top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = attrs.field(
         default=None, converter=_tuple)
+    # The LoRA adapter that made it (`Request.adapter`), and that adapter's version
+    # (`Rollout.load_adapter(version=)`); None: the base weights, or no version given.
+    adapter: str | None = None
+    adapter_version: int | None = None
 
     def __attrs_post_init__(self):
         for name in ("prompt_logprobs", "prompt_top_logprobs"):
@@ -591,6 +600,7 @@ CAPABILITIES = {
     "chat": "render chat messages with the model's chat template",
     "images": "image parts in messages",
     "tools": "render tool definitions and tool calls with the chat template",
+    "adapters": "load LoRA adapters (load_adapter) and sample with one per request",
     **{f"structured_outputs.{kind}": f"constrain the output by {what}" for kind, what in (
         ("regex", "a regular expression"), ("json", "a JSON schema"),
         ("choice", "a choice among strings"), ("grammar", "an EBNF grammar"),

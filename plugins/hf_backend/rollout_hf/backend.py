@@ -29,6 +29,7 @@ from rollout.kit.sampler import Grammars, Row, rows_for
 
 from rollout_hf.engine import Engine
 from rollout_hf.handoff import Job, chunks
+from rollout_hf.lora import Adapters
 from rollout_hf import vision
 
 POLL_S = 5.0  # a request that waits this long for tokens asks whether the engine lives
@@ -75,9 +76,10 @@ class HFBackend:
         if self.pad_id is None:
             self.pad_id = min(self.eos_ids) if self.eos_ids else 0
         self._offloaded: Path | None = None
+        self.adapters = Adapters(self.model)
         self.engine = Engine(self.model, self.tokenizer, batch_size=batch_size,
                              pad_id=self.pad_id, device=self.device,
-                             grammar_vocab=self.vocab_size)
+                             grammar_vocab=self.vocab_size, adapters=self.adapters)
 
     @classmethod
     def describe_capabilities(cls) -> Capabilities:  # images: with a Qwen2-VL model
@@ -103,6 +105,9 @@ class HFBackend:
 
     @rollout.hookimpl
     async def generate(self, request: Request, prompt_token_ids: list[int], images):
+        if request.adapter is not None and request.adapter not in self.adapters.loaded:
+            raise InvalidRequestError("adapter", f"no adapter named {request.adapter!r}",
+                                      ", ".join(self.adapters.loaded) or "none loaded")
         s = request.sampling
         job = Job(asyncio.get_running_loop(), s.prompt_logprobs)
         if s.structured_outputs is None and not images:
@@ -150,6 +155,16 @@ class HFBackend:
                             f"shape {tuple(params[name].shape)}")
                 for name, tensor in named:
                     copy_tensor(params[name], tensor)
+
+    @rollout.hookimpl
+    def load_adapter(self, name, config, buckets):
+        with self.engine.exclusive():
+            self.adapters.load(name, config, (t for b in buckets for t in unpack(b)))
+
+    @rollout.hookimpl
+    def unload_adapter(self, name):
+        with self.engine.exclusive():
+            self.adapters.unload(name)
 
     @rollout.hookimpl
     def release(self, tags):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -32,6 +32,7 @@ from rollout.kit.sampler import LogitsProcessor, Row, next_tokens, uses_processi
 
 from rollout_hf.batch import Batch, prefill
 from rollout_hf.handoff import Job, PromptScores, Token, deliver
+from rollout_hf.lora import Adapters
 
 # An elementwise op this large runs in parallel (ATen's grain size is 32768 elements).
 OPENMP_TEAM_ELEMENTS = 1 << 20
@@ -42,8 +43,9 @@ LIFECYCLE_TIMEOUT_S = 600.0  # how long a lifecycle call waits for the running s
 
 class Engine:
     def __init__(self, model, tokenizer, *, batch_size: int, pad_id: int,
-                 device: torch.device, grammar_vocab: int):
+                 device: torch.device, grammar_vocab: int, adapters: Adapters | None = None):
         self.model = model
+        self.adapters = adapters
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.pad_id = pad_id
@@ -138,12 +140,14 @@ class Engine:
         self._joining = self._admit(self.batch_size - len(batch))
         parts = []
         if batch.rows:
-            parts.append(batch.decode(self.model))
+            with self._adapted(batch.rows):
+                parts.append(batch.decode(self.model))
         scores = {}
         if self._joining:
             scoring = [i for i, row in enumerate(self._joining) if _to_score(row.owner)]
-            newcomers, logits, every = prefill(self.model, self._joining, self.pad_id,
-                                               self.device, every=bool(scoring))
+            with self._adapted(self._joining):
+                newcomers, logits, every = prefill(self.model, self._joining, self.pad_id,
+                                                   self.device, every=bool(scoring))
             for i in scoring:  # one row of a job scores its prompt, once
                 row = self._joining[i]
                 if not row.owner.scored:
@@ -170,6 +174,12 @@ class Engine:
         self._send(output)
         batch.next_ids = chosen
         self._select(keep)
+
+    def _adapted(self, rows: list[Row]):
+        """The forward pass of `rows`, each row with its own LoRA adapter (or none)."""
+        if self.adapters is None:
+            return nullcontext()
+        return self.adapters.active([row.adapter for row in rows])
 
     def _admit(self, free: int) -> list[Row]:
         rows: list[Row] = []

@@ -50,10 +50,15 @@ ENGINE_DEFAULTS = {"grammar_backend": "xgrammar",
                    "stream_interval": 1}
 
 
+ADAPTERS_REASON = ("not in rollout-sglang yet; SGLang's LoRA kernels need a GPU "
+                   "(--enable-lora crashes its CPU engine: sglang issue 31894)")
+
+
 def cpu_reasons(device: str) -> dict[str, str]:
     if device != "cpu":
-        return {}
+        return {"adapters": ADAPTERS_REASON}
     return {
+        "adapters": ADAPTERS_REASON,
         "seed": "SGLang uses per-request seeds only with deterministic inference, which it "
                 "refuses on CPU (no supported attention backend); sampling_seed is ignored",
         "release": "SGLang's memory saver is CUDA-only: on CPU release/resume free nothing, "

@@ -177,6 +177,9 @@ class VLLMBackend:
                               images_reason: str | None = None) -> Capabilities:
         # images: with a Qwen2-VL model (the instance says).
         unsupported = {"images": images_reason} if images_reason else {}
+        # vLLM serves LoRA, its CPU build too (0.32, checked), but loads adapters from
+        # folders only: loading from tensors needs a worker extension, not written yet.
+        unsupported["adapters"] = "not in rollout-vllm yet (vLLM loads adapters from folders)"
         reason = sleep_reason or sleep_unsupported_reason()
         if reason:
             unsupported["release"] = reason

@@ -49,7 +49,7 @@ def rows_for(request: Request, prompt: list[int], *, owner: object, eos_ids: fro
             stop=s.stop, logprobs=s.logprobs, generator=generator,
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, min_p=s.min_p, min_tokens=s.min_tokens,
-            logit_bias=dict(s.logit_bias),
+            logit_bias=dict(s.logit_bias), adapter=request.adapter,
             matcher=None if grammar is None else grammars.matcher(grammar)))
     return rows
 

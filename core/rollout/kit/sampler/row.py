@@ -34,6 +34,7 @@ class Row:
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
     matcher: object | None = None  # an xgrammar GrammarMatcher of this row alone
+    adapter: str | None = None  # the LoRA adapter its forward passes take (Request.adapter)
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
     _text_len: int | None = None  # length of the text at the last stop-string check

@@ -1,0 +1,114 @@
+"""LoRA adapters on the HF backend, on the tiny model: an adapter loaded from tensors
+samples what the merged model does, rows of several adapters and of the base share a
+batch, and loads that cannot be are refused with the adapter before them still serving."""
+
+import pytest
+
+import rollout
+from rollout import InvalidRequestError
+from rollout.testing.adapters import lora_adapter, merged_copy
+
+PROMPTS = ("the ka lo", "def x", "1 2 3 +", "mi ne su ta ri po")
+
+
+def greedy(ro, adapter=None, prompts=PROMPTS):
+    done = ro.generate([{"prompt": p, "adapter": adapter, "sampling": {
+        "temperature": 0.0, "max_tokens": 12, "ignore_eos": True}} for p in prompts])
+    return [c.unwrap()[0] for c in done]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model):
+    return {"a": lora_adapter(tiny_model, seed=1), "b": lora_adapter(tiny_model, rank=4, seed=2)}
+
+
+@pytest.fixture(scope="module")
+def ro(tiny_model, adapters):
+    with rollout.load_backend("hf", model=str(tiny_model), dtype="float32") as backend:
+        for name, (tensors, config) in adapters.items():
+            backend.load_adapter(name, tensors.items(), config, version=1)
+        yield backend
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_model, adapters, tmp_path_factory):
+    """Greedy tokens of each adapter merged into the model's weights."""
+    out = {}
+    for name, (tensors, config) in adapters.items():
+        folder = merged_copy(tiny_model, tmp_path_factory.mktemp(f"merged-{name}"), tensors,
+                             config)
+        with rollout.load_backend("hf", model=str(folder), dtype="float32") as backend:
+            out[name] = [r.token_ids for r in greedy(backend)]
+    return out
+
+
+def test_an_adapter_samples_what_the_merged_model_does(ro, merged):
+    base = [r.token_ids for r in greedy(ro)]
+    for name in ("a", "b"):
+        results = greedy(ro, name)
+        assert [r.token_ids for r in results] == merged[name]
+        assert [r.token_ids for r in results] != base  # the adapter changes the output
+        assert {(r.adapter, r.adapter_version) for r in results} == {(name, 1)}
+    assert {(r.adapter, r.adapter_version) for r in greedy(ro)} == {(None, None)}
+
+
+def test_rows_of_several_adapters_and_the_base_share_a_batch(ro, merged):
+    base = [r.token_ids for r in greedy(ro)]
+    names = [None, "a", "b", "a", None, "b"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    done = ro.generate([{"prompt": p, "adapter": n, "sampling": {
+        "temperature": 0.0, "max_tokens": 12, "ignore_eos": True}}
+        for p, n in zip(prompts, names)])
+    for i, (name, completion) in enumerate(zip(names, done)):
+        expected = base if name is None else merged[name]
+        assert completion.unwrap()[0].token_ids == expected[i % len(PROMPTS)], (i, name)
+
+
+def test_an_unknown_adapter_fails_its_request_alone(ro):
+    unknown, fine = ro.generate([{"prompt": "x", "adapter": "nope"},
+                                 {"prompt": "x", "adapter": "a"}])
+    assert isinstance(unknown.error, InvalidRequestError)
+    assert unknown.error.field == "adapter" and "a, b" in unknown.error.allowed
+    assert fine.ok
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (lambda t, c: {k: v[:, :-1] if "lora_A" in k else v for k, v in t.items()}, "tensors"),
+    (lambda t, c: {k.replace("q_proj", "no_proj"): v for k, v in t.items()}, "tensors"),
+    (lambda t, c: {k: v for k, v in t.items() if "lora_B" not in k}, "tensors"),
+])
+def test_a_load_that_cannot_be_leaves_the_adapter_before_it(ro, adapters, merged, change,
+                                                            field):
+    tensors, config = adapters["a"]
+    with pytest.raises(InvalidRequestError) as refused:
+        ro.load_adapter("a", change(tensors, config).items(), config, version=2)
+    assert refused.value.field == field
+    results = greedy(ro, "a")
+    assert [r.token_ids for r in results] == merged["a"]
+    assert {r.adapter_version for r in results} == {1}
+
+
+def test_a_config_that_is_no_plain_lora_is_refused(ro, adapters):
+    tensors, config = adapters["a"]
+    for key, value in (("use_dora", True), ("modules_to_save", ["lm_head"]), ("r", 0)):
+        with pytest.raises(InvalidRequestError) as refused:
+            ro.load_adapter("c", tensors.items(), {**config, key: value})
+        assert refused.value.field == f"config.{key}"
+    assert "c" not in ro.adapters
+
+
+def test_replace_and_unload(tiny_model, adapters, merged):
+    with rollout.load_backend("hf", model=str(tiny_model), dtype="float32") as ro:
+        tensors, config = adapters["a"]
+        ro.load_adapter("p", tensors.items(), config, version=3)
+        assert [r.token_ids for r in greedy(ro, "p")] == merged["a"]
+        tensors, config = adapters["b"]
+        ro.load_adapter("p", tensors.items(), config, version=4)  # replaced in place
+        results = greedy(ro, "p")
+        assert [r.token_ids for r in results] == merged["b"]
+        assert {r.adapter_version for r in results} == {4}
+        ro.unload_adapter("p")
+        (refused,) = ro.generate([{"prompt": "x", "adapter": "p"}])
+        assert refused.error.field == "adapter" and refused.error.allowed == "none loaded"
+        with pytest.raises(InvalidRequestError):
+            ro.unload_adapter("p")
