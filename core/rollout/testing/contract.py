@@ -29,8 +29,9 @@ from hypothesis.stateful import (
 )
 
 from rollout import (BackendReleasedError, Capabilities, InvalidRequestError, Rollout,
-                     Sampler, WeightsDirtyError)
+                     Sampler, UnsupportedError, WeightsDirtyError)
 from rollout.kit.aio import engine_loop
+from rollout.testing.adapters import lora_adapter, merged_copy
 from rollout.testing.model_folders import load_weights, perturbed_copy, tiny_model_dir
 from rollout.testing.sampling import SamplingContract
 from rollout.testing.strategies import invalid_requests, requests
@@ -47,15 +48,16 @@ PROBE_PROMPTS = ("the ka lo", "def x", "1 2 3 +", "mi ne su ta ri po")
 PROBE_TOKENS = 12
 
 
-def probe_requests() -> list[dict]:
-    return [{"id": f"probe-{i}", "prompt": p,
+def probe_requests(adapter: str | None = None) -> list[dict]:
+    return [{"id": f"probe-{i}-{adapter}", "prompt": p, "adapter": adapter,
              "sampling": {"temperature": 0.0, "max_tokens": PROBE_TOKENS, "ignore_eos": True}}
             for i, p in enumerate(PROBE_PROMPTS)]
 
 
-def probe(backend: Sampler) -> tuple[tuple[int, ...], ...]:
-    """Greedy tokens for fixed prompts: the fingerprint of the weights now loaded."""
-    return tuple(c.unwrap()[0].token_ids for c in backend.generate(probe_requests()))
+def probe(backend: Sampler, adapter: str | None = None) -> tuple[tuple[int, ...], ...]:
+    """Greedy tokens for fixed prompts: the fingerprint of the weights now loaded (with
+    `adapter`, of that LoRA adapter on them)."""
+    return tuple(c.unwrap()[0].token_ids for c in backend.generate(probe_requests(adapter)))
 
 
 def probe_versions(backend: Rollout) -> set[int | None]:
@@ -117,6 +119,7 @@ class Harness:
     max_model_len: int
     baseline: tuple  # probe() with the model's own weights
     reference: tuple  # probe() of a backend freshly loaded with the other weights
+    adapted: tuple | None  # probe() of the model with ADAPTER merged (None: no adapters)
 
     @property
     def caps(self) -> Capabilities:
@@ -156,6 +159,7 @@ def check_completions(batch: list[dict], completions, caps: Capabilities) -> Non
 
 # The reference probes already made, by `BackendContract.reference_key`.
 _REFERENCES: dict[str, tuple] = {}
+ADAPTER = {"rank": 8, "seed": 1}  # the contract's LoRA adapter (rollout.testing.adapters)
 
 
 class BackendContract(SamplingContract):
@@ -180,17 +184,27 @@ class BackendContract(SamplingContract):
         model_dir = tiny_model_dir(root)
         other_dir = perturbed_copy(model_dir, root / "tiny-0-other-weights")
         config = json.loads((model_dir / "config.json").read_text())
-        reference = _REFERENCES.get(cls.reference_key)
-        if reference is None:
-            # The fresh load with other weights runs first and alone: one engine at a time.
+        references = _REFERENCES.get(cls.reference_key)
+        if references is None:
+            # Fresh loads run first and alone, one engine at a time: with the other
+            # weights, and with the adapter merged where the backend takes adapters.
             with make_backend(other_dir) as fresh:
                 reference = probe(fresh)
+                adapts = fresh.capabilities.supports("adapters")
+            adapted = None
+            if adapts:
+                merged = root / "tiny-0-merged-adapter"
+                if not merged.exists():
+                    merged_copy(model_dir, merged, *lora_adapter(model_dir, **ADAPTER))
+                with make_backend(merged) as fresh:
+                    adapted = probe(fresh)
+            references = reference, adapted
             if cls.reference_key is not None:
-                _REFERENCES[cls.reference_key] = reference
+                _REFERENCES[cls.reference_key] = references
         backend = make_backend(model_dir)
         try:
             yield Harness(backend, model_dir, other_dir, config["vocab_size"],
-                          config["max_position_embeddings"], probe(backend), reference)
+                          config["max_position_embeddings"], probe(backend), *references)
         finally:
             backend.close()
 
@@ -512,6 +526,65 @@ class BackendContract(SamplingContract):
                     result.request_id, result.index, result.finish_reason,
                     result.completion_tokens)
                 assert result.completion_tokens < batch[0]["sampling"]["max_tokens"]
+
+    # --- LoRA adapters ------------------------------------------------------------------
+
+    def test_an_adapter_samples_what_the_merged_model_does_beside_the_base(self, harness):
+        """Loaded from tensors, an adapter's greedy tokens equal the merged model's, in
+        one batch with base rows (which keep theirs); results name adapter and version."""
+        skip_unless(harness.caps, "adapters")
+        ro = harness.rollout
+        tensors, config = lora_adapter(harness.model_dir, **ADAPTER)
+        ro.load_adapter("contract", tensors.items(), config, version=5)
+        try:
+            assert ro.adapters == {"contract": 5}
+            assert probe(ro, "contract") == harness.adapted != harness.baseline
+            done = ro.generate(probe_requests() + probe_requests("contract"))
+            results = [c.unwrap()[0] for c in done]
+            half = len(PROBE_PROMPTS)
+            assert tuple(r.token_ids for r in results[:half]) == harness.baseline
+            assert tuple(r.token_ids for r in results[half:]) == harness.adapted
+            assert {(r.adapter, r.adapter_version) for r in results} == {
+                (None, None), ("contract", 5)}
+        finally:
+            ro.unload_adapter("contract")
+        assert probe(ro) == harness.baseline
+
+    def test_adapter_errors_name_what_is_wrong_and_change_nothing(self, harness):
+        skip_unless(harness.caps, "adapters")
+        ro = harness.rollout
+        tensors, config = lora_adapter(harness.model_dir, **ADAPTER)
+        ro.load_adapter("contract", tensors.items(), config, version=1)
+        try:
+            unknown, fine = ro.generate([{"prompt": "x", "adapter": "nope"},
+                                         {"prompt": "x", "adapter": "contract"}])
+            assert unknown.error.field == "adapter" and unknown.error.allowed == "contract"
+            assert fine.ok
+            wrong = {k: v[:, :-1] if "lora_A" in k else v for k, v in tensors.items()}
+            with pytest.raises(InvalidRequestError):  # shapes that do not fit the model
+                ro.load_adapter("contract", wrong.items(), config, version=2)
+            with pytest.raises(InvalidRequestError):  # a module the model lacks
+                ro.load_adapter("contract", {k.replace("q_proj", "nope_proj"): v
+                                             for k, v in tensors.items()}.items(), config)
+            # The adapter before the failed loads still serves, under its version.
+            done = ro.generate(probe_requests("contract"))
+            assert tuple(c.unwrap()[0].token_ids for c in done) == harness.adapted
+            assert {c.unwrap()[0].adapter_version for c in done} == {1}
+        finally:
+            ro.unload_adapter("contract")
+        (gone,) = ro.generate([{"prompt": "x", "adapter": "contract"}])
+        assert gone.error.field == "adapter"
+        with pytest.raises(InvalidRequestError):
+            ro.unload_adapter("contract")
+
+    def test_a_backend_without_adapters_refuses_them_by_name(self, harness):
+        if harness.caps.supports("adapters"):
+            pytest.skip("this backend takes adapters")
+        (refused,) = harness.rollout.generate([{"prompt": "x", "adapter": "a"}])
+        assert refused.error.field == "adapter"
+        assert harness.caps.unsupported["adapters"] in str(refused.error)
+        with pytest.raises(UnsupportedError):
+            harness.rollout.load_adapter("a", [], {"r": 8})
 
     # --- weights and memory -------------------------------------------------------------
 
