@@ -4,16 +4,11 @@ vLLM's punica kernels batch them: forward hooks on the adapted Linear modules ad
 so adapters load, replace and unload in place, and rows of different adapters share a
 batch.
 
-An adapter comes as PEFT's tensors (`get_peft_model_state_dict`, `adapter_model.safetensors`:
-`base_model.model.<module>.lora_A.weight` and `.lora_B.weight`) and its `LoraConfig` as a
-dict (`r`, `lora_alpha`, `use_rslora`). What a plain LoRA of Linear layers is not (DoRA,
-biases, `modules_to_save`, embeddings) is refused by name.
+An adapter is read and checked by `rollout.weights.lora.read_adapter`.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Iterable
 from contextlib import contextmanager
 
@@ -21,17 +16,7 @@ import attrs
 import torch
 
 from rollout import InvalidRequestError
-
-PEFT_NAME = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
-# LoraConfig settings that change what the adapter computes, and the values this supports.
-PLAIN = {"use_dora": (False, None), "bias": ("none", None), "modules_to_save": (None, []),
-         "lora_bias": (False, None)}
-
-
-@attrs.frozen
-class Adapter:
-    scale: float
-    weights: dict  # module name -> (A [r, in], B [out, r])
+from rollout.weights.lora import Adapter, read_adapter
 
 
 class Adapters:
@@ -91,47 +76,10 @@ class Adapters:
         return add_deltas
 
     def _read(self, config: dict, tensors: Iterable) -> Adapter:
-        if not isinstance(config, dict):
-            raise InvalidRequestError("config", f"got {type(config).__name__}",
-                                      "a LoraConfig as a dict (r, lora_alpha, ...)")
-        for key, allowed in PLAIN.items():
-            if config.get(key) not in allowed:
-                raise InvalidRequestError(f"config.{key}", f"got {config[key]!r}: not a "
-                                          "plain LoRA of Linear layers", repr(allowed[0]))
-        rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-        if not isinstance(rank, int) or rank < 1:
-            raise InvalidRequestError("config.r", f"got {rank!r}", "an integer >= 1")
-        scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        parts: dict[str, dict[str, torch.Tensor]] = {}
-        for tensor_name, tensor in tensors:
-            match = PEFT_NAME.match(tensor_name)
-            if match is None:
-                raise InvalidRequestError("tensors", f"{tensor_name!r} is no LoRA weight",
-                                          "PEFT names: base_model.model.<module>.lora_A"
-                                          ".weight and .lora_B.weight")
-            module, which = match.groups()
-            if module not in self.linears:
-                raise InvalidRequestError("tensors", f"{tensor_name!r}: the model has no "
-                                          f"Linear module {module!r}", "the model's Linear "
-                                          "modules")
-            parts.setdefault(module, {})[which] = tensor
-        weights = {}
-        for module, pair in parts.items():
-            linear = self.linears[module]
-            expected = {"A": (rank, linear.in_features), "B": (linear.out_features, rank)}
-            for which, shape in expected.items():
-                got = pair.get(which)
-                if got is None:
-                    raise InvalidRequestError("tensors", f"{module!r} has no lora_{which}",
-                                              "both lora_A and lora_B of each module")
-                if tuple(got.shape) != shape:
-                    raise InvalidRequestError(
-                        "tensors", f"{module}.lora_{which} has shape {tuple(got.shape)}",
-                        f"shape {shape} (r={rank})")
-            weight = linear.weight
-            weights[module] = tuple(pair[w].to(weight.device, weight.dtype, copy=True)
-                                    for w in "AB")
-        if not weights:
-            raise InvalidRequestError("tensors", "no LoRA weight given",
-                                      "lora_A and lora_B of each adapted module")
-        return Adapter(scale, weights)
+        adapter = read_adapter(config, tensors, {name: (m.out_features, m.in_features)
+                                                 for name, m in self.linears.items()})
+        copies = {}
+        for module, pair in adapter.weights.items():
+            weight = self.linears[module].weight
+            copies[module] = tuple(t.to(weight.device, weight.dtype, copy=True) for t in pair)
+        return attrs.evolve(adapter, weights=copies)

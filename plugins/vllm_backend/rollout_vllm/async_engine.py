@@ -100,7 +100,8 @@ class AsyncEngine:
     def model_config(self):
         return self.engine.model_config
 
-    async def generate(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
+    async def generate(self, rid: str, prompt: dict, params: dict,
+                       lora=None) -> AsyncIterator[Chunk]:
         from vllm.inputs import tokens_input
 
         self._check()
@@ -110,7 +111,7 @@ class AsyncEngine:
         # images goes through vLLM's renderer (its thread pool), which processes them.
         rendered = prompt if "multi_modal_data" in prompt else \
             tokens_input(prompt["prompt_token_ids"])
-        outputs = self.engine.generate(rendered, sampling, rid)
+        outputs = self.engine.generate(rendered, sampling, rid, lora_request=lora)
         finished = False
         try:
             # Closing vLLM's generator (GeneratorExit) or cancelling it aborts the request.
@@ -162,6 +163,15 @@ class AsyncEngine:
         # vLLM's own bound too: a worker stuck on a call fails it instead of holding it.
         await self._call("collective_rpc", "rollout_receive_shm", timeout=timeout,
                          args=(message,))
+
+    async def load_adapter(self, lora_id: int, config: dict, data: bytes,
+                           timeout: float) -> None:
+        await self._call("collective_rpc", "rollout_load_adapter", timeout=timeout,
+                         args=(lora_id, config, data))
+
+    async def unload_adapter(self, lora_id: int, timeout: float) -> None:
+        await self._call("collective_rpc", "rollout_unload_adapter", timeout=timeout,
+                         args=(lora_id,))
 
     async def reset_prefix_cache(self) -> None:
         check_reset(await self._call("reset_prefix_cache", True))

@@ -4,6 +4,7 @@ OpenAI-compatible server in a child process (`mode="server"`)."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import uuid
 from contextlib import aclosing
@@ -11,7 +12,8 @@ from contextlib import aclosing
 import rollout
 from rollout import Capabilities, EngineDeadError, InvalidRequestError, RolloutError
 from rollout.kit.aio import engine_loop
-from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
+from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, iter_unpacked
+from rollout.weights.lora import read_adapter
 from rollout.weights.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
 from rollout.contract.schemas import PROMPT_LOGPROBS_MAX, SamplingParams, StructuredOutputs
@@ -19,7 +21,7 @@ from rollout.kit.structured import constraint_error, structural_tag_grammar
 
 from rollout_vllm.async_engine import AsyncEngine
 from rollout_vllm.cpu import cpu_engine_args
-from rollout_vllm.engine import Engine, WeightPath
+from rollout_vllm.engine import AdapterEngine, Engine, WeightPath
 from rollout_vllm.in_process import InProcessEngine
 from rollout_vllm.server_engine import ServerEngine
 from rollout_vllm.transport import ENGINE_NAME, TRANSPORTS, GlooSender, ShmPipeline
@@ -31,6 +33,9 @@ MODES = ("engine", "async", "server")
 # were checked against the HF backend's (tests/test_images.py).
 VISION_MODEL_TYPES = ("qwen2_vl",)
 SHM_GROUP_BYTES = 64 * 2**20  # the default weight_group_bytes through shared memory
+DEFAULT_MAX_LORA_RANK = 16  # vLLM's
+ADAPTERS_OFF = ("vLLM reserves its LoRA slots when it starts: pass engine_args "
+                "enable_lora=True (and max_lora_rank, max_loras) to load adapters")
 
 
 def sleep_unsupported_reason() -> str | None:
@@ -158,6 +163,10 @@ class VLLMBackend:
             self.loop.run(self.engine.close(), 60, "stopping vLLM")
             raise
         self.images_reason = _images_reason(config, mode, self.engine.model_config())
+        self.adapters_reason = _adapters_reason(mode, args)
+        self.max_lora_rank = args.get("max_lora_rank", DEFAULT_MAX_LORA_RANK)
+        self.lora_ids: dict[str, int] = {}  # adapter name -> the vLLM LoRA id it is under
+        self._new_lora_id = itertools.count(1)  # a new one per load: vLLM's caches key on it
         self.prompts = PromptEncoder(
             self.tokenizer, text_config.vocab_size, self.max_model_len,
             image_token_id=None if self.images_reason else config.image_token_id)
@@ -174,12 +183,12 @@ class VLLMBackend:
 
     @classmethod
     def describe_capabilities(cls, sleep_reason: str | None = None,
-                              images_reason: str | None = None) -> Capabilities:
-        # images: with a Qwen2-VL model (the instance says).
+                              images_reason: str | None = None,
+                              adapters_reason: str | None = ADAPTERS_OFF) -> Capabilities:
+        # images: with a Qwen2-VL model; adapters: with enable_lora (the instance says).
         unsupported = {"images": images_reason} if images_reason else {}
-        # vLLM serves LoRA, its CPU build too (0.32, checked), but loads adapters from
-        # folders only: loading from tensors needs a worker extension, not written yet.
-        unsupported["adapters"] = "not in rollout-vllm yet (vLLM loads adapters from folders)"
+        if adapters_reason:
+            unsupported["adapters"] = adapters_reason
         reason = sleep_reason or sleep_unsupported_reason()
         if reason:
             unsupported["release"] = reason
@@ -187,7 +196,8 @@ class VLLMBackend:
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
-        return self.describe_capabilities(self.sleep_reason, self.images_reason)
+        return self.describe_capabilities(self.sleep_reason, self.images_reason,
+                                          self.adapters_reason)
 
     @rollout.hookimpl
     def prompt_encoder(self) -> PromptEncoder:
@@ -216,7 +226,8 @@ class VLLMBackend:
             params = {**vllm_sampling(s), "stream_interval": 1 if streaming
                       else self.stream_interval}
             prompt = _prompt(prompt_token_ids, images)
-            async with aclosing(self.engine.generate(rid, prompt, params)) as chunks:
+            lora = None if request.adapter is None else self._lora_request(request.adapter)
+            async with aclosing(self.engine.generate(rid, prompt, params, lora)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except EngineDeadError:
@@ -234,6 +245,53 @@ class VLLMBackend:
         self.loop.run(self.engine.reset_prefix_cache(), self.request_timeout + 60,
                       "vLLM weight update")
 
+    # --- LoRA adapters (engine and async modes, with enable_lora) -------------------------
+
+    def _lora_request(self, name: str):
+        from rollout_vllm.lora import lora_request
+
+        lora_id = self.lora_ids.get(name)
+        if lora_id is None:  # vLLM would look for it on disk, and its engine die of that
+            raise InvalidRequestError("adapter", f"no adapter named {name!r}",
+                                      ", ".join(self.lora_ids) or "none loaded")
+        return lora_request(name, lora_id)
+
+    @rollout.hookimpl
+    def load_adapter(self, name, config, buckets):
+        from safetensors.torch import save
+
+        adapter = read_adapter(config, iter_unpacked(buckets), self._linears(),
+                               self.max_lora_rank)
+        tensors = {f"base_model.model.{module}.lora_{which}.weight": t.contiguous()
+                   for module, pair in adapter.weights.items() for which, t in zip("AB", pair)}
+        # What vLLM's PEFTHelper reads, in types its RPC carries (a LoraConfig's dict may
+        # hold sets and enums).
+        peft_config = {"r": adapter.rank, "lora_alpha": config.get("lora_alpha", adapter.rank),
+                       "use_rslora": bool(config.get("use_rslora")),
+                       "target_modules": sorted({m.rsplit(".", 1)[-1] for m in tensors})}
+        engine: AdapterEngine = self.engine
+        lora_id = next(self._new_lora_id)
+        self.loop.run(engine.load_adapter(lora_id, peft_config, save(tensors),
+                                          self.request_timeout),
+                      self.request_timeout + 60, "vLLM adapter load")
+        replaced = self.lora_ids.get(name)
+        self.lora_ids[name] = lora_id
+        if replaced is not None:
+            self.loop.run(engine.unload_adapter(replaced, self.request_timeout),
+                          self.request_timeout + 60, "vLLM adapter unload")
+
+    @rollout.hookimpl
+    def unload_adapter(self, name):
+        lora_id = self.lora_ids.pop(name)
+        self.loop.run(self.engine.unload_adapter(lora_id, self.request_timeout),
+                      self.request_timeout + 60, "vLLM adapter unload")
+
+    def _linears(self) -> dict[str, tuple[int, int]]:
+        """The checkpoint's linear layers that vLLM adapts (not embeddings, not the head)."""
+        return {name.removesuffix(".weight"): shape for name, shape in self.shapes.items()
+                if name.endswith(".weight") and len(shape) == 2
+                and not name.endswith(("embed_tokens.weight", "lm_head.weight"))}
+
     @rollout.hookimpl
     def release(self, tags):
         # vLLM's level 1 offloads weights to host memory and drops the KV cache.
@@ -249,6 +307,16 @@ class VLLMBackend:
     def close(self):
         self.weights.close()  # a gloo group: the server leaves it too, bounded
         self.loop.run(self.engine.close(), 120, "stopping vLLM")
+
+
+def _adapters_reason(mode: str, args: dict) -> str | None:
+    """Why this backend loads no LoRA adapter; None where it does."""
+    if mode == "server":
+        return ("not in server mode yet (vLLM's server loads adapters from folders); "
+                "the engine and async modes load them from tensors")
+    if not args.get("enable_lora"):
+        return ADAPTERS_OFF
+    return None
 
 
 def _images_reason(config, mode: str, model_config) -> str | None:

@@ -43,9 +43,11 @@ class Engine(Protocol):
         """vLLM's ModelConfig where the model lives in this process; None where it does
         not (the server's)."""
 
-    def generate(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
+    def generate(self, rid: str, prompt: dict, params: dict,
+                 lora=None) -> AsyncIterator[Chunk]:
         """The chunks of request `rid` as vLLM makes them. `prompt`: vLLM's prompt dict
-        (`prompt_token_ids`, and any images); `params`: vLLM's SamplingParams fields.
+        (`prompt_token_ids`, and any images); `params`: vLLM's SamplingParams fields;
+        `lora`: vLLM's LoRARequest of an adapter loaded by `load_adapter`, or None.
         Closing or cancelling the iterator stops the request in vLLM. A request vLLM refuses
         raises its typed error; a dead engine raises EngineDeadError."""
 
@@ -72,6 +74,19 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Stop vLLM and every process it started; safe after a failed or partial start."""
+
+
+class AdapterEngine(Engine, Protocol):
+    """An engine whose worker is reached by `collective_rpc` (in process, or its core in a
+    child process), which loads LoRA adapters from tensors (`rollout_vllm.lora`)."""
+
+    async def load_adapter(self, lora_id: int, config: dict, data: bytes,
+                           timeout: float) -> None:
+        """Keep and load adapter `lora_id` (PEFT's tensors as safetensors bytes, its
+        LoraConfig as a dict) in the worker; raise what vLLM refuses."""
+
+    async def unload_adapter(self, lora_id: int, timeout: float) -> None:
+        """Drop adapter `lora_id` from the worker."""
 
 
 class ShmEngine(Engine, Protocol):

@@ -97,10 +97,10 @@ class InProcessEngine:
 
     def _add_all(self, engine, adds: list[tuple]) -> None:
         refused = []
-        for rid, prompt, sampling in adds:
+        for rid, prompt, sampling, lora in adds:
             try:
                 # vLLM's renderer runs here, on this thread (for images: its processor).
-                engine.add_request(rid, prompt, sampling)
+                engine.add_request(rid, prompt, sampling, lora_request=lora)
             except Exception as exc:  # noqa: BLE001 - handed to that request's generator
                 refused.append((rid, refusal(exc)))
         if refused:
@@ -129,7 +129,7 @@ class InProcessEngine:
     def _send_adds(self) -> None:
         adds = [a for a in self.adds if a[0] in self.streams]  # not cancelled meanwhile
         self.adds = []
-        for rid, _, _ in adds:
+        for rid, *_ in adds:
             self.streams[rid].sent = True
         if adds:
             self.commands.put(lambda engine: self._add_all(engine, adds))
@@ -137,13 +137,14 @@ class InProcessEngine:
     def model_config(self):
         return self.engine.model_config
 
-    async def generate(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
+    async def generate(self, rid: str, prompt: dict, params: dict,
+                       lora=None) -> AsyncIterator[Chunk]:
         """`prompt`: vLLM's prompt dict (`prompt_token_ids`, and any images)."""
         if self.dead:
             raise EngineDeadError(self.dead)
         sampling = sampling_params(params, self.stream_interval)
         stream = self.streams[rid] = _Outputs()
-        self.adds.append((rid, prompt, sampling))
+        self.adds.append((rid, prompt, sampling, lora))
         if len(self.adds) == 1:
             # Sent once this loop iteration is over, with every request that came in it: the
             # engine then schedules them together instead of stepping on a trickle.
@@ -195,6 +196,15 @@ class InProcessEngine:
         # In process: the tensors themselves, no copy through bytes.
         await self._call(lambda engine: engine.collective_rpc(
             "rollout_load_tensors", timeout=timeout, args=(list(tensors.items()),)))
+
+    async def load_adapter(self, lora_id: int, config: dict, data: bytes,
+                           timeout: float) -> None:
+        await self._call(lambda engine: engine.collective_rpc(
+            "rollout_load_adapter", timeout=timeout, args=(lora_id, config, data)))
+
+    async def unload_adapter(self, lora_id: int, timeout: float) -> None:
+        await self._call(lambda engine: engine.collective_rpc(
+            "rollout_unload_adapter", timeout=timeout, args=(lora_id,)))
 
     async def reset_prefix_cache(self) -> None:
         # Running requests (none in an update, which runs alone) would be preempted.

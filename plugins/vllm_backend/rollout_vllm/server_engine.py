@@ -100,7 +100,8 @@ class ServerEngine:
         hits, lookups = (sum(int(float(v)) for v in found) for found in counts)
         return hits, lookups
 
-    async def generate(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
+    async def generate(self, rid: str, prompt: dict, params: dict,
+                       lora=None) -> AsyncIterator[Chunk]:
         """Streamed as the server makes tokens: token ids alone to /v1/completions, token
         ids with images to /inference/v1/generate (/v1/completions takes no images with
         ids). Cancelling closes the connection, which makes the server abort the request
@@ -108,6 +109,8 @@ class ServerEngine:
         before it has started)."""
         import aiohttp
 
+        # No adapters in server mode (the backend's capabilities say so): never given one.
+        assert lora is None, "adapters are unsupported in server mode"
         self.server.check()
         if params.get("prompt_logprobs") is not None and "multi_modal_data" not in prompt:
             # vLLM's server scores prompts only in a whole (not streamed) answer.

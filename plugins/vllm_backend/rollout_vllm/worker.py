@@ -48,3 +48,13 @@ class WeightUpdateExtension:
         self.reload_weights(weights_iterator=tensors)
         refresh_tied_output(self.model_runner.get_model(), [name for name, _ in tensors])
         return len(tensors)
+
+    def rollout_load_adapter(self, lora_id: int, config: dict, data: bytes) -> None:
+        from rollout_vllm import lora
+
+        lora.load(self, lora_id, config, data)
+
+    def rollout_unload_adapter(self, lora_id: int) -> None:
+        from rollout_vllm import lora
+
+        lora.unload(self, lora_id)

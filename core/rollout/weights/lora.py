@@ -1,0 +1,76 @@
+"""LoRA adapters as trainers hand them over, checked before any backend loads one: PEFT's
+tensors (`get_peft_model_state_dict`, `adapter_model.safetensors`:
+`base_model.model.<module>.lora_A.weight` and `.lora_B.weight`) and its `LoraConfig` as a
+dict (`r`, `lora_alpha`, `use_rslora`). What a plain LoRA of linear layers is not (DoRA,
+biases, `modules_to_save`) is refused by name, as are unknown modules and wrong shapes,
+so that a bad adapter never reaches an engine (vLLM's dies on some)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from rollout.contract.errors import InvalidRequestError
+
+PEFT_NAME = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# LoraConfig settings that change what the adapter computes, and the values allowed.
+PLAIN = {"use_dora": (False, None), "bias": ("none", None), "modules_to_save": (None, []),
+         "lora_bias": (False, None), "rank_pattern": ({}, None), "alpha_pattern": ({}, None)}
+
+
+@attrs.frozen
+class Adapter:
+    rank: int
+    scale: float  # lora_alpha / r (or / sqrt(r) with rsLoRA)
+    weights: dict  # module name -> (A [r, in], B [out, r]), the tensors as given
+
+
+def read_adapter(config: Mapping, tensors: Iterable,
+                 linears: Mapping[str, tuple[int, int]], max_rank: int | None = None) -> Adapter:
+    """The adapter of `config` and (name, tensor) pairs `tensors`, for a model whose
+    adaptable linear layers are `linears` (module name -> (out_features, in_features))."""
+    if not isinstance(config, Mapping):
+        raise InvalidRequestError("config", f"got {type(config).__name__}",
+                                  "a LoraConfig as a dict (r, lora_alpha, ...)")
+    for key, allowed in PLAIN.items():
+        if config.get(key) not in allowed:
+            raise InvalidRequestError(f"config.{key}", f"got {config[key]!r}: not a plain "
+                                      "LoRA of linear layers", repr(allowed[0]))
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or rank < 1 or (max_rank is not None and rank > max_rank):
+        raise InvalidRequestError("config.r", f"got {rank!r}", "an integer >= 1" + (
+            "" if max_rank is None else f" and <= {max_rank} (the engine's max LoRA rank)"))
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise InvalidRequestError("config.lora_alpha", f"got {alpha!r}", "a number")
+    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    parts: dict[str, dict] = {}
+    for tensor_name, tensor in tensors:
+        match = PEFT_NAME.match(tensor_name)
+        if match is None:
+            raise InvalidRequestError("tensors", f"{tensor_name!r} is no LoRA weight",
+                                      "PEFT names: base_model.model.<module>.lora_A.weight "
+                                      "and .lora_B.weight")
+        module, which = match.groups()
+        if module not in linears:
+            raise InvalidRequestError("tensors", f"{tensor_name!r}: the model has no "
+                                      f"adaptable linear module {module!r}",
+                                      "the model's linear layers")
+        parts.setdefault(module, {})[which] = tensor
+    if not parts:
+        raise InvalidRequestError("tensors", "no LoRA weight given",
+                                  "lora_A and lora_B of each adapted module")
+    for module, pair in parts.items():
+        out_features, in_features = linears[module]
+        for which, shape in (("A", (rank, in_features)), ("B", (out_features, rank))):
+            got = pair.get(which)
+            if got is None:
+                raise InvalidRequestError("tensors", f"{module!r} has no lora_{which}",
+                                          "both lora_A and lora_B of each module")
+            if tuple(got.shape) != shape:
+                raise InvalidRequestError(
+                    "tensors", f"{module}.lora_{which} has shape {tuple(got.shape)}",
+                    f"shape {shape} (r={rank})")
+    return Adapter(rank, scale, {m: (p["A"], p["B"]) for m, p in parts.items()})

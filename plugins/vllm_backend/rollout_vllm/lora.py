@@ -1,0 +1,111 @@
+"""LoRA adapters from tensors, inside vLLM's worker (vLLM itself loads them from folders
+only). The worker keeps each adapter's tensors under its LoRA id, and vLLM's loader builds
+an adapter from them instead of from `lora_path`: when it is loaded, and again whenever
+vLLM's LRU cache evicted it and a request needs it back (from a path that does not exist,
+vLLM's loader would kill the engine).
+
+Two fixes to vLLM 0.32 on the way:
+- its loader scales `lora_B` in place (`LoRALayerWeights.optimize`) on tensors it did not
+  copy, so it gets copies: an adapter built twice would be scaled twice;
+- its CPU ops (`torch_ops.bgmv_*`) index the stacked adapters with a row's LoRA index, and
+  rows without an adapter (index -1) take the last slot's: those rows are kept as they were,
+  as vLLM's GPU kernels keep them (upstream: vllm-project/vllm#48421, #49656).
+"""
+
+from __future__ import annotations
+
+import types
+
+# Where a request's LoRA path points: nowhere on disk. vLLM's prefix cache keys on the
+# name and path, so each load (a new id) gets its own cache entries.
+PATH = "rollout-adapter://{name}/{lora_id}"
+
+
+def lora_request(name: str, lora_id: int):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"{name}@{lora_id}", lora_id, PATH.format(name=name, lora_id=lora_id))
+
+
+def load(worker, lora_id: int, config: dict, data: bytes) -> None:
+    """Keep adapter `lora_id` (safetensors bytes `data`, PEFT's names) and load it now, so
+    that what vLLM refuses is refused here, not in a step."""
+    from safetensors.torch import load as from_bytes
+
+    manager = _tensor_loading(worker.model_runner.lora_manager)
+    manager.rollout_tensors[lora_id] = (config, from_bytes(bytes(data)))
+    try:
+        manager.add_adapter(lora_request("load", lora_id))
+    except BaseException:
+        manager.rollout_tensors.pop(lora_id, None)
+        raise
+
+
+def unload(worker, lora_id: int) -> None:
+    manager = worker.model_runner.lora_manager
+    getattr(manager, "rollout_tensors", {}).pop(lora_id, None)
+    manager.remove_adapter(lora_id)
+
+
+def _tensor_loading(manager):
+    """`manager` (vLLM's LRUCacheWorkerLoRAManager), its loader reading our tensors first."""
+    if hasattr(manager, "rollout_tensors"):
+        return manager
+    _keep_unadapted_rows()
+    manager.rollout_tensors = {}
+    from_path = manager._load_adapter
+
+    def load_adapter(self, request):
+        kept = self.rollout_tensors.get(request.lora_int_id)
+        if kept is None:
+            return from_path(request)
+        from vllm.lora.peft_helper import PEFTHelper
+
+        config, tensors = kept
+        helper = PEFTHelper.from_dict(
+            {**config, "vllm_max_position_embeddings": self.max_position_embeddings})
+        helper.validate_legal(self.lora_config)
+        model = self._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        adapter = self._lora_model_cls.from_lora_tensors(
+            lora_model_id=request.lora_int_id,
+            tensors={k: v.clone() for k, v in tensors.items()},
+            peft_helper=helper, device="cpu", dtype=self.lora_config.lora_dtype,
+            model_vocab_size=self.vocab_size,
+            weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+        self._adapter_manager._validate_modules_to_save(adapter)
+        return adapter
+
+    manager._load_adapter = types.MethodType(load_adapter, manager)
+    return manager
+
+
+def _keep_unadapted_rows() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+        op = getattr(lora_ops, name)
+        if getattr(op, "keeps_unadapted_rows", False):
+            continue
+        fixed = _keeping_unadapted_rows(op)
+        setattr(lora_ops, name, fixed)  # the sgmv_* ops call these through the module
+        setattr(punica_cpu, name, fixed)
+
+
+def _keeping_unadapted_rows(op):
+    def run(inputs, weights, output, indices, *args, **kwargs):
+        unadapted = indices < 0
+        if indices.shape[0] != output.shape[0] or not bool(unadapted.any()):
+            return op(inputs, weights, output, indices, *args, **kwargs)
+        kept = output[unadapted].clone()
+        op(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
+        output[unadapted] = kept
+        return None
+    run.keeps_unadapted_rows = True
+    return run
