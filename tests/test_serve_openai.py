@@ -244,6 +244,9 @@ class FailingService:
     async def health(self):
         raise self.error
 
+    def adapters(self):
+        return {}
+
     async def close(self):
         pass
 

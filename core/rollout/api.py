@@ -487,19 +487,24 @@ class Rollout:
             self.weight_version = version
 
     def load_adapter(self, name: str, named_tensors: Iterable, config: Mapping,
-                     version: int | None = None, bucket_bytes: int | None = None) -> None:
+                     version: int | None = None, bucket_bytes: int | None = None,
+                     pause: str = "wait") -> None:
         """Load LoRA adapter `name` (or replace the one loaded under it) from PEFT's
         tensors, as (name, tensor) pairs (`get_peft_model_state_dict`) or buckets already
         packed, and its `LoraConfig` as a dict (`r`, `lora_alpha`, ...). Requests that name
         it (`Request.adapter`) then sample with it, and their results say `version`.
-        Running requests finish first; new ones wait. A load that fails changes nothing:
-        the adapter loaded before under that name, if any, still serves."""
+        `pause`: "wait" lets running requests finish first, "abort" stops them (as
+        `update_weights`); new ones wait. A load that fails changes nothing: the adapter
+        loaded before under that name, if any, still serves."""
         from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
 
         _check_adapter_name(name)
-        check_update(version, "wait")
+        check_update(version, pause)
+        if pause == "keep":  # a result has one adapter version
+            raise InvalidRequestError("pause", "an adapter load holds no running request",
+                                      "wait, abort")
         self.capabilities.require("adapters")
-        with self._lifecycle_section():
+        with self._lifecycle_section(pause):
             buckets = _packed(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
             self._pm.hook.load_adapter(name=name, config=dict(config), buckets=buckets)
             self.adapters[name] = version

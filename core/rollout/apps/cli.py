@@ -114,6 +114,17 @@ def _parse_options(values: tuple[str, ...], hint: str = "--backend-option") -> d
     return options
 
 
+def _parse_lora(values: tuple[str, ...]) -> dict[str, str]:
+    modules = {}
+    for item in values:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path or name in modules:
+            raise click.BadParameter(f"{item!r} is not NAME=PATH with a new NAME",
+                                     param_hint="--lora")
+        modules[name] = path
+    return modules
+
+
 def ray_options(command):
     """--ray-* settings: what each replica asks a Ray cluster for (--placement ray)."""
     for option in reversed([
@@ -284,13 +295,17 @@ def _generate_settings(options: dict):
               help="debug adds a line per finished request.")
 @click.option("--log-prompts", is_flag=True,
               help="Put each request's prompt in its debug line (off: no prompt text in logs).")
+@click.option("--lora", multiple=True, metavar="NAME=PATH",
+              help="A LoRA adapter (a PEFT folder) served as model NAME; repeatable. The "
+                   "backend must take adapters (vllm: -o engine_args='{\"enable_lora\": "
+                   "true}').")
 @click.option("--watch-parent", type=int, hidden=True,
               help="Exit when this process is gone (for replicas started by a pool).")
 @ray_options
 def serve(backend, model, mode, replicas, placement, host, port, served_model_name, api_key,
           backend_option, tool_call_parser, replica_restarts, replica_keep_weights,
           max_running, max_waiting, responses_kept, public_metrics, log_format, log_level,
-          log_prompts,
+          log_prompts, lora,
           watch_parent, ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource,
           ray_strategy) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
@@ -306,6 +321,7 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
     if watch_parent:
         _exit_with_parent(watch_parent)
     options = _parse_options(backend_option)
+    lora_modules = _parse_lora(lora)
     try:
         load_tool_parser(tool_call_parser)
         ray = _ray_settings({}, ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource,
@@ -327,7 +343,7 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
         await serve_http(service, model_name=served_model_name or model,
                          api_key=api_key, tool_parser=tool_call_parser, sock=sock,
                          public_metrics=public_metrics, log_prompts=log_prompts,
-                         responses_kept=responses_kept)
+                         responses_kept=responses_kept, lora_modules=lora_modules)
 
     try:
         _run_on_engine_loop(run())

@@ -121,9 +121,21 @@ class RemoteService:
     async def resume(self, tags: list[str] | None) -> None:
         await self._control("/rollout/resume", {"tags": tags})
 
-    async def begin_update(self, version: int | None, pause: str,
-                           timeout: float) -> RemoteUpdate:
-        return await RemoteUpdate.begin(self._control, version, pause, timeout)
+    async def begin_update(self, version: int | None, pause: str, timeout: float,
+                           adapter: dict | None = None) -> RemoteUpdate:
+        return await RemoteUpdate.begin(self._control, version, pause, timeout, adapter)
+
+    async def unload_adapter(self, name: str) -> None:
+        # vLLM's route, which answers success in plain text.
+        with self._reaching():
+            async with self._post("/v1/unload_lora_adapter", {"lora_name": name}) as response:
+                status, text = response.status, await response.text()
+        if status != 200:
+            try:
+                data = json.loads(text)
+            except ValueError:
+                data = {"error": {"message": text}}
+            raise _typed_refusal(self.url, status, data)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -20,16 +20,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from rollout.contract.errors import EngineDeadError, NoReplicaError, OverloadedError, \
-    RolloutError, WeightsDirtyError
+from rollout.contract.errors import EngineDeadError, InvalidRequestError, NoReplicaError, \
+    OverloadedError, RolloutError, WeightsDirtyError
 from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 from rollout.weights.transports.collective import address_towards
 from rollout.service.admission import overloaded
 from rollout.service.client import ReplicaDown, RemoteService
-from rollout.weights.receive import KeptWeights
+from rollout.weights.receive import KeptAdapter, KeptWeights
 from rollout.weights.send import push_weights
 from rollout.weights.update import BUCKET_WAIT_S
 
+MISSING = object()  # a replica's version of an adapter it does not have
 MAX_SESSIONS = 100_000  # sessions remembered (least recently used forgotten first)
 log = logging.getLogger("rollout.pool")
 
@@ -67,6 +68,7 @@ class Replica:
         self.down_reason = ""
         self.failed_checks = 0
         self.weight_version: int | None = None  # as its health last said, or its last update
+        self.adapters: dict[str, int | None] = {}  # LoRA adapter -> version the pool loaded
         self.calls: set = set()  # its requests' futures and streams; cancelled if it dies
 
 
@@ -91,6 +93,8 @@ class ReplicaPool:
         self._versioned = False
         self._updates_ended = 0  # a health answer sent before an update ended is stale
         self.kept = KeptWeights() if keep_weights else None
+        # LoRA adapters are always kept (megabytes): a replica that comes back gets them all.
+        self.kept_adapters: dict[str, KeptAdapter] = {}
         self._updating = asyncio.Lock()  # one weight update at a time, catch-ups included
 
     async def start(self) -> ReplicaPool:
@@ -101,8 +105,11 @@ class ReplicaPool:
     # --- requests ---------------------------------------------------------------------
 
     async def generate(self, request: Request) -> Completion:
+        unknown = self._unknown_adapter(request)
+        if unknown is not None:
+            return Completion(request.id, error=unknown)
         for _ in range(MAX_SENDS):
-            replica = await self._acquire(request.session_id)
+            replica = await self._acquire(request.session_id, request.adapter)
             call = asyncio.ensure_future(replica.service.generate(request))
             replica.calls.add(call)
             try:
@@ -127,13 +134,21 @@ class ReplicaPool:
     def stream(self, request: Request) -> PoolStream:
         return PoolStream(self, request)
 
-    async def _acquire(self, session: str | None = None) -> Replica:
+    def _unknown_adapter(self, request: Request) -> InvalidRequestError | None:
+        if request.adapter is None or request.adapter in self.kept_adapters:
+            return None
+        return InvalidRequestError("adapter", f"no adapter named {request.adapter!r}",
+                                   ", ".join(self.kept_adapters) or "none loaded")
+
+    async def _acquire(self, session: str | None = None, adapter: str | None = None
+                       ) -> Replica:
         """The session's replica while it is healthy; else the healthy replica with the
-        fewest requests in flight (which a new session is pinned to)."""
+        fewest requests in flight (which a new session is pinned to). With `adapter`, only
+        replicas that have it at the pool's version."""
         deadline = None
         async with self._changed:
             while True:
-                up = [r for r in self.replicas if self._serves(r)]
+                up = [r for r in self.replicas if self._serves(r, adapter)]
                 if not up:
                     if not any(self._may_come_back(r) for r in self.replicas):
                         raise NoReplicaError(self._no_replica_message())
@@ -149,7 +164,7 @@ class ReplicaPool:
                         raise NoReplicaError(self._no_replica_message()) from None
                     continue
                 pinned = self._sessions.get(session) if session else None
-                if pinned is not None and self._serves(pinned):
+                if pinned is not None and self._serves(pinned, adapter):
                     self._sessions.move_to_end(session)
                     choices = [pinned]
                 else:
@@ -194,9 +209,11 @@ class ReplicaPool:
                 replica.weight_version = version
                 self._changed.notify_all()
 
-    def _serves(self, replica: Replica) -> bool:
+    def _serves(self, replica: Replica, adapter: str | None = None) -> bool:
         return replica.healthy and (not self._versioned
-                                    or replica.weight_version == self.weight_version)
+                                    or replica.weight_version == self.weight_version) and (
+            adapter is None or adapter in self.kept_adapters
+            and replica.adapters.get(adapter, MISSING) == self.kept_adapters[adapter].version)
 
     async def _release(self, replica: Replica) -> None:
         async with self._changed:
@@ -275,6 +292,7 @@ class ReplicaPool:
             log.info("replica restarted at %s", service.url, extra=self._context(replica))
             replica.service, replica.process = service, process
             replica.weight_version, replica.failed_checks = None, 0
+            replica.adapters = {}
             replica.catch_ups_left = MAX_CATCH_UPS
             replica.down_reason = "restarted; waiting for its first health check"
         finally:
@@ -285,10 +303,17 @@ class ReplicaPool:
         return {"replica": f"replica-{self.replicas.index(replica)}"}
 
     def _can_catch_up(self, replica: Replica) -> bool:
-        """A replica behind the pool's weights, which the pool has kept."""
-        return (self.kept is not None and self._versioned and replica.healthy
-                and replica.weight_version != self.weight_version
-                and self.kept.version == self.weight_version and replica.catch_ups_left > 0)
+        """A replica behind the pool's weights, which the pool has kept, or without the
+        adapters the pool has (and at its weights)."""
+        if not replica.healthy or replica.catch_ups_left <= 0:
+            return False
+        if self._versioned and replica.weight_version != self.weight_version:
+            return self.kept is not None and self.kept.version == self.weight_version
+        return bool(self._missing_adapters(replica))
+
+    def _missing_adapters(self, replica: Replica) -> list[str]:
+        return [name for name, kept in self.kept_adapters.items()
+                if replica.adapters.get(name, MISSING) != kept.version]
 
     async def _catch_up(self, replica: Replica) -> None:
         """Push the kept weights into a replica that came back on its checkpoint's, so that
@@ -300,15 +325,24 @@ class ReplicaPool:
             replica.recovering = None
             return
         version = self.weight_version
+        address = address_towards(urlsplit(replica.service.url).hostname)
         try:
             if self._can_catch_up(replica):
                 replica.catch_ups_left -= 1
-                update = await replica.service.begin_update(version, "wait", BUCKET_WAIT_S)
-                await push_weights(update, list(self.kept.tensors.items()),
-                                   address=address_towards(urlsplit(replica.service.url).hostname))
-                replica.weight_version = version
-                log.info("replica %s brought to weight version %s", replica.service.url,
-                         version, extra={**self._context(replica), "weight_version": version})
+                if self._versioned and replica.weight_version != version:
+                    update = await replica.service.begin_update(version, "wait", BUCKET_WAIT_S)
+                    await push_weights(update, list(self.kept.tensors.items()), address=address)
+                    replica.weight_version = version
+                    log.info("replica %s brought to weight version %s", replica.service.url,
+                             version, extra={**self._context(replica), "weight_version": version})
+                for name in self._missing_adapters(replica):
+                    kept = self.kept_adapters[name]
+                    update = await replica.service.begin_update(
+                        kept.version, "wait", BUCKET_WAIT_S, {"name": name, "config": kept.config})
+                    await push_weights(update, list(kept.tensors.items()), address=address)
+                    replica.adapters[name] = kept.version
+                    log.info("replica %s given adapter %s", replica.service.url, name,
+                             extra=self._context(replica))
         except Exception as exc:  # noqa: BLE001 - logged; the next check tries again
             log.warning("bringing replica %s to weight version %s failed: %r",
                         replica.service.url, version, exc)
@@ -366,15 +400,15 @@ class ReplicaPool:
     async def resume(self, tags: list[str] | None) -> None:
         await _on_each(self._reachable(), lambda r: r.service.resume(tags), "resume")
 
-    async def begin_update(self, version: int | None, pause: str,
-                           timeout: float) -> PoolUpdate:
+    async def begin_update(self, version: int | None, pause: str, timeout: float,
+                           adapter: dict | None = None) -> PoolUpdate:
         await asyncio.wait_for(self._updating.acquire(), timeout)  # a catch-up may run
         try:
             from rollout.weights.fanout import PoolUpdate
 
-            update = PoolUpdate(self, version, timeout)
+            update = PoolUpdate(self, version, timeout, adapter)
             await update.each(self._reachable(),
-                              lambda r: r.service.begin_update(version, pause, timeout))
+                              lambda r: r.service.begin_update(version, pause, timeout, adapter))
         except BaseException:
             self._updating.release()
             raise
@@ -390,8 +424,31 @@ class ReplicaPool:
             self._updates_ended += 1
             self._changed.notify_all()
 
+    async def adapter_loaded(self, replicas: list[Replica], name: str) -> None:
+        async with self._changed:
+            for replica in replicas:
+                replica.adapters[name] = self.kept_adapters[name].version
+            for replica in set(self.replicas) - set(replicas):
+                replica.adapters.pop(name, None)  # it had another version, or none
+            self._changed.notify_all()
+
     def update_ended(self) -> None:
         self._updating.release()
+
+    async def unload_adapter(self, name: str) -> None:
+        if name not in self.kept_adapters:
+            raise InvalidRequestError("adapter", f"no adapter named {name!r}",
+                                      ", ".join(self.kept_adapters) or "none loaded")
+        async with self._updating:
+            del self.kept_adapters[name]
+            having = [r for r in self._reachable()
+                      if r.adapters.pop(name, MISSING) is not MISSING]
+            if having:
+                await _on_each(having, lambda r: r.service.unload_adapter(name),
+                               f"unloading adapter {name!r}")
+
+    def adapters(self) -> dict[str, int | None]:
+        return {name: kept.version for name, kept in self.kept_adapters.items()}
 
     def _reachable(self) -> list[Replica]:
         """Replicas whose process runs: a dirty one (out of rotation) needs the update most."""
@@ -438,8 +495,11 @@ class PoolStream:
 
     async def _chunks(self) -> AsyncIterator[Chunk]:
         pool, yielded = self.pool, False
+        unknown = pool._unknown_adapter(self.request)
+        if unknown is not None:
+            raise unknown
         for _ in range(MAX_SENDS):
-            replica = await pool._acquire(self.request.session_id)
+            replica = await pool._acquire(self.request.session_id, self.request.adapter)
             stream = replica.service.stream(self.request)
             replica.calls.add(stream)
             try:

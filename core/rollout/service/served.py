@@ -19,7 +19,7 @@ from rollout.kit.aio import LoopThread, on_loop, uncancel
 from rollout.service.connect import connect, resolve_mode
 from rollout.service.service import Service
 from rollout.weights.send import push_weights, require_transport
-from rollout.weights.update import BUCKET_WAIT_S, check_update_options
+from rollout.weights.update import BUCKET_WAIT_S, check_adapter, check_update_options
 
 CALL_TIMEOUT_S = 3600.0
 ABORT_WAIT_S = 30.0  # an aborted call not ended by then is cut (its connection dropped)
@@ -36,6 +36,7 @@ class ServedRollout:
         self._thread = loop
         self._loop = loop.loop  # where its calls run
         self.weight_version: int | None = None
+        self.adapters: dict[str, int | None] = {}  # the LoRA adapters this sampler loaded
         self._calls: dict[str, set[_Call]] = {}  # request id -> its running calls
         self._lock = threading.Lock()  # guards _calls: calls register on their caller's thread
 
@@ -239,6 +240,29 @@ class ServedRollout:
 
         self._wait(push(), "the weight update")
         self.weight_version = version
+
+    def load_adapter(self, name: str, named_tensors: Iterable, config: Mapping,
+                     version: int | None = None, bucket_bytes: int | None = None,
+                     pause: str = "wait", timeout: float = BUCKET_WAIT_S,
+                     transport: str = "auto", address: str | None = None) -> None:
+        """As `Rollout.load_adapter`, on every replica in parallel, through the same
+        transports as `update_weights`. Requests then name it (`Request.adapter`, or
+        `model` on the OpenAI routes)."""
+        check_update_options(version, pause, timeout)
+        adapter = check_adapter({"name": name, "config": dict(config)})
+        require_transport(transport)
+
+        async def push():
+            update = await self.service.begin_update(version, pause, timeout, adapter)
+            return await push_weights(update, named_tensors, bucket_bytes, transport,
+                                      address or self._own_address(), timeout)
+
+        self._wait(push(), f"loading adapter {name!r}")
+        self.adapters[name] = version
+
+    def unload_adapter(self, name: str) -> None:
+        self._wait(self.service.unload_adapter(name), f"unloading adapter {name!r}")
+        self.adapters.pop(name, None)
 
     def _own_address(self) -> str:
         """This host's address on the way to the first replica's server."""

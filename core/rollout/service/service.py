@@ -40,10 +40,17 @@ class Service(Protocol):
 
     async def resume(self, tags: list[str] | None) -> None: ...
 
-    async def begin_update(self, version: int | None, pause: str,
-                           timeout: float) -> WeightUpdate:
+    async def begin_update(self, version: int | None, pause: str, timeout: float,
+                           adapter: dict | None = None) -> WeightUpdate:
         """Start a weight update (see `rollout.weights`); `timeout`: the
-        longest wait for the trainer's next bucket before the update fails."""
+        longest wait for the trainer's next bucket before the update fails. With `adapter`
+        ({name, config}), the update loads that LoRA adapter instead of the weights."""
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload LoRA adapter `name`; InvalidRequestError where none has that name."""
+
+    def adapters(self) -> dict[str, int | None]:
+        """The LoRA adapters loaded, with their versions."""
 
     def state(self) -> dict:
         """What the metrics read, without waiting: requests `running` and `waiting`,
@@ -90,9 +97,15 @@ class LocalService:
     async def resume(self, tags: list[str] | None) -> None:
         await asyncio.to_thread(self.rollout.resume, tags)
 
-    async def begin_update(self, version: int | None, pause: str,
-                           timeout: float) -> WeightUpdate:
-        return LocalUpdate(self.rollout, version, pause, timeout)
+    async def begin_update(self, version: int | None, pause: str, timeout: float,
+                           adapter: dict | None = None) -> WeightUpdate:
+        return LocalUpdate(self.rollout, version, pause, timeout, adapter)
+
+    async def unload_adapter(self, name: str) -> None:
+        await asyncio.to_thread(self.rollout.unload_adapter, name)
+
+    def adapters(self) -> dict[str, int | None]:
+        return dict(self.rollout.adapters)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.rollout.close)

@@ -55,3 +55,19 @@ def merged_copy(model_dir: str | Path, out_dir: str | Path, tensors: dict,
             weights[name] = weights[name] + scale * (b @ a)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
     return out
+
+
+def peft_folder(out_dir: str | Path, tensors: dict, config: dict) -> Path:
+    """The adapter as `save_pretrained` writes it: adapter_config.json and
+    adapter_model.safetensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from rollout.weights.lora import CONFIG_FILE, WEIGHTS_FILE
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps({**config, "peft_type": "LORA"}))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE))
+    return out

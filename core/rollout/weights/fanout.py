@@ -7,7 +7,7 @@ import logging
 from typing import Any, Protocol
 
 from rollout.contract.errors import RolloutError
-from rollout.weights.receive import KeepingUpdate, KeptWeights
+from rollout.weights.receive import KeepingUpdate, KeptAdapter, KeptWeights
 
 # A replica of the pool: its `service` (with `url` and `begin_update`) is what an update uses.
 Replica = Any
@@ -17,9 +17,13 @@ class Pool(Protocol):
     """What an update needs of the pool it runs over."""
 
     kept: KeptWeights | None  # the pool's own copy of the weights, where it keeps one
+    kept_adapters: dict[str, KeptAdapter]  # the LoRA adapters it pushed, always kept
 
     async def updated(self, replicas: list[Replica], version: int | None) -> None:
         """The update ended on `replicas`: they serve `version` from now on."""
+
+    async def adapter_loaded(self, replicas: list[Replica], name: str) -> None:
+        """Adapter `name` (kept) was loaded into `replicas`."""
 
     def update_ended(self) -> None:
         """The update is over (ended or cancelled): another may begin."""
@@ -34,13 +38,16 @@ class PoolUpdate:
     have the new version, or raises naming the ones that failed. Where the pool keeps
     weights, it receives them too, as one more receiver."""
 
-    def __init__(self, pool: Pool, version: int | None, timeout: float):
+    def __init__(self, pool: Pool, version: int | None, timeout: float,
+                 adapter: dict | None = None):
         self.pool = pool
         self.version = version
+        self.adapter = adapter  # {name, config}: the update loads this LoRA adapter
         self.updates: dict[Replica, object] = {}  # the replicas still in the update
         self.failed: dict[str, str] = {}  # url -> why
-        self.keeping = None if pool.kept is None else KeepingUpdate(pool.kept, version,
-                                                                     timeout)
+        self.keeping = None if adapter is None and pool.kept is None else \
+            KeepingUpdate(self._keep_weights if adapter is None else self._keep_adapter,
+                          timeout)
         self._open = True  # holds the pool's update lock until it ends or is cancelled
 
     async def each(self, replicas: list[Replica], call) -> None:
@@ -97,11 +104,24 @@ class PoolUpdate:
             await self.keeping.cancel(repr(exc))
             self.keeping = None
 
+    def _keep_weights(self, tensors: dict) -> None:
+        self.pool.kept.tensors.update(tensors)
+        self.pool.kept.version = self.version
+
+    def _keep_adapter(self, tensors: dict) -> None:
+        self.pool.kept_adapters[self.adapter["name"]] = KeptAdapter(
+            self.adapter["config"], self.version, tensors)
+
     async def end(self) -> int | None:
         try:
             await self.each(list(self.updates), lambda r: self.updates[r].end())
             await self._keep(lambda k: k.end())
-            await self.pool.updated(list(self.updates), self.version)
+            if self.adapter is None:
+                await self.pool.updated(list(self.updates), self.version)
+            elif self.keeping is not None:
+                await self.pool.adapter_loaded(list(self.updates), self.adapter["name"])
+            else:  # not kept: no replica serves it (none would come back with it)
+                raise RolloutError(f"the pool could not keep adapter {self.adapter['name']!r}")
         finally:
             self._close()
         if self.failed:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import attrs
 
 from rollout.contract.errors import InvalidRequestError
 
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_NAME = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 # LoraConfig settings that change what the adapter computes, and the values allowed.
 PLAIN = {"use_dora": (False, None), "bias": ("none", None), "modules_to_save": (None, []),
@@ -74,3 +76,24 @@ def read_adapter(config: Mapping, tensors: Iterable,
                     "tensors", f"{module}.lora_{which} has shape {tuple(got.shape)}",
                     f"shape {shape} (r={rank})")
     return Adapter(rank, scale, {m: (p["A"], p["B"]) for m, p in parts.items()})
+
+
+def read_peft_folder(path: str | Path) -> tuple[dict, dict]:
+    """(tensors, config) of a PEFT adapter folder (`save_pretrained`):
+    `adapter_config.json` and `adapter_model.safetensors`."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    config_file, weights_file = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise InvalidRequestError("path", f"{str(folder)!r} has no {file.name}",
+                                      f"a PEFT adapter folder ({CONFIG_FILE}, {WEIGHTS_FILE})")
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise InvalidRequestError("path", f"{config_file} is not JSON: {exc}",
+                                  "a PEFT adapter_config.json") from None
+    return load_file(str(weights_file)), config

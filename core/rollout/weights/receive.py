@@ -14,6 +14,8 @@ import threading
 import time
 import uuid
 
+import attrs
+
 from rollout.contract.errors import InvalidRequestError, RolloutError, RolloutTimeoutError
 from rollout.contract.sampler import Sampler
 from rollout.weights.buckets import Bucket, unpack
@@ -21,8 +23,8 @@ from rollout.weights.transports.collective import close, open_group, receive_buc
 from rollout.weights.transports.cuda_ipc import receive_cuda_ipc
 from rollout.weights.transports.nodes import this_node
 from rollout.weights.transports.shm import receive_shm
-from rollout.weights.update import BUCKET_WAIT_S, TRANSPORTS, WeightUpdate, check_group, \
-    check_update_options
+from rollout.weights.update import BUCKET_WAIT_S, TRANSPORTS, WeightUpdate, check_adapter, \
+    check_group, check_update_options
 
 _END = object()
 # Copies out of shared memory or CUDA IPC all run on this one thread: torch gives each
@@ -73,9 +75,13 @@ class _Receiver:
 
 
 class LocalUpdate(_Receiver):
+    """An update of a Rollout in this process: of its weights, or with `adapter`
+    ({name, config}) of that LoRA adapter."""
+
     def __init__(self, rollout: Sampler, version: int | None, pause: str,
-                 timeout: float = BUCKET_WAIT_S):
+                 timeout: float = BUCKET_WAIT_S, adapter: dict | None = None):
         check_update_options(version, pause, timeout)
+        self.adapter = check_adapter(adapter)
         self.version = version
         self.timeout = timeout  # the longest wait for the trainer's next bucket
         self.receivers = 1
@@ -87,7 +93,11 @@ class LocalUpdate(_Receiver):
 
     def _run(self, rollout: Sampler, pause: str) -> None:
         try:
-            rollout.update_weights(self._buckets(), version=self.version, pause=pause)
+            if self.adapter is None:
+                rollout.update_weights(self._buckets(), version=self.version, pause=pause)
+            else:
+                rollout.load_adapter(self.adapter["name"], self._buckets(),
+                                     self.adapter["config"], version=self.version, pause=pause)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the update
             self._done.set_exception(exc)
         else:
@@ -152,7 +162,7 @@ class OpenUpdates:
     def __init__(self):
         self._open: dict[str, list] = {}  # id -> [update (None while it begins), timeout, last]
 
-    async def begin(self, service, version, pause, timeout
+    async def begin(self, service, version, pause, timeout, adapter=None
                     ) -> tuple[str, WeightUpdate] | None:
         """A new update's id and the update; None while another is open."""
         for update_id, (update, quiet_after, last) in list(self._open.items()):
@@ -164,7 +174,7 @@ class OpenUpdates:
         update_id = uuid.uuid4().hex
         self._open[update_id] = [None, timeout, time.monotonic()]
         try:
-            update = await service.begin_update(version, pause, timeout)
+            update = await service.begin_update(version, pause, timeout, adapter)
         except BaseException:
             del self._open[update_id]
             raise
@@ -191,14 +201,23 @@ class KeptWeights:
         self.version: int | None = None
 
 
+@attrs.frozen
+class KeptAdapter:
+    """A LoRA adapter a pool pushed, kept for replicas that come back without it."""
+
+    config: dict
+    version: int | None
+    tensors: dict
+
+
 class KeepingUpdate(_Receiver):
-    """`KeptWeights`' part in an update: one more receiver, which keeps what it receives
-    and takes it as the kept weights only when the update ends."""
+    """The pool's own part in an update: one more receiver, which keeps what it receives
+    and, when the update ends, hands it to `keep` (the weights' tensors, or an adapter)."""
 
     receivers = 1
 
-    def __init__(self, kept: KeptWeights, version: int | None, timeout: float):
-        self.kept, self.version, self.timeout = kept, version, timeout
+    def __init__(self, keep, timeout: float):
+        self.keep, self.timeout = keep, timeout
         self.nodes = frozenset({this_node()})
         self.staged: dict = {}
 
@@ -206,14 +225,11 @@ class KeepingUpdate(_Receiver):
         # In host memory: a copy kept on a GPU would take the engines' memory.
         self.staged.update((n, t.cpu()) for n, t in unpack(await self._receive(message)))
 
-    async def end(self) -> int | None:
-        self.kept.tensors.update(self.staged)
-        self.kept.version, self.staged = self.version, {}
+    async def end(self) -> None:
+        self.keep(self.staged)
+        self.staged = {}
         self._leave()
-        return self.version
 
     async def cancel(self, reason: str) -> None:
         self.staged = {}
         self._leave()
-
-

@@ -20,9 +20,10 @@ class RemoteUpdate:
 
     @classmethod
     async def begin(cls, control: Control, version: int | None, pause: str,
-                    timeout: float) -> RemoteUpdate:
-        data = await control("/rollout/weights/begin", {
-            "version": version, "pause": pause, "timeout": timeout})
+                    timeout: float, adapter: dict | None = None) -> RemoteUpdate:
+        body = {"version": version, "pause": pause, "timeout": timeout}
+        data = await control("/rollout/weights/begin",
+                             body if adapter is None else {**body, "adapter": adapter})
         return cls(control, data["update"], data["receivers"], data.get("nodes", ()))
 
     async def join(self, group: dict) -> None:

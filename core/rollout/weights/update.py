@@ -60,6 +60,23 @@ def check_update(version, pause) -> None:
         raise InvalidRequestError("pause", f"got {pause!r}", ", ".join(PAUSES))
 
 
+def check_adapter(adapter) -> dict | None:
+    """An update's `adapter`: the LoRA adapter it loads instead of the weights, as
+    {name, config} (its LoraConfig as a dict); None for the weights."""
+    if adapter is None:
+        return None
+    if not isinstance(adapter, dict) or set(adapter) - {"name", "config"}:
+        raise InvalidRequestError("adapter", f"got {adapter!r:.120}",
+                                  "an object with name and config")
+    name, config = adapter.get("name"), adapter.get("config")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError("adapter.name", f"got {name!r}", "a non-empty string")
+    if not isinstance(config, dict):
+        raise InvalidRequestError("adapter.config", f"got {config!r:.120}",
+                                  "a LoraConfig as an object (r, lora_alpha, ...)")
+    return {"name": name, "config": config}
+
+
 def check_update_options(version, pause, timeout=BUCKET_WAIT_S) -> None:
     check_update(version, pause)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import attrs
 from aiohttp import web
@@ -29,12 +29,13 @@ from rollout.contract.schemas import Completion, Request
 from rollout.kit.images import refuse_paths
 from rollout.apps.serving.prometheus import CONTENT_TYPE, Metered, ServerMetrics
 from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
-    model_not_found
+    bad_field, model_not_found
 from rollout.apps.serving.responses_api import STORE_SIZE, ResponsesCall, ResponseStore, \
     message_item, output_text
 from rollout.service.service import Service
 from rollout.weights.receive import OpenUpdates
-from rollout.weights.update import BUCKET_WAIT_S, check_group, check_update_options
+from rollout.weights.update import BUCKET_WAIT_S, check_adapter, check_group, \
+    check_update_options
 from rollout.apps.tool_parsers import DEFAULT_PARSER, load_tool_parser
 
 log = logging.getLogger("rollout.serve")
@@ -43,6 +44,7 @@ MAX_BODY_BYTES = 64 << 20
 SESSION_HEADER = "X-Session-ID"  # the requests of one session go to one replica
 SHUTDOWN_GRACE_S = 5.0
 WEIGHT_STEPS = ("group", "bucket", "end", "cancel")
+LORA_LOAD_FIELDS = {"lora_name", "lora_path", "load_inplace", "version"}
 # vLLM's development routes that TRL's VLLMClient calls to sync weights over NCCL: not
 # served, and said so (a 404 would send TRL's user to restart vLLM in development mode).
 TRL_NCCL_ROUTES = ("/server_info", "/get_world_size", "/init_weight_transfer_engine",
@@ -56,10 +58,12 @@ TRL_NCCL_REASON = ("weight sync through vLLM's NCCL weight-transfer routes (TRL'
 
 def make_app(service: Service, model_name: str, api_key: str | None = None,
              tool_parser: str = DEFAULT_PARSER, public_metrics: bool = False,
-             log_prompts: bool = False, responses_kept: int = STORE_SIZE) -> web.Application:
+             log_prompts: bool = False, responses_kept: int = STORE_SIZE,
+             lora_modules: Mapping[str, str] | None = None) -> web.Application:
     """`public_metrics`: /metrics answers without the API key (for a scraper that has
     none); `log_prompts`: the debug line of each finished request carries its prompt;
-    `responses_kept`: how many /v1/responses answers previous_response_id can name."""
+    `responses_kept`: how many /v1/responses answers previous_response_id can name;
+    `lora_modules`: LoRA adapters (name -> PEFT folder) loaded before the server listens."""
     load_tool_parser(tool_parser)  # an unknown parser stops the server before it starts
     metrics = ServerMetrics(service, model_name, log_prompts)
     routes = _Routes(Metered(service, metrics), model_name, tool_parser,
@@ -83,8 +87,19 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
         web.post("/rollout/release", routes.release),
         web.post("/rollout/resume", routes.resume),
         web.post("/rollout/weights/{step}", routes.weights),
+        web.post("/v1/load_lora_adapter", routes.load_lora_adapter),
+        web.post("/v1/unload_lora_adapter", routes.unload_lora_adapter),
         *(web.route("*", path, _not_served) for path in TRL_NCCL_ROUTES),
     ])
+
+    async def load_adapters(app: web.Application) -> None:
+        for name, path in (lora_modules or {}).items():
+            try:
+                await routes.load_folder(name, path)
+            except ApiError as exc:  # the server does not start
+                raise InvalidRequestError("lora", f"{name}={path}: {exc.message}",
+                                          "NAME=PATH of a PEFT adapter folder") from None
+    app.on_startup.append(load_adapters)
     return app
 
 
@@ -102,18 +117,21 @@ class _Routes:
         self.tool_parser = tool_parser
         self.started = int(time.time())
         self.updates = OpenUpdates()
+        self.adapter_paths: dict[str, str] = {}  # LoRA adapters loaded from folders here
         self.update_started: dict[str, tuple[float, str]] = {}  # id -> (began, transport)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, CompletionsCall(await _json(request), self.model_name))
+        return await self._openai(request, CompletionsCall(
+            await _json(request), self.model_name, adapters=self.service.adapters()))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, ChatCall(await _json(request), self.model_name,
-                                                    self.tool_parser))
+        return await self._openai(request, ChatCall(
+            await _json(request), self.model_name, self.tool_parser,
+            adapters=self.service.adapters()))
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         call = ResponsesCall(await _json(request), self.model_name, self.tool_parser,
-                             self.stored)
+                             self.stored, adapters=self.service.adapters())
         session = request.headers.get(SESSION_HEADER)
         (one,) = [attrs.evolve(r, session_id=session) if session else r for r in call.requests]
         if call.stream:
@@ -139,16 +157,75 @@ class _Routes:
                             headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model()]})
+        names = [self.model_name, *self.service.adapters()]
+        return web.json_response({"object": "list", "data": [self._model(n) for n in names]})
 
     async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != self.model_name:
-            raise model_not_found(request.match_info["model"], self.model_name)
-        return web.json_response(self._model())
+        name = request.match_info["model"]
+        if name != self.model_name and name not in self.service.adapters():
+            raise model_not_found(name, self.model_name, self.service.adapters())
+        return web.json_response(self._model(name))
 
-    def _model(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.started,
-                "owned_by": "rollout"}
+    def _model(self, name: str) -> dict:
+        """As vLLM lists them: an adapter's parent is the base model."""
+        model = {"id": name, "object": "model", "created": self.started, "owned_by": "rollout",
+                 "root": self.model_name, "parent": None}
+        if name != self.model_name:
+            model.update(root=self.adapter_paths.get(name, name), parent=self.model_name,
+                         version=self.service.adapters().get(name))
+        return model
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's route: {lora_name, lora_path, load_inplace} loads a PEFT folder on this
+        server's host, through the same update as a trainer's push."""
+        body = await _json(request)
+        if not isinstance(body, dict) or set(body) - LORA_LOAD_FIELDS:
+            raise ApiError(400, "the body must be an object with "
+                           + ", ".join(sorted(LORA_LOAD_FIELDS)))
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or name == self.model_name:
+            raise bad_field("lora_name", f"got {name!r}",
+                            "a non-empty string other than the base model's name")
+        if not isinstance(path, str) or not path:
+            raise bad_field("lora_path", f"got {path!r}", "the path of a PEFT adapter folder")
+        if name in self.service.adapters() and body.get("load_inplace") is not True:
+            raise ApiError(400, f"the LoRA adapter {name!r} has already been loaded; set "
+                           "load_inplace to true to replace it", param="lora_name")
+        await self.load_folder(name, path, body.get("version"))
+        return web.Response(text=f"Success: LoRA adapter {name!r} added successfully.")
+
+    async def load_folder(self, name: str, path: str, version: int | None = None) -> None:
+        from rollout.weights.lora import read_peft_folder
+        from rollout.weights.send import push_weights
+
+        try:
+            tensors, config = await asyncio.to_thread(read_peft_folder, path)
+        except InvalidRequestError as exc:
+            raise api_error(exc, "lora_path") from None
+        opened = await self.updates.begin(self.service, version, "wait", BUCKET_WAIT_S,
+                                          {"name": name, "config": config})
+        if opened is None:
+            raise ApiError(409, "a weight update is open on this server", code="update_open")
+        update_id, update = opened
+        try:
+            await push_weights(update, tensors.items(), transport="shm")
+        except InvalidRequestError as exc:
+            raise api_error(exc, "lora_path") from None
+        finally:
+            self.updates.close(update_id)
+        self.adapter_paths[name] = path
+        log.info("LoRA adapter %s loaded from %s", name, path)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or name not in self.service.adapters():
+            raise ApiError(404, f"the LoRA adapter {name!r} cannot be found (loaded: "
+                           f"{', '.join(self.service.adapters()) or 'none'})",
+                           param="lora_name", code="not_found")
+        await self.service.unload_adapter(name)
+        self.adapter_paths.pop(name, None)
+        return web.Response(text=f"Success: LoRA adapter {name!r} removed successfully.")
 
     async def health(self, request: web.Request) -> web.Response:
         try:
@@ -246,14 +323,18 @@ class _Routes:
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         if step == "begin":
-            unknown = set(body) - {"version", "pause", "timeout"}
+            unknown = set(body) - {"version", "pause", "timeout", "adapter"}
             if unknown:
                 raise ApiError(400, f"unknown fields {sorted(unknown)} (allowed: version, "
-                               "pause, timeout)", param=sorted(unknown)[0])
+                               "pause, timeout, adapter)", param=sorted(unknown)[0])
             options = (body.get("version"), body.get("pause", "wait"),
                        body.get("timeout", BUCKET_WAIT_S))
             check_update_options(*options)
-            opened = await self.updates.begin(self.service, *options)
+            adapter = check_adapter(body.get("adapter"))
+            if adapter is not None and adapter["name"] == self.model_name:
+                raise bad_field("adapter.name", f"got {adapter['name']!r}, the base model's "
+                                "name", "another name")
+            opened = await self.updates.begin(self.service, *options, adapter)
             if opened is None:
                 raise ApiError(409, "another weight update is open on this server",
                                code="update_open")
@@ -289,6 +370,11 @@ class _Routes:
             return web.json_response({})
         version = await update.end()
         seconds = time.monotonic() - began
+        adapter = getattr(update, "adapter", None)
+        if adapter is not None:
+            log.info("LoRA adapter %s loaded at version %s by %s in %.2f s", adapter["name"],
+                     version, transport or "no bucket", seconds)
+            return web.json_response({"version": version})
         self.service.metrics.weight_update(transport or "none", seconds)
         log.info("weights updated to version %s by %s in %.2f s", version, transport or
                  "no bucket", seconds, extra={"weight_version": version})

@@ -16,6 +16,7 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 import attrs
@@ -127,9 +128,21 @@ def api_error(exc: RolloutError, param: str | None = None) -> ApiError:
     return ApiError(status, exc.message, type="server_error", code=exc.kind)
 
 
-def model_not_found(model: Any, served: str) -> ApiError:
-    return ApiError(404, f"model {model!r} is not served here (this server serves {served!r})",
-                    param="model", code="model_not_found")
+def model_not_found(model: Any, served: str, adapters: Collection[str] = ()) -> ApiError:
+    also = f" and the LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+    return ApiError(404, f"model {model!r} is not served here (this server serves "
+                    f"{served!r}{also})", param="model", code="model_not_found")
+
+
+def chosen_adapter(body: dict, model_name: str, adapters: Collection[str]) -> str | None:
+    """The LoRA adapter the body's `model` names, as on vLLM's server; None for the base
+    model (also when `model` is left out)."""
+    model = body.get("model")
+    if model in (None, model_name):
+        return None
+    if isinstance(model, str) and model in adapters:
+        return model
+    raise model_not_found(model, model_name, adapters)
 
 
 # --- request bodies -----------------------------------------------------------------------
@@ -142,14 +155,14 @@ class Call:
     chunk_object = ""
     id_prefix = ""
 
-    def __init__(self, body: Any, model_name: str, fields: tuple[str, ...]):
+    def __init__(self, body: Any, model_name: str, fields: tuple[str, ...],
+                 adapters: Collection[str] = ()):
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         _check_fields(body, fields)
-        if body.get("model") not in (None, model_name):
-            raise model_not_found(body["model"], model_name)
+        self.adapter = chosen_adapter(body, model_name, adapters)
         self.body = body
-        self.model = model_name
+        self.model = self.adapter or model_name
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.stream = _flag(body, "stream")
@@ -201,7 +214,8 @@ class Call:
         requests = []
         for i, item in enumerate(items):
             try:
-                requests.append(convert.structure({**item, "sampling": self.sampling}, Request))
+                requests.append(convert.structure(
+                    {**item, "sampling": self.sampling, "adapter": self.adapter}, Request))
             except InvalidRequestError as exc:
                 raise api_error(exc, self.param(exc.field, i, len(items))) from None
         return requests
@@ -295,8 +309,8 @@ class CompletionsCall(Call):
     chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, body: Any, model_name: str):
-        super().__init__(body, model_name, COMPLETIONS_FIELDS)
+    def __init__(self, body: Any, model_name: str, adapters: Collection[str] = ()):
+        super().__init__(body, model_name, COMPLETIONS_FIELDS, adapters)
         self._set("logprobs", "logprobs")
         self.requests = self._structure(_prompts(body.get("prompt")))
 
@@ -325,8 +339,9 @@ class ChatCall(Call):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, body: Any, model_name: str, tool_parser: str = DEFAULT_PARSER):
-        super().__init__(body, model_name, CHAT_FIELDS)
+    def __init__(self, body: Any, model_name: str, tool_parser: str = DEFAULT_PARSER,
+                 adapters: Collection[str] = ()):
+        super().__init__(body, model_name, CHAT_FIELDS, adapters)
         # As OpenAI's chat and vLLM's: no limit given is the room left in the context
         # (completions keep the legacy 16).
         self.sampling.setdefault("max_tokens", None)

@@ -10,11 +10,12 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Any
 
 from rollout.contract.schemas import Completion, Result
 from rollout.apps.serving.openai_api import UNSUPPORTED_FIELDS, ApiError, ChatCall, _short, \
-    bad_field, model_not_found
+    bad_field, chosen_adapter
 from rollout.apps.serving.openai_api import _check_fields as check_fields
 
 STORE_SIZE = 1000  # responses kept for previous_response_id; the oldest goes first
@@ -66,12 +67,12 @@ class ResponseStore:
 class ResponsesCall:
     """One /v1/responses call: the chat call it runs as, and its answer as a response."""
 
-    def __init__(self, body: Any, model_name: str, tool_parser: str, store: ResponseStore):
+    def __init__(self, body: Any, model_name: str, tool_parser: str, store: ResponseStore,
+                 adapters: Collection[str] = ()):
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         _check_fields(body)
-        if body.get("model") not in (None, model_name):
-            raise model_not_found(body["model"], model_name)
+        adapter = chosen_adapter(body, model_name, adapters)
         self.body = body
         self.store = store
         self.id = f"resp_{uuid.uuid4().hex}"
@@ -85,7 +86,7 @@ class ResponsesCall:
         if instructions is not None and not isinstance(instructions, str):
             raise bad_field("instructions", f"got {_short(instructions)}", "a string")
         system = [{"role": "system", "content": instructions}] if instructions else []
-        chat = {"model": model_name, "messages": system + self.history,
+        chat = {"model": adapter or model_name, "messages": system + self.history,
                 **{k: body[k] for k in PASSED if body.get(k) is not None}}
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
@@ -97,7 +98,7 @@ class ResponsesCall:
         if fmt is not None:
             chat["response_format"] = fmt
         try:
-            self.chat = ChatCall(chat, model_name, tool_parser)
+            self.chat = ChatCall(chat, model_name, tool_parser, adapters)
         except ApiError as exc:
             raise _renamed(exc) from None
         self.requests = self.chat.requests
