@@ -15,6 +15,8 @@ import asyncio
 import json
 import os
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 import pytest
@@ -119,11 +121,27 @@ class Harness:
     max_model_len: int
     baseline: tuple  # probe() with the model's own weights
     reference: tuple  # probe() of a backend freshly loaded with the other weights
-    adapted: tuple | None  # probe() of the model with ADAPTER merged (None: no adapters)
+    make_backend: Callable
+    reference_key: str | None
 
     @property
     def caps(self) -> Capabilities:
         return self.rollout.capabilities
+
+    @property
+    def adapted(self) -> tuple:
+        """probe() of a backend freshly loaded with ADAPTER merged into the model's weights
+        (made once per reference key, when an adapter test first asks)."""
+        adapted = _ADAPTED.get(self.reference_key)
+        if adapted is None:
+            merged = Path(self.model_dir).parent / "tiny-0-merged-adapter"
+            if not merged.exists():
+                merged_copy(self.model_dir, merged, *lora_adapter(self.model_dir, **ADAPTER))
+            with self.make_backend(merged) as fresh:
+                adapted = probe(fresh)
+            if self.reference_key is not None:
+                _ADAPTED[self.reference_key] = adapted
+        return adapted
 
 
 def check_completions(batch: list[dict], completions, caps: Capabilities) -> None:
@@ -159,6 +177,7 @@ def check_completions(batch: list[dict], completions, caps: Capabilities) -> Non
 
 # The reference probes already made, by `BackendContract.reference_key`.
 _REFERENCES: dict[str, tuple] = {}
+_ADAPTED: dict[str, tuple] = {}  # the same for the adapter merged (Harness.adapted)
 ADAPTER = {"rank": 8, "seed": 1}  # the contract's LoRA adapter (rollout.testing.adapters)
 
 
@@ -184,27 +203,18 @@ class BackendContract(SamplingContract):
         model_dir = tiny_model_dir(root)
         other_dir = perturbed_copy(model_dir, root / "tiny-0-other-weights")
         config = json.loads((model_dir / "config.json").read_text())
-        references = _REFERENCES.get(cls.reference_key)
-        if references is None:
-            # Fresh loads run first and alone, one engine at a time: with the other
-            # weights, and with the adapter merged where the backend takes adapters.
+        reference = _REFERENCES.get(cls.reference_key)
+        if reference is None:
+            # The fresh load with other weights runs first and alone: one engine at a time.
             with make_backend(other_dir) as fresh:
                 reference = probe(fresh)
-                adapts = fresh.capabilities.supports("adapters")
-            adapted = None
-            if adapts:
-                merged = root / "tiny-0-merged-adapter"
-                if not merged.exists():
-                    merged_copy(model_dir, merged, *lora_adapter(model_dir, **ADAPTER))
-                with make_backend(merged) as fresh:
-                    adapted = probe(fresh)
-            references = reference, adapted
             if cls.reference_key is not None:
-                _REFERENCES[cls.reference_key] = references
+                _REFERENCES[cls.reference_key] = reference
         backend = make_backend(model_dir)
         try:
             yield Harness(backend, model_dir, other_dir, config["vocab_size"],
-                          config["max_position_embeddings"], probe(backend), *references)
+                          config["max_position_embeddings"], probe(backend), reference,
+                          make_backend, cls.reference_key)
         finally:
             backend.close()
 

@@ -4,12 +4,15 @@ an adapter from them instead of from `lora_path`: when it is loaded, and again w
 vLLM's LRU cache evicted it and a request needs it back (from a path that does not exist,
 vLLM's loader would kill the engine).
 
-Two fixes to vLLM 0.32 on the way:
+Fixes to vLLM 0.32 on the way:
 - its loader scales `lora_B` in place (`LoRALayerWeights.optimize`) on tensors it did not
   copy, so it gets copies: an adapter built twice would be scaled twice;
-- its CPU ops (`torch_ops.bgmv_*`) index the stacked adapters with a row's LoRA index, and
-  rows without an adapter (index -1) take the last slot's: those rows are kept as they were,
-  as vLLM's GPU kernels keep them (upstream: vllm-project/vllm#48421, #49656).
+- on CPU (`fix_cpu_ops`, from the worker's start): its ops (`torch_ops.bgmv_*`) index the
+  stacked adapters with a row's LoRA index, and rows without an adapter (index -1) take the
+  last slot's: those rows are kept as they were, as vLLM's GPU kernels keep them (upstream:
+  vllm-project/vllm#48421, #49656); and its LoRA on the logits indexes per request where
+  prompt logprobs give a row per prompt token, which kills the engine: rollout loads no
+  adapter of the head (`read_adapter` refuses it), so that step, which adds zeros, is left out.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ def _tensor_loading(manager):
     """`manager` (vLLM's LRUCacheWorkerLoRAManager), its loader reading our tensors first."""
     if hasattr(manager, "rollout_tensors"):
         return manager
-    _keep_unadapted_rows()
     manager.rollout_tensors = {}
     from_path = manager._load_adapter
 
@@ -81,7 +83,8 @@ def _tensor_loading(manager):
     return manager
 
 
-def _keep_unadapted_rows() -> None:
+def fix_cpu_ops() -> None:
+    """Where vLLM runs on CPU: its LoRA ops fixed (the module's docstring says how)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -89,6 +92,7 @@ def _keep_unadapted_rows() -> None:
     import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
     from vllm.lora.ops.torch_ops import lora_ops
 
+    punica_cpu.PunicaWrapperCPU.add_lora_logits = _no_head_adapter
     for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
         op = getattr(lora_ops, name)
         if getattr(op, "keeps_unadapted_rows", False):
@@ -96,6 +100,10 @@ def _keep_unadapted_rows() -> None:
         fixed = _keeping_unadapted_rows(op)
         setattr(lora_ops, name, fixed)  # the sgmv_* ops call these through the module
         setattr(punica_cpu, name, fixed)
+
+
+def _no_head_adapter(self, y, x, lora_a_stacked, lora_b_stacked, scale, **kwargs) -> None:
+    return None  # no adapter of the head is ever loaded: its delta is zero
 
 
 def _keeping_unadapted_rows(op):

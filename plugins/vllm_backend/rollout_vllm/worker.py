@@ -4,10 +4,13 @@ when the worker is in this process, and as a shared-memory bucket named by a JSO
 so each `reload_weights` completes the layers it touches.
 
 Imported by each vLLM worker (as `worker_extension_cls`) before it builds its weight-transfer
-engine: this is where our engines join vLLM's registry (loaded only when configured)."""
+engine: this is where our engines join vLLM's registry (loaded only when configured), and
+where vLLM's LoRA ops get their CPU fixes (`rollout_vllm.lora`). LoRA adapters arrive as
+safetensors bytes (`rollout_load_adapter`)."""
 
 from __future__ import annotations
 
+from rollout_vllm import lora
 from rollout_vllm.tied_output import refresh_tied_output
 
 
@@ -22,6 +25,7 @@ def _register_engines() -> None:
 
 
 _register_engines()
+lora.fix_cpu_ops()
 
 
 class WeightUpdateExtension:
@@ -50,11 +54,7 @@ class WeightUpdateExtension:
         return len(tensors)
 
     def rollout_load_adapter(self, lora_id: int, config: dict, data: bytes) -> None:
-        from rollout_vllm import lora
-
         lora.load(self, lora_id, config, data)
 
     def rollout_unload_adapter(self, lora_id: int) -> None:
-        from rollout_vllm import lora
-
         lora.unload(self, lora_id)

@@ -1,11 +1,14 @@
 """The vLLM backend through AsyncLLM, its engine core in a child process, against the full
-contract suite."""
+contract suite, with LoRA adapters enabled (the contract's adapter tests run here; the
+engine-mode and server classes check that a backend without them refuses them)."""
 
 import pytest
 from conftest import ENGINE
 
 import rollout
 from rollout.testing import BackendContract
+
+LORA = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 
 
 class TestVLLMAsync(BackendContract):
@@ -14,4 +17,5 @@ class TestVLLMAsync(BackendContract):
     @pytest.fixture(scope="class")
     @classmethod
     def make_backend(cls):
-        return lambda model: rollout.load_backend("vllm", model=str(model), mode="async", **ENGINE)
+        return lambda model: rollout.load_backend("vllm", model=str(model), mode="async",
+                                                  engine_args=LORA, **ENGINE)
