@@ -37,7 +37,7 @@ HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"
 (
   ROLLOUT_AGENTS_PYTHON=$(source scripts/env.sh hf $HF_EXTRAS && command -v python)
   export ROLLOUT_AGENTS_PYTHON
-  source scripts/env.sh vllm requirements/test.txt requirements/trl.txt requirements/ray.txt
+  source scripts/env.sh vllm requirements/test.txt requirements/trl.txt requirements/ray.txt requirements/peft.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
   python -m pytest plugins/vllm_backend/tests --durations=25 "$@"
 )
@@ -48,7 +48,7 @@ HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"
 # and TRL for its trainer through rollout.integrations.trl.
 (
   # vLLM's serving benchmark runs against the SGLang backend from the vLLM environment.
-  ROLLOUT_VLLM_PYTHON=$(source scripts/env.sh vllm requirements/test.txt requirements/trl.txt requirements/ray.txt && command -v python)
+  ROLLOUT_VLLM_PYTHON=$(source scripts/env.sh vllm requirements/test.txt requirements/trl.txt requirements/ray.txt requirements/peft.txt && command -v python)
   ROLLOUT_AGENTS_PYTHON=$(source scripts/env.sh hf $HF_EXTRAS && command -v python)
   export ROLLOUT_VLLM_PYTHON ROLLOUT_AGENTS_PYTHON
   source scripts/env.sh sglang requirements/test.txt requirements/trl.txt

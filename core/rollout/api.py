@@ -497,8 +497,10 @@ class Rollout:
         `update_weights`); new ones wait. A load that fails changes nothing: the adapter
         loaded before under that name, if any, still serves."""
         from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
+        from rollout.weights.lora import plain_config
 
         _check_adapter_name(name)
+        config = plain_config(config)
         check_update(version, pause)
         if pause == "keep":  # a result has one adapter version
             raise InvalidRequestError("pause", "an adapter load holds no running request",
@@ -506,7 +508,7 @@ class Rollout:
         self.capabilities.require("adapters")
         with self._lifecycle_section(pause):
             buckets = _packed(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
-            self._pm.hook.load_adapter(name=name, config=dict(config), buckets=buckets)
+            self._pm.hook.load_adapter(name=name, config=config, buckets=buckets)
             self.adapters[name] = version
 
     def unload_adapter(self, name: str) -> None:

@@ -10,6 +10,9 @@ completion comes from the current policy:
     trainer = GRPOTrainer(model="my-model", reward_funcs=..., args=GRPOConfig(...),
                           train_dataset=..., rollout_func=RolloutFunc(sampler))
 
+With `peft_config` (LoRA), only the adapter goes to the sampler each step, as `load_adapter`;
+the sampler then needs adapters (HF, or vLLM with `engine_args={"enable_lora": True}`).
+
 The sampling fields come from the trainer's config (temperature, top_p, top_k, min_p,
 repetition_penalty, max_completion_length, generation_kwargs, vllm_structured_outputs_regex);
 prompts are tokenized exactly as TRL tokenizes them (its chat template, tools and
@@ -27,13 +30,18 @@ from rollout.contract.sampler import Sampler
 
 class RolloutFunc:
     """A `rollout_func` for TRL's GRPOTrainer that samples from any `rollout.Sampler` (a
-    `Rollout` or a `ServedRollout`) and keeps its weights at the trainer's.
+    `Rollout` or a `ServedRollout`) and keeps its weights at the trainer's. A trainer with
+    `peft_config` trains a LoRA adapter: only the adapter is pushed (`load_adapter`, under
+    the name `adapter`), and every request samples with it.
 
     `push_weights=False` leaves the weights alone (a sampler fed some other way)."""
 
-    def __init__(self, sampler: Sampler, *, push_weights: bool = True):
+    def __init__(self, sampler: Sampler, *, push_weights: bool = True,
+                 adapter: str = "policy"):
         self.sampler = sampler
         self.push_weights = push_weights
+        self.adapter = adapter
+        self._adapted = False  # the trainer trains a LoRA adapter (known at the first push)
         self._pushed_step: int | None = None
 
     def __call__(self, prompts: list, trainer: Any) -> dict:
@@ -43,7 +51,8 @@ class RolloutFunc:
         sampling = sampling_fields(trainer)
         # TRL repeats each prompt num_generations times in a row; one request with n copies
         # samples the group at once and shares its prefix.
-        requests = [{"prompt_token_ids": list(ids),
+        adapter = self.adapter if self._adapted else None
+        requests = [{"prompt_token_ids": list(ids), "adapter": adapter,
                      "sampling": {**sampling, "n": len(list(run))}}
                     for ids, run in itertools.groupby(prompt_ids, key=tuple)]
         results = [r for c in self.sampler.generate(requests) for r in c.unwrap()]
@@ -52,20 +61,31 @@ class RolloutFunc:
                 "logprobs": [list(r.logprobs) for r in results]}
 
     def sync_weights(self, trainer: Any) -> None:
-        """Push the trainer's weights once per optimizer step (the first call pushes too:
-        the sampler may hold other weights than the trainer's model)."""
+        """Push the trainer's weights (or its LoRA adapter) once per optimizer step (the
+        first call pushes too: the sampler may hold other weights than the trainer's)."""
         step = trainer.state.global_step
         if step == self._pushed_step:
             return
         accelerator = trainer.accelerator
         model = accelerator.unwrap_model(trainer.model)
-        if hasattr(model, "peft_config"):
-            raise UnsupportedError("peft", "rollout.integrations.trl pushes full weights; merge "
-                                   "the adapter or train the full model")
+        self._adapted = hasattr(model, "peft_config")
         if accelerator.is_main_process:
-            self.sampler.update_weights(model.named_parameters(), version=step)
+            if self._adapted:
+                self._push_adapter(model, step)
+            else:
+                self.sampler.update_weights(model.named_parameters(), version=step)
         accelerator.wait_for_everyone()  # no process samples before the push is in
         self._pushed_step = step
+
+    def _push_adapter(self, model: Any, step: int) -> None:
+        """The trained adapter's tensors (megabytes) instead of the merged model; the
+        sampler's base weights are the model's own, which LoRA training leaves frozen."""
+        from peft import get_peft_model_state_dict
+
+        name = model.active_adapter
+        tensors = get_peft_model_state_dict(model, adapter_name=name)
+        self.sampler.load_adapter(self.adapter, ((k, t.detach()) for k, t in tensors.items()),
+                                  model.peft_config[name].to_dict(), version=step)
 
 
 def tokenize(prompts: list, trainer: Any) -> list[list[int]]:

@@ -18,6 +18,7 @@ from rollout.contract.schemas import Capabilities, Completion, Request
 from rollout.kit.aio import LoopThread, on_loop, uncancel
 from rollout.service.connect import connect, resolve_mode
 from rollout.service.service import Service
+from rollout.weights.lora import plain_config
 from rollout.weights.send import push_weights, require_transport
 from rollout.weights.update import BUCKET_WAIT_S, check_adapter, check_update_options
 
@@ -249,7 +250,7 @@ class ServedRollout:
         transports as `update_weights`. Requests then name it (`Request.adapter`, or
         `model` on the OpenAI routes)."""
         check_update_options(version, pause, timeout)
-        adapter = check_adapter({"name": name, "config": dict(config)})
+        adapter = check_adapter({"name": name, "config": plain_config(config)})
         require_transport(transport)
 
         async def push():

@@ -43,9 +43,11 @@ class CheckedRolloutFunc(RolloutFunc):
         return out
 
 
-def train(sampler, model_dir: str, output_dir: str, push_weights: bool = True):
-    """STEPS steps of TRL's GRPOTrainer sampling from `sampler`: the (step, logprob gap)
-    of each sampling call and the rewards TRL logged."""
+def train(sampler, model_dir: str, output_dir: str, push_weights: bool = True,
+          peft_config=None, learning_rate: float = 1e-5):
+    """STEPS steps of TRL's GRPOTrainer sampling from `sampler` (with `peft_config`, training
+    a LoRA adapter): the (step, logprob gap) of each sampling call and the rewards TRL
+    logged."""
     import torch
     import trl
     from datasets import Dataset
@@ -59,14 +61,14 @@ def train(sampler, model_dir: str, output_dir: str, push_weights: bool = True):
         output_dir=output_dir, max_steps=STEPS, seed=0,
         per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
         steps_per_generation=1, max_completion_length=MAX_TOKENS, temperature=1.0,
-        learning_rate=1e-5, use_cpu=True, bf16=False, disable_dropout=True,
+        learning_rate=learning_rate, use_cpu=True, bf16=False, disable_dropout=True,
         gradient_checkpointing=False, remove_unused_columns=False, report_to=[],
         save_strategy="no", logging_steps=1, disable_tqdm=True)
     func = CheckedRolloutFunc(sampler, push_weights=push_weights)
     trainer = trl.GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         processing_class=AutoTokenizer.from_pretrained(model_dir), reward_funcs=sums_reward,
-        args=config, train_dataset=dataset, rollout_func=func)
+        args=config, train_dataset=dataset, rollout_func=func, peft_config=peft_config)
     trainer.train()
     return func.gaps, [log["reward"] for log in trainer.state.log_history if "reward" in log]
 
@@ -77,3 +79,20 @@ def check_grpo_trainer_through_rollout(sampler, model_dir: str, output_dir: str)
     assert [step for step, _ in gaps] == list(range(STEPS))
     assert max(gap for _, gap in gaps) < TOLERANCE, gaps
     assert len(rewards) == STEPS and all(0.0 <= r <= 1.0 for r in rewards)
+
+
+def check_lora_grpo_trainer_through_rollout(sampler, model_dir: str, output_dir: str) -> None:
+    """TRL training a LoRA adapter (`peft_config`): each step pushes the adapter alone, and
+    the sampler's logprobs of what it sampled equal the trainer's adapted model's. The
+    learning rate is LoRA's (100x full fine-tuning's), so that without the pushes the gap
+    would show at step 1."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    gaps, rewards = train(sampler, model_dir, output_dir, peft_config=lora,
+                          learning_rate=1e-3)
+    assert [step for step, _ in gaps] == list(range(STEPS))
+    assert max(gap for _, gap in gaps) < TOLERANCE, gaps
+    assert len(rewards) == STEPS
+    assert sampler.adapters == {"policy": STEPS - 1}  # pushed each step, as the adapter
+    assert sampler.weight_version is None  # the full weights never went

@@ -23,6 +23,24 @@ PLAIN = {"use_dora": (False, None), "bias": ("none", None), "modules_to_save": (
          "lora_bias": (False, None), "rank_pattern": ({}, None), "alpha_pattern": ({}, None)}
 
 
+# What of a LoraConfig `read_adapter` reads (and the engines take): the rest is left out.
+CONFIG_KEYS = ("r", "lora_alpha", "use_rslora", "target_modules", *PLAIN)
+
+
+def plain_config(config: Mapping) -> dict:
+    """A LoraConfig's dict (`LoraConfig.to_dict()`, or adapter_config.json) reduced to what
+    is read, in JSON's types (peft keeps `target_modules` as a set)."""
+    if not isinstance(config, Mapping):
+        raise InvalidRequestError("config", f"got {type(config).__name__}",
+                                  "a LoraConfig as a dict (r, lora_alpha, ...)")
+    plain = {}
+    for key in CONFIG_KEYS:
+        value = config.get(key)
+        if value is not None:
+            plain[key] = sorted(value) if isinstance(value, set | frozenset | tuple) else value
+    return plain
+
+
 @attrs.frozen
 class Adapter:
     rank: int

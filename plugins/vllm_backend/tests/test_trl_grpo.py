@@ -33,3 +33,11 @@ def test_without_the_pushes_the_engine_lags_the_trainer(real_model, tmp_path):
     with rollout.load_backend("hf", str(real_model), dtype="float32") as ro:
         gaps, _ = checks.train(ro, str(real_model), str(tmp_path), push_weights=False)
     assert gaps[0][1] < checks.TOLERANCE < gaps[1][1]  # step 1 samples step 0's weights
+
+
+def test_a_lora_trainer_pushes_only_its_adapter(real_model, tmp_path):
+    pytest.importorskip("peft", reason="peft is not installed in this environment")
+    with rollout.load_backend("vllm", str(real_model), mode="engine",
+                              engine_args={"enable_lora": True, "max_lora_rank": 8},
+                              **ENGINE) as ro:
+        checks.check_lora_grpo_trainer_through_rollout(ro, str(real_model), str(tmp_path))
