@@ -587,6 +587,50 @@ class BackendContract(SamplingContract):
         with pytest.raises(InvalidRequestError):
             ro.unload_adapter("contract")
 
+    def test_replacing_an_adapter_mid_run_follows_the_pause(self, harness):
+        """pause="wait": a running request of the adapter finishes under the version it
+        began with, and the load waits for it; pause="abort": it stops, partial, under
+        that version. Requests after the load sample the new version."""
+        skip_unless(harness.caps, "adapters")
+        rollout = harness.rollout
+        tensors, config = lora_adapter(harness.model_dir, **ADAPTER)
+        rollout.load_adapter("mid", tensors.items(), config, version=1)
+        stopped = threading.Event()
+
+        def abort_and_tell(request_ids=None):
+            type(rollout).abort(rollout, request_ids)
+            stopped.set()
+
+        async def across_a_load(request, pause, version):  # on the engine loop
+            stream, load = rollout.stream(request), None
+            async for chunk in stream:
+                if chunk.token_ids and load is None:
+                    load = asyncio.get_running_loop().run_in_executor(None, lambda: (
+                        rollout.load_adapter("mid", tensors.items(), config,
+                                             version=version, pause=pause)))
+                    if pause == "abort":  # the loop holds still until the load stopped it
+                        assert stopped.wait(120), "the load never stopped the request"
+            await asyncio.wait_for(load, 120)
+            return stream.completion.unwrap()
+
+        rollout.abort = abort_and_tell  # the load's own call to abort tells the loop
+        try:
+            waited = {"id": "adapter-waited", "prompt": "the ka lo", "adapter": "mid",
+                      "sampling": {"temperature": 1.0, "ignore_eos": True, "max_tokens": 64}}
+            [done] = on_engine_loop(across_a_load(waited, "wait", 2))
+            assert (done.finish_reason, done.completion_tokens) == ("length", 64)
+            assert done.adapter_version == 1
+            cut = {**self._long_request(harness, "adapter-cut"), "adapter": "mid"}
+            for result in on_engine_loop(across_a_load(cut, "abort", 3)):
+                assert result.finish_reason == "abort" and result.adapter_version == 2
+            after = [c.unwrap()[0] for c in rollout.generate(probe_requests("mid"))]
+            assert {r.adapter_version for r in after} == {3}
+            with pytest.raises(InvalidRequestError, match="pause"):
+                rollout.load_adapter("mid", tensors.items(), config, pause="keep")
+        finally:
+            del rollout.abort
+            rollout.unload_adapter("mid")
+
     def test_a_backend_without_adapters_refuses_them_by_name(self, harness):
         if harness.caps.supports("adapters"):
             pytest.skip("this backend takes adapters")
