@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer sampling through `rollout.integrations.trl` on the real model: on the
-vLLM engine, on the HF backend, and through a replica process (weights over shared
-memory); and, without the pushes, the gap that they close. TRL lives in this environment
-(requirements/trl.txt)."""
+vLLM engine in process, and on the HF backend through a replica process (weights over
+shared memory); without the pushes, the gap that they close; and a LoRA trainer, which
+pushes its adapter alone. TRL lives in this environment (requirements/trl.txt, peft.txt)."""
 
 import pytest
 from conftest import ENGINE
@@ -13,14 +13,13 @@ pytest.importorskip("trl", reason="TRL is not installed in this environment")
 from rollout.testing import trl as checks  # noqa: E402
 
 
-@pytest.fixture(params=["vllm", "hf", "hf-replica"])
+@pytest.fixture(params=["vllm", "hf-replica"])
 def sampler(request, real_model):
     if request.param == "hf-replica":
         with ServedRollout.start("hf", str(real_model), 1, {"dtype": "float32"}) as served:
             yield served
         return
-    options = {**ENGINE, "mode": "engine"} if request.param == "vllm" else {"dtype": "float32"}
-    with rollout.load_backend(request.param, str(real_model), **options) as ro:
+    with rollout.load_backend("vllm", str(real_model), mode="engine", **ENGINE) as ro:
         yield ro
 
 
