@@ -208,7 +208,7 @@ class _Routes:
             raise ApiError(409, "a weight update is open on this server", code="update_open")
         update_id, update = opened
         try:
-            await push_weights(update, tensors.items(), transport="shm")
+            await push_weights(update, tensors.items())
         except InvalidRequestError as exc:
             raise api_error(exc, "lora_path") from None
         finally:
