@@ -140,3 +140,13 @@ def test_a_killed_replica_comes_back_with_the_pools_adapters(tiny_model, adapter
         assert trainer.service.adapters() == {"a": 3}
         trainer.unload_adapter("a")
         assert all(r.adapters == {} for r in trainer.service.replicas)
+
+
+def test_the_lora_flag_takes_name_equals_path(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "rollout", "serve", "--backend", "hf",
+                          "--model", str(tmp_path), "--lora", "no-path"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--lora" in run.stderr and "NAME=PATH" in run.stderr
