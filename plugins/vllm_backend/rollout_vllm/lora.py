@@ -7,12 +7,14 @@ vLLM's loader would kill the engine).
 Fixes to vLLM 0.32 on the way:
 - its loader scales `lora_B` in place (`LoRALayerWeights.optimize`) on tensors it did not
   copy, so it gets copies: an adapter built twice would be scaled twice;
-- on CPU (`fix_cpu_ops`, from the worker's start): its ops (`torch_ops.bgmv_*`) index the
-  stacked adapters with a row's LoRA index, and rows without an adapter (index -1) take the
-  last slot's: those rows are kept as they were, as vLLM's GPU kernels keep them (upstream:
-  vllm-project/vllm#48421, #49656); and its LoRA on the logits indexes per request where
-  prompt logprobs give a row per prompt token, which kills the engine: rollout loads no
-  adapter of the head (`read_adapter` refuses it), so that step, which adds zeros, is left out.
+- on CPU (`fix_cpu_ops`, from the worker's start): its ops (`torch_ops.bgmv_*`) gather each
+  row's adapter weights (a copy per token, 4x slower than the base model on SmolLM2), and
+  rows without an adapter (index -1) take the last slot's (upstream: vllm-project/vllm#48421,
+  #49656). They are replaced by one matrix product per adapter in the batch, which leaves
+  rows without one as they are, as vLLM's GPU kernels do. And its LoRA on the logits
+  indexes per request where prompt logprobs give a row per prompt token, which kills the
+  engine: rollout loads no adapter of the head (`read_adapter` refuses it), so that step,
+  which adds zeros, is left out.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _tensor_loading(manager):
 
 
 def fix_cpu_ops() -> None:
-    """Where vLLM runs on CPU: its LoRA ops fixed (the module's docstring says how)."""
+    """Where vLLM runs on CPU: its LoRA ops replaced (the module's docstring says why)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -93,11 +95,12 @@ def fix_cpu_ops() -> None:
     from vllm.lora.ops.torch_ops import lora_ops
 
     punica_cpu.PunicaWrapperCPU.add_lora_logits = _no_head_adapter
-    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+    for name, grouped in (("bgmv_shrink", _shrink), ("bgmv_expand", _expand),
+                          ("bgmv_expand_slice", _expand_slice)):
         op = getattr(lora_ops, name)
-        if getattr(op, "keeps_unadapted_rows", False):
+        if getattr(op, "grouped", False):
             continue
-        fixed = _keeping_unadapted_rows(op)
+        fixed = _by_adapter(grouped, op)
         setattr(lora_ops, name, fixed)  # the sgmv_* ops call these through the module
         setattr(punica_cpu, name, fixed)
 
@@ -106,14 +109,39 @@ def _no_head_adapter(self, y, x, lora_a_stacked, lora_b_stacked, scale, **kwargs
     return None  # no adapter of the head is ever loaded: its delta is zero
 
 
-def _keeping_unadapted_rows(op):
+def _by_adapter(grouped, original):
+    """vLLM's op as one matrix product per adapter in the batch, on that adapter's rows
+    (vLLM's gathers every row's weights first: a copy of them per token); rows without an
+    adapter (index -1) are left as they are. Shapes it does not cover go to vLLM's op."""
     def run(inputs, weights, output, indices, *args, **kwargs):
-        unadapted = indices < 0
-        if indices.shape[0] != output.shape[0] or not bool(unadapted.any()):
-            return op(inputs, weights, output, indices, *args, **kwargs)
-        kept = output[unadapted].clone()
-        op(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
-        output[unadapted] = kept
+        if not inputs.shape[0] == indices.shape[0] == output.shape[0]:
+            return original(inputs, weights, output, indices, *args, **kwargs)
+        stacked = weights.squeeze(1) if weights.dim() == 4 else weights  # [slots, out, in]
+        x = inputs.to(output.dtype)
+        for slot in indices.unique().tolist():
+            if slot < 0:
+                continue
+            rows = (indices == slot).nonzero().squeeze(1)
+            product = x.index_select(0, rows) @ stacked[slot].to(output.dtype).T
+            grouped(output, rows, product, *args, **kwargs)
         return None
-    run.keeps_unadapted_rows = True
+    run.grouped = True
     return run
+
+
+def _shrink(output, rows, product, scaling: float = 1.0) -> None:
+    output[rows, :product.shape[1]] = scaling * product
+
+
+def _expand(output, rows, product, add_inputs: bool = True) -> None:
+    width = min(product.shape[1], output.shape[1])
+    _put(output, rows, slice(0, width), product[:, :width], add_inputs)
+
+
+def _expand_slice(output, rows, product, slice_offset: int, slice_size: int,
+                  add_inputs: bool = True) -> None:
+    _put(output, rows, slice(slice_offset, slice_offset + slice_size), product, add_inputs)
+
+
+def _put(output, rows, columns: slice, values, add: bool) -> None:
+    output[rows, columns] = output[rows, columns] + values if add else values
