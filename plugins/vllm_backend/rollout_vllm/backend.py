@@ -264,8 +264,7 @@ class VLLMBackend:
                                self.max_lora_rank)
         tensors = {f"base_model.model.{module}.lora_{which}.weight": t.contiguous()
                    for module, pair in adapter.weights.items() for which, t in zip("AB", pair)}
-        # What vLLM's PEFTHelper reads, in types its RPC carries (a LoraConfig's dict may
-        # hold sets and enums).
+        # What vLLM's PEFTHelper reads (the core passed a plain config: JSON's types).
         peft_config = {"r": adapter.rank, "lora_alpha": config.get("lora_alpha", adapter.rank),
                        "use_rslora": bool(config.get("use_rslora")),
                        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in tensors})}
