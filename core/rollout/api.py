@@ -37,6 +37,7 @@ from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Requ
 from rollout.kit.aio import Relay, engine_loop, on_loop, uncancel
 from rollout.kit.images import ImageStore, image_sources
 from rollout.kit.text import TextStream, cut, final_text
+from rollout.weights.lora import no_such_adapter
 from rollout.weights.update import check_update
 
 # A supported capability needs these hooks implemented.
@@ -206,8 +207,7 @@ class Rollout:
                     field, f"backend {self.name!r} does not support {capability}: "
                     f"{self.capabilities.unsupported[capability]}")
         if request.adapter is not None and request.adapter not in self.adapters:
-            raise InvalidRequestError("adapter", f"no adapter named {request.adapter!r}",
-                                      ", ".join(self.adapters) or "none loaded")
+            raise no_such_adapter(request.adapter, self.adapters)
 
     def _register(self, request: Request) -> _Flight:
         """Registered on the caller's thread, before anything runs: an abort from now on
@@ -516,8 +516,7 @@ class Rollout:
         self.capabilities.require("adapters")
         with self._lifecycle_section():
             if name not in self.adapters:
-                raise InvalidRequestError("adapter", f"no adapter named {name!r}",
-                                          ", ".join(self.adapters) or "none loaded")
+                raise no_such_adapter(name, self.adapters)
             self._pm.hook.unload_adapter(name=name)
             del self.adapters[name]
 

@@ -26,6 +26,7 @@ from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 from rollout.weights.transports.collective import address_towards
 from rollout.service.admission import overloaded
 from rollout.service.client import ReplicaDown, RemoteService
+from rollout.weights.lora import no_such_adapter
 from rollout.weights.receive import KeptAdapter, KeptWeights
 from rollout.weights.send import push_weights
 from rollout.weights.update import BUCKET_WAIT_S
@@ -137,8 +138,7 @@ class ReplicaPool:
     def _unknown_adapter(self, request: Request) -> InvalidRequestError | None:
         if request.adapter is None or request.adapter in self.kept_adapters:
             return None
-        return InvalidRequestError("adapter", f"no adapter named {request.adapter!r}",
-                                   ", ".join(self.kept_adapters) or "none loaded")
+        return no_such_adapter(request.adapter, self.kept_adapters)
 
     async def _acquire(self, session: str | None = None, adapter: str | None = None
                        ) -> Replica:
@@ -437,8 +437,7 @@ class ReplicaPool:
 
     async def unload_adapter(self, name: str) -> None:
         if name not in self.kept_adapters:
-            raise InvalidRequestError("adapter", f"no adapter named {name!r}",
-                                      ", ".join(self.kept_adapters) or "none loaded")
+            raise no_such_adapter(name, self.kept_adapters)
         async with self._updating:
             del self.kept_adapters[name]
             having = [r for r in self._reachable()

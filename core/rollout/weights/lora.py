@@ -41,6 +41,12 @@ def plain_config(config: Mapping) -> dict:
     return plain
 
 
+def no_such_adapter(name, loaded: Iterable[str]) -> InvalidRequestError:
+    """The error for a request or call naming an adapter that is not loaded."""
+    return InvalidRequestError("adapter", f"no adapter named {name!r}",
+                               ", ".join(loaded) or "none loaded")
+
+
 @attrs.frozen
 class Adapter:
     rank: int

@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import rollout
 from rollout import Capabilities, InvalidRequestError, Request
 from rollout.weights.buckets import copy_tensor, unpack
+from rollout.weights.lora import no_such_adapter
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.sampler import Grammars, Row, rows_for
 
@@ -106,8 +107,7 @@ class HFBackend:
     @rollout.hookimpl
     async def generate(self, request: Request, prompt_token_ids: list[int], images):
         if request.adapter is not None and request.adapter not in self.adapters.loaded:
-            raise InvalidRequestError("adapter", f"no adapter named {request.adapter!r}",
-                                      ", ".join(self.adapters.loaded) or "none loaded")
+            raise no_such_adapter(request.adapter, self.adapters.loaded)
         s = request.sampling
         job = Job(asyncio.get_running_loop(), s.prompt_logprobs)
         if s.structured_outputs is None and not images:

@@ -15,8 +15,7 @@ from contextlib import contextmanager
 import attrs
 import torch
 
-from rollout import InvalidRequestError
-from rollout.weights.lora import Adapter, read_adapter
+from rollout.weights.lora import Adapter, no_such_adapter, read_adapter
 
 
 class Adapters:
@@ -41,8 +40,7 @@ class Adapters:
 
     def unload(self, name: str) -> None:
         if name not in self.loaded:
-            raise InvalidRequestError("adapter", f"no adapter named {name!r}",
-                                      ", ".join(self.loaded) or "none loaded")
+            raise no_such_adapter(name, self.loaded)
         del self.loaded[name]
         used = {m for a in self.loaded.values() for m in a.weights}
         for module in set(self._hooks) - used:

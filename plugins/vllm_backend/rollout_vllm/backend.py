@@ -13,7 +13,7 @@ import rollout
 from rollout import Capabilities, EngineDeadError, InvalidRequestError, RolloutError
 from rollout.kit.aio import engine_loop
 from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, iter_unpacked
-from rollout.weights.lora import read_adapter
+from rollout.weights.lora import no_such_adapter, read_adapter
 from rollout.weights.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
 from rollout.contract.schemas import PROMPT_LOGPROBS_MAX, SamplingParams, StructuredOutputs
@@ -252,8 +252,7 @@ class VLLMBackend:
 
         lora_id = self.lora_ids.get(name)
         if lora_id is None:  # vLLM would look for it on disk, and its engine die of that
-            raise InvalidRequestError("adapter", f"no adapter named {name!r}",
-                                      ", ".join(self.lora_ids) or "none loaded")
+            raise no_such_adapter(name, self.lora_ids)
         return lora_request(name, lora_id)
 
     @rollout.hookimpl
