@@ -13,7 +13,7 @@ from rollout.contract.errors import InvalidRequestError
 from rollout.contract.schemas import Completion, Request
 from rollout.apps.serving.app import ServerThread
 from rollout.service.client import RemoteService
-from rollout.service.service import LocalService
+from rollout.service.service import CALL, LocalService
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +132,59 @@ def test_a_stream_body_of_another_shape_is_a_400(server):
 
     status, answer = asyncio.run(call())
     assert status == 400 and answer["error"]["param"] == "request"
+
+
+def test_an_abort_that_overtakes_its_request_stops_it_when_it_comes(server):
+    """An abort names the sampler's calls (the X-Rollout-Call header) besides the request
+    ids: a request that comes after it, of one of those calls, ends at once, aborted, by
+    either route. The same id under another call, or under none, runs."""
+    request = convert.structure({"id": "late", "prompt": "the ka lo", "sampling": {
+        "max_tokens": 6, "temperature": 0, "ignore_eos": True}}, Request)
+
+    async def as_call(call, make):
+        named = CALL.set(call)
+        try:
+            return await make()
+        finally:
+            CALL.reset(named)
+
+    async def streamed(service):
+        stream = service.stream(request)
+        return [chunk async for chunk in stream], stream.completion
+
+    async def run():
+        service = RemoteService(server.url)
+        try:
+            await service.abort(["late"], ["call-1", "call-2"])
+            stopped = await as_call("call-1", lambda: service.generate(request))
+            stopped_stream = await as_call("call-2", lambda: streamed(service))
+            others = [await as_call(c, lambda: service.generate(request))
+                      for c in ("call-3", None)]
+            return stopped, stopped_stream, others
+        finally:
+            await service.close()
+
+    stopped, (chunks, stopped_streamed), others = asyncio.run(run())
+    for completion in (stopped, stopped_streamed):
+        (result,) = completion.unwrap()
+        assert (result.finish_reason, result.token_ids) == ("abort", ())
+    assert chunks == []
+    for completion in others:
+        (result,) = completion.unwrap()
+        assert (result.finish_reason, result.completion_tokens) == ("length", 6)
+
+
+@pytest.mark.parametrize("body", [{"request_ids": "late"}, {"request_ids": ["a"], "calls": "c"},
+                                  {"request_ids": ["a"], "calls": [1]}, {"calls": ["c"]},
+                                  {"request_ids": ["a"], "why": "x"}])
+def test_an_abort_body_of_another_shape_is_a_400(server, body):
+    async def call():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{server.url}/rollout/abort", json=body) as response:
+                return response.status, await response.json()
+
+    status, answer = asyncio.run(call())
+    assert status == 400 and answer["error"]["param"] == "request_ids"
 
 
 @pytest.mark.parametrize("image", ["/etc/hostname", "file:///etc/hostname"])

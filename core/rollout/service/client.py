@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import contextmanager
 
 from rollout.contract import convert
@@ -14,7 +14,10 @@ from rollout.kit.aio import client_session, lines
 from rollout.contract.errors import EngineDeadError, NoReplicaError, OverloadedError, \
     RolloutError, RolloutTimeoutError, WeightsDirtyError
 from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
+from rollout.service.service import CALL
 from rollout.weights.remote import RemoteUpdate
+
+CALL_HEADER = "X-Rollout-Call"  # the sampler's id of the call a request belongs to (CALL)
 
 
 class ReplicaDown(Exception):
@@ -36,12 +39,17 @@ class RemoteService:
             self._session = client_session(headers=self._headers)
         return self._session
 
-    def _post(self, path: str, body: dict):
+    def _post(self, path: str, body: dict, headers: dict | None = None):
         import aiohttp
 
         return self._client().post(
-            f"{self.url}{path}", json=body,
+            f"{self.url}{path}", json=body, headers=headers,
             timeout=aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=10))
+
+    def _send(self, path: str, body: dict):
+        """A request's call, with the id of the sampler's call where it has one."""
+        call = CALL.get()
+        return self._post(path, body, None if call is None else {CALL_HEADER: call})
 
     @contextmanager
     def _reaching(self):
@@ -61,7 +69,7 @@ class RemoteService:
         """Raises ReplicaDown when the replica cannot answer; the request's own error comes
         back in its Completion."""
         with self._reaching():
-            async with self._post("/rollout/generate",
+            async with self._send("/rollout/generate",
                                   {"requests": [convert.unstructure(request)]}) as response:
                 data = await response.json(content_type=None)
                 status = response.status
@@ -112,8 +120,9 @@ class RemoteService:
             raise _typed_refusal(self.url, status, data)
         return convert.structure(data, Capabilities)
 
-    async def abort(self, request_ids: list[str]) -> None:
-        await self._control("/rollout/abort", {"request_ids": request_ids})
+    async def abort(self, request_ids: list[str], calls: Iterable[str] = ()) -> None:
+        await self._control("/rollout/abort", {"request_ids": request_ids,
+                                               "calls": list(calls)})
 
     async def release(self, tags: list[str] | None) -> None:
         await self._control("/rollout/release", {"tags": tags})
@@ -160,7 +169,7 @@ class RemoteStream:
         url = self.service.url
         try:
             with self.service._reaching():
-                self._response = response = await self.service._post(
+                self._response = response = await self.service._send(
                     "/rollout/stream", {"request": convert.unstructure(self.request)})
                 refused = None if response.status == 200 else (
                     response.status, await response.json(content_type=None))

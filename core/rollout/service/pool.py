@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -388,10 +388,11 @@ class ReplicaPool:
                 continue
         raise NoReplicaError(self._no_replica_message())
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], calls: Iterable[str] = ()) -> None:
         """On every replica that runs (a request's replica is not tracked by id); one that
         cannot be reached has no request of ours running either."""
-        await asyncio.gather(*(r.service.abort(request_ids) for r in self._reachable()),
+        calls = list(calls)
+        await asyncio.gather(*(r.service.abort(request_ids, calls) for r in self._reachable()),
                              return_exceptions=True)
 
     async def release(self, tags: list[str] | None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 
 from rollout.api import Stream, aborted_results, load_backend, raw_id
@@ -17,7 +18,7 @@ from rollout.contract.sampler import Sampler
 from rollout.contract.schemas import Capabilities, Completion, Request
 from rollout.kit.aio import LoopThread, on_loop, uncancel
 from rollout.service.connect import connect, resolve_mode
-from rollout.service.service import Service
+from rollout.service.service import CALL, Service
 from rollout.weights.lora import plain_config
 from rollout.weights.send import push_weights, require_transport
 from rollout.weights.update import BUCKET_WAIT_S, check_adapter, check_update_options
@@ -154,6 +155,7 @@ class ServedRollout:
             self._forget(call)
             return Completion(request.id, aborted_results(request))
         timer = None if timeout is None else self._loop.call_later(timeout, self._stop, [call])
+        named = CALL.set(call.token)  # sent with the request: see `_abort_until_done`
         try:
             return await self._send(request, sink)
         except asyncio.CancelledError:
@@ -162,6 +164,7 @@ class ServedRollout:
             uncancel()  # an abort the server did not answer: nothing came back
             return Completion(request.id, aborted_results(request))
         finally:
+            CALL.reset(named)
             if timer is not None:
                 timer.cancel()
             self._forget(call)
@@ -194,9 +197,11 @@ class ServedRollout:
         asyncio.ensure_future(self._abort_until_done(calls))
 
     async def _abort_until_done(self, calls: list[_Call]) -> None:
-        """Ask the servers to abort until the calls end: an abort that reaches a server
-        before the request does (or while a pool still holds it) finds nothing there, so it
-        is sent again. One that has not ended after ABORT_WAIT_S is cut."""
+        """Ask the servers to abort until the calls end. The abort names the calls too: one
+        that reaches a server before its request (or while a pool still holds it) stops the
+        request when it comes, even if this process gets no CPU to send the abort again (a
+        busy engine on the same cores can starve it for seconds). One that has not ended
+        after ABORT_WAIT_S is cut."""
         loop = asyncio.get_running_loop()
         deadline, pause = loop.time() + ABORT_WAIT_S, 0.05
         while running := [c for c in calls if not c.finished]:
@@ -206,10 +211,12 @@ class ServedRollout:
                     if call.task is not None:
                         call.task.cancel()
                 return
-            started = sorted({c.id for c in running if c.task is not None})
+            started = [c for c in running if c.task is not None]
             try:
                 if started:
-                    await asyncio.wait_for(self.service.abort(started), ABORT_WAIT_S)
+                    await asyncio.wait_for(self.service.abort(
+                        sorted({c.id for c in started}), [c.token for c in started]),
+                        ABORT_WAIT_S)
             except Exception as exc:  # noqa: BLE001 - sent again, then cut
                 log.warning("aborting %d requests: %r", len(running), exc)
             await asyncio.sleep(pause)
@@ -299,10 +306,11 @@ class ServedRollout:
 class _Call:
     """One call for one request of this sampler."""
 
-    __slots__ = ("request", "id", "task", "stopped", "finished", "cut")
+    __slots__ = ("request", "id", "token", "task", "stopped", "finished", "cut")
 
     def __init__(self, request: Request):
         self.request, self.id = request, request.id
+        self.token = uuid.uuid4().hex  # the call's own id (CALL), unlike the request's
         self.task: asyncio.Task | None = None  # once it runs on the sampler's loop
         self.stopped = False  # aborted, or timed out
         self.finished = False

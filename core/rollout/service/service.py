@@ -5,15 +5,25 @@ request per call; `LocalService`, a `Rollout` of this process behind it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextvars import ContextVar
 from typing import Protocol
 
-from rollout.api import Rollout
+from rollout.api import Rollout, aborted_results
 from rollout.contract.sampler import ChunkStream
 from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 from rollout.service.admission import UNBOUNDED, Gate, Limits
 from rollout.weights.receive import LocalUpdate
 from rollout.weights.update import WeightUpdate
+
+
+CALL: ContextVar[str | None] = ContextVar("rollout_call", default=None)
+"""The id that a sampler gives each of its calls, carried with the call's request through
+pools and servers (over HTTP, in the X-Rollout-Call header) to the service that runs it:
+an abort that names the call stops the request even if the abort arrives first."""
+
+STOPPED_CALL_KEEP_S = 600.0  # how long an abort waits for a request that never came
 
 
 class Service(Protocol):
@@ -29,9 +39,10 @@ class Service(Protocol):
     async def capabilities(self) -> Capabilities:
         """What the backend behind it supports."""
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], calls: Iterable[str] = ()) -> None:
         """Stop these requests where they run; each returns what it made, with finish
-        reason "abort". Ids not running (not yet, or no longer) are ignored."""
+        reason "abort". Ids not running (not yet, or no longer) are ignored; a request of
+        one of `calls` (see CALL) that has not arrived yet is stopped when it does."""
 
     async def health(self) -> dict:
         """What is up; raises when nothing is."""
@@ -68,13 +79,20 @@ class LocalService:
         self.rollout = rollout
         self.name = name
         self.gate = Gate(limits)
+        self.stopped = StoppedCalls()
 
     async def generate(self, request: Request) -> Completion:
+        call = CALL.get()
         async with self.gate.turn():
+            # From here on an abort by id finds it (the rollout registers it at once).
+            if self.stopped.take(call):
+                return Completion(request.id, aborted_results(request))
             return await self.rollout.agenerate(request)
 
     def stream(self, request: Request) -> ChunkStream:
-        return GatedStream(self.gate, self.rollout.stream(request))
+        call = CALL.get()
+        return GatedStream(self.gate, self.rollout.stream(request), request,
+                           lambda: self.stopped.take(call))
 
     def state(self) -> dict:
         return {"running": self.gate.running, "waiting": self.gate.waiting,
@@ -84,7 +102,8 @@ class LocalService:
     async def capabilities(self) -> Capabilities:
         return self.rollout.capabilities
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], calls: Iterable[str] = ()) -> None:
+        self.stopped.add(calls)
         self.rollout.abort(request_ids)
 
     async def health(self) -> dict:
@@ -139,13 +158,39 @@ class WrappedStream:
 
 class GatedStream(WrappedStream):
     """A stream that waits for a turn at the gate before its first chunk, and holds the
-    turn until it ends."""
+    turn until it ends; one `stopped` by then ends at once, aborted."""
 
-    def __init__(self, gate: Gate, stream: ChunkStream):
+    def __init__(self, gate: Gate, stream: ChunkStream, request: Request,
+                 stopped: Callable[[], bool]):
         super().__init__(stream)
-        self.gate = gate
+        self.gate, self.request, self.stopped = gate, request, stopped
+        self._aborted: Completion | None = None
+
+    @property
+    def completion(self) -> Completion | None:
+        return self._aborted or self.stream.completion
 
     async def _chunks(self) -> AsyncIterator[Chunk]:
         async with self.gate.turn():
+            # The inner stream registers its request on its first step, right below.
+            if self.stopped():
+                self._aborted = Completion(self.request.id, aborted_results(self.request))
+                return
             async for chunk in self.stream:
                 yield chunk
+
+
+class StoppedCalls:
+    """Calls aborted by their id (CALL), each kept until its request comes, for at most
+    STOPPED_CALL_KEEP_S: an abort may overtake its request on the way to the server."""
+
+    def __init__(self):
+        self._until: dict[str, float] = {}
+
+    def add(self, calls: Iterable[str]) -> None:
+        now = time.monotonic()
+        self._until = {c: t for c, t in self._until.items() if t > now}
+        self._until.update(dict.fromkeys(calls, now + STOPPED_CALL_KEEP_S))
+
+    def take(self, call: str | None) -> bool:
+        return call is not None and self._until.pop(call, None) is not None

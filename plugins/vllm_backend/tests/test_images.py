@@ -244,9 +244,9 @@ def test_server_mode_honours_sampling_on_image_requests(ro_server, hf):
 def test_server_mode_aborts_image_requests(ro_server):
     """An aborted request closes its connection, and the server stops it. 32 requests of 4
     samples of 900 tokens, 4 sequences a step (one request at a time): once the server has
-    them all, they are aborted, the last ones still queued. The test runs on the engine
-    loop, where the streams are read (another thread of this process may not run while
-    they pour in)."""
+    had them all (running, waiting or done), they are aborted, the last ones still queued.
+    The test runs on the engine loop, where the streams are read (another thread of this
+    process may not run while they pour in)."""
     long = {"messages": [ask(picture(10), "go on")],
             "sampling": {"temperature": 1.0, "max_tokens": 900, "ignore_eos": True, "n": 4}}
     ids = [f"long-{i}" for i in range(32)]
@@ -254,18 +254,27 @@ def test_server_mode_aborts_image_requests(ro_server):
     async def run():
         tasks = [asyncio.ensure_future(ro_server.agenerate({**long, "id": i})) for i in ids]
         deadline = time.monotonic() + 120
-        # The server counts each sample as a request: all 128 are in.
-        while await asyncio.to_thread(running, ro_server) < 4 * len(ids):
+        # The server counts each sample as a request. On a loaded machine the first ones
+        # may end before the last arrive: those done are read first, so that none is
+        # counted twice.
+        while True:
+            done = sum(t.done() for t in tasks)
+            if 4 * done + await asyncio.to_thread(running, ro_server) >= 4 * len(ids):
+                break
             assert time.monotonic() < deadline, "the server never had all the requests"
             await asyncio.sleep(0.1)
         ro_server.abort(ids)
-        return await asyncio.gather(*tasks)
+        return done, await asyncio.gather(*tasks)
 
-    completions = engine_loop().run(run(), 300, "the test")
+    done, completions = engine_loop().run(run(), 300, "the test")
     reasons = [r.finish_reason for c in completions for r in c.unwrap()]
-    # A request needs 900 steps to its length; the abort came within a step or so of the
-    # last one's arrival, with more than 30 requests of 900 steps queued before it.
-    assert set(reasons) <= {"abort", "length"} and reasons.count("abort") >= 4 * 28, reasons
+    # A request needs 900 steps (seconds) to its length: besides those done, a few more may
+    # have reached it before the abort took effect (a busy engine can starve this process
+    # for seconds); every other one was aborted, the last ones queued.
+    late = 4  # requests
+    assert done < len(ids) - late, "the engine outran the requests' arrival"
+    assert set(reasons) <= {"abort", "length"}, reasons
+    assert reasons.count("abort") >= 4 * (len(ids) - done - late), (done, reasons)
     deadline = time.monotonic() + 30
     while running(ro_server) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -32,7 +32,8 @@ from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, Completion
     bad_field, model_not_found
 from rollout.apps.serving.responses_api import STORE_SIZE, ResponsesCall, ResponseStore, \
     message_item, output_text
-from rollout.service.service import Service
+from rollout.service.client import CALL_HEADER
+from rollout.service.service import CALL, Service
 from rollout.weights.receive import OpenUpdates
 from rollout.weights.update import BUCKET_WAIT_S, check_adapter, check_group, \
     check_update_options
@@ -236,6 +237,7 @@ class _Routes:
 
     async def native_generate(self, request: web.Request) -> web.Response:
         """Requests and completions in rollout's own schema; a bad request fails alone."""
+        CALL.set(request.headers.get(CALL_HEADER))  # (this handler's own context)
         body = await _json(request)
         items = body.get("requests") if isinstance(body, dict) else None
         if not isinstance(items, list) or set(body) != {"requests"}:
@@ -259,6 +261,7 @@ class _Routes:
         request's own. Until the first line is sent, a service that can serve nothing
         answers as on the other routes (503, 504), so that a pool sends the request
         elsewhere."""
+        CALL.set(request.headers.get(CALL_HEADER))
         body = await _json(request)
         if not isinstance(body, dict) or set(body) != {"request"}:
             raise ApiError(400, 'the body must be {"request": request}', param="request")
@@ -292,14 +295,18 @@ class _Routes:
         return web.json_response(convert.unstructure(await self.service.capabilities()))
 
     async def abort(self, request: web.Request) -> web.Response:
-        """{"request_ids": [id, ...]}: those requests stop and return what they made."""
+        """{"request_ids": [id, ...], "calls": [call, ...]}: those requests stop and return
+        what they made; a request sent with one of `calls` in its X-Rollout-Call header
+        stops when it comes, if it has not yet (the abort overtook it)."""
         body = await _json(request)
         ids = body.get("request_ids") if isinstance(body, dict) else None
-        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) \
-                or set(body) != {"request_ids"}:
-            raise ApiError(400, 'the body must be {"request_ids": ["id", ...]}',
+        calls = body.get("calls", []) if isinstance(body, dict) else None
+        if not _strings(ids) or not _strings(calls) \
+                or not {"request_ids"} <= set(body) <= {"request_ids", "calls"}:
+            raise ApiError(400, 'the body must be {"request_ids": ["id", ...]} (and '
+                           'optionally "calls": the X-Rollout-Call ids of those requests)',
                            param="request_ids")
-        await self.service.abort(ids)
+        await self.service.abort(ids, calls)
         return web.json_response({})
 
     async def release(self, request: web.Request) -> web.Response:
@@ -406,6 +413,10 @@ def _tags_of(body) -> list[str] | None:
         raise ApiError(400, 'the body must be {"tags": ["weights", "kv_cache"] or null}',
                        param="tags")
     return body.get("tags")
+
+
+def _strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(i, str) for i in value)
 
 
 async def _json(request: web.Request):
