@@ -126,3 +126,35 @@ def test_trainer_adapter_pushes_weights(manager, config, reference, tiny_model):
     assert after.log_probs != pytest.approx(before.log_probs, abs=1e-3)
     assert after.token_ids == list(expected.token_ids)
     assert after.log_probs == pytest.approx(list(expected.logprobs), abs=1e-4)
+
+
+def test_trainer_adapter_pushes_a_lora_adapter(manager, config, tiny_model, tmp_path):
+    """A LoRA run that does not merge: verl syncs the base model once, under peft's wrapped
+    names, then pushes the adapter alone (peft's LoraConfig, PEFT-named tensors) each
+    step; the replica then samples with it, as the model with the adapter merged does."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+    from verl.workers.rollout.base import get_rollout_class
+
+    from rollout.testing.adapters import lora_adapter, merged_copy
+
+    adapter = get_rollout_class("rollout", "async")(
+        config=config.actor_rollout_ref.rollout, model_config=config.actor_rollout_ref.model,
+        device_mesh=None)
+    tensors, lora = lora_adapter(tiny_model, rank=4, alpha=8)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=lora["target_modules"])
+    # The base, as verl names it in a peft model (earlier tests pushed other weights).
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model)).state_dict()
+    wrapped = {name.replace(".weight", ".base_layer.weight")
+               if name.split(".")[-2] in lora["target_modules"] else name: tensor
+               for name, tensor in base.items()}
+    run(adapter.update_weights(iter(wrapped.items()), peft_config=peft_config,
+                               base_sync_done=False, global_steps=4))
+    run(adapter.update_weights(iter(tensors.items()), peft_config=peft_config,
+                               base_sync_done=True, global_steps=4))
+    with rollout.load_backend("hf", model=str(merged_copy(
+            tiny_model, tmp_path / "merged", tensors, lora))) as merged:
+        expected = greedy(merged)
+    output = generate(manager)
+    assert output.token_ids == list(expected.token_ids)
+    assert output.log_probs == pytest.approx(list(expected.logprobs), abs=1e-4)

@@ -34,6 +34,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "stop_token_ids", "min_tokens", "include_stop_str_in_output")
 LENGTH_KEYS = ("max_tokens", "max_new_tokens")
 HELD_AT_MOST_S = 3600.0  # a request held by abort_all_requests, waiting for the resume
+ADAPTER = "verl"  # the LoRA adapter a trainer with peft_config pushes; requests then use it
 
 
 def sampling(params: dict, prompt_len: int, config: Any) -> dict:
@@ -82,6 +83,7 @@ class Server:
         self.rollout = rollout.load_backend(backend, model=model, **spec)
         self.replica_rank = replica_rank
         self.global_steps: int | None = None
+        self.adapter: str | None = None  # once a trainer has pushed its LoRA adapter
         self._admitting = asyncio.Event()
         self._admitting.set()
         self._rejecting = False
@@ -115,7 +117,7 @@ class Server:
         fields = sampling(dict(sampling_params), len(prompt_ids), self.config)
         completion = await self.rollout.agenerate(
             {"id": request_id, "prompt_token_ids": prompt_ids, "images": image_data or (),
-             "sampling": fields})
+             "sampling": fields, "adapter": self.adapter})
         result = completion.unwrap()[0]
         extra["num_cached_tokens"] = result.cached_tokens
         return TokenOutput(
@@ -163,6 +165,14 @@ class Server:
     async def update_weights(self, named_tensors: list, version: int | None = None) -> None:
         """Load one batch of (name, tensor) pairs; Ray's object store carries them."""
         await asyncio.to_thread(self.rollout.update_weights, named_tensors, version=version)
+
+    async def load_adapter(self, named_tensors: list, config: dict,
+                           version: int | None = None) -> None:
+        """Load (or replace) the trainer's LoRA adapter, PEFT's tensors and config; every
+        request samples with it from now on, as on verl's own servers."""
+        await asyncio.to_thread(self.rollout.load_adapter, ADAPTER, named_tensors, config,
+                                version=version)
+        self.adapter = ADAPTER
 
     async def start_profile(self, **options: Any) -> None:
         raise UnsupportedError("profiling", "rollout's verl server has none")
@@ -268,17 +278,26 @@ def _adapter_class():
                                  global_steps: int | None = None, peft_config=None,
                                  base_sync_done: bool = True):
             """Full (name, tensor) pairs in buckets of verl's bucket size; the last bucket
-            stamps `global_steps` as the weight version."""
+            stamps `global_steps` as the weight version. With `peft_config` (a LoRA run
+            that does not merge), `base_sync_done` says which: the adapter's own tensors
+            (True), loaded as the replica's adapter, or the base model's (False), whose
+            names verl gives in peft's wrapping."""
             if wire_format != "named_tensors":
                 raise UnsupportedError(f"wire_format {wire_format!r}",
                                        "rollout takes 'named_tensors' only")
-            if peft_config is not None:
-                raise UnsupportedError("peft_config (LoRA adapter pushes)",
-                                       "rollout loads full weights; merge the adapter first")
+            if peft_config is not None and base_sync_done:
+                tensors = [(name, tensor.detach().to("cpu", copy=True))
+                           for name, tensor in weights]
+                if self.owner:
+                    await self.server.load_adapter.remote(
+                        tensors, _config_dict(peft_config), global_steps)
+                return
             bucket, size = [], 0
             for name, tensor in weights:  # every rank reads it: it may gather across ranks
                 if not self.owner:
                     continue
+                if peft_config is not None:
+                    name = name.replace(".base_layer", "")
                 tensor = tensor.detach().to("cpu", copy=True)  # a full tensor, off the GPU
                 nbytes = tensor.numel() * tensor.element_size()
                 if bucket and size + nbytes > self.bucket_bytes:
@@ -290,6 +309,11 @@ def _adapter_class():
                 await self.server.update_weights.remote(bucket, global_steps)
 
     return ServerAdapter
+
+
+def _config_dict(peft_config) -> dict:
+    """verl passes peft's LoraConfig itself."""
+    return peft_config.to_dict() if hasattr(peft_config, "to_dict") else dict(peft_config)
 
 
 def register() -> None:

@@ -84,7 +84,8 @@ class LocalService:
     async def generate(self, request: Request) -> Completion:
         call = CALL.get()
         async with self.gate.turn():
-            # From here on an abort by id finds it (the rollout registers it at once).
+            # An abort that came before named the call; one from now on finds the id
+            # (the rollout registers the request at once).
             if self.stopped.take(call):
                 return Completion(request.id, aborted_results(request))
             return await self.rollout.agenerate(request)
@@ -185,12 +186,15 @@ class StoppedCalls:
     STOPPED_CALL_KEEP_S: an abort may overtake its request on the way to the server."""
 
     def __init__(self):
-        self._until: dict[str, float] = {}
+        self._until: dict[str, float] = {}  # in the order added, so by deadline
 
     def add(self, calls: Iterable[str]) -> None:
         now = time.monotonic()
-        self._until = {c: t for c, t in self._until.items() if t > now}
-        self._until.update(dict.fromkeys(calls, now + STOPPED_CALL_KEEP_S))
+        while self._until and next(iter(self._until.values())) <= now:
+            del self._until[next(iter(self._until))]
+        for call in calls:
+            self._until.pop(call, None)  # (to the end)
+            self._until[call] = now + STOPPED_CALL_KEEP_S
 
     def take(self, call: str | None) -> bool:
         return call is not None and self._until.pop(call, None) is not None
