@@ -31,6 +31,13 @@ the same code runs on every backend:
     python examples/grpo.py --task sums --async 1 --threads 1   # sampling overlaps training
     python examples/grpo.py --server http://127.0.0.1:8000 --model DIR   # a rollout serve
 
+With `--lora RANK` the trainer trains a LoRA adapter of that rank on every linear layer
+(peft; alpha 32, the learning rate times 10, as LoRA needs) and pushes only the adapter each
+step (`load_adapter`); the prompts name it. The logprob check then holds each token to the
+adapter version that made it (`Result.adapter_version`). Synchronous loop only:
+
+    python examples/grpo.py --task sums --backend hf --lora 16 --steps 60 --log lora.jsonl
+
 Without `--model`, the letter task builds the project's tiny model (nothing is downloaded)
 and the sums task uses `smollm2`. `--log FILE` writes one JSON line per step and per
 evaluation; examples/plot_grpo.py draws the reward curves from such files.
@@ -54,6 +61,9 @@ from rollout.apps.rl import GroupSampler, largest_gap
 from rollout.service.served import open_sampler
 
 WORDS = "the ka lo mi ne su ta ri po def return print x y if for".split()
+ADAPTER = "policy"  # the adapter that --lora trains and pushes
+LORA_ALPHA = 32
+LORA_LR_SCALE = 10  # LoRA's learning rate against full fine-tuning's
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,7 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3,
+                        help="full fine-tuning's; with --lora, LORA_LR_SCALE times it")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="train and push a LoRA adapter of this rank (0: full weights)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", default="a", help="the reward counts tokens containing it")
     parser.add_argument("--tolerance", type=float, default=1e-3,
@@ -110,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             config["backend_option"] = [f"{k}={v}" for k, v in config["backend_option"].items()]
         parser.set_defaults(**config)
         args = parser.parse_args(argv)
+    if args.lora < 0 or (args.lora and args.eta):
+        parser.error("--lora takes a rank >= 1, with --async 0 (a sample holds one adapter "
+                     "version, so none may run across a push)")
     return args
 
 
@@ -194,8 +210,9 @@ class Versions:
     """The trainer's weights of the versions a batch may hold tokens of (the last `eta`
     besides the current one), and each token's logprob under its version's."""
 
-    def __init__(self, model, eta: int):
-        self.model, self.eta = model, eta
+    def __init__(self, model, eta: int, adapter: bool = False):
+        # With --lora a result's version is its adapter's: the base weights never change.
+        self.model, self.eta, self.adapter = model, eta, adapter
         self.saved: dict[int, dict] = {}
         self.scratch = None  # a second model that old versions are loaded into
         self.add(0)
@@ -204,8 +221,16 @@ class Versions:
     def label(version: int | None) -> int:
         return 0 if version is None else version  # tokens before the first push
 
+    def spans(self, results) -> list[tuple[int, int]]:
+        """(version, tokens) for each run of the results' tokens made by one version."""
+        if self.adapter:
+            return [(self.label(r.adapter_version), r.completion_tokens) for r in results]
+        return [(self.label(x.version), x.end - x.start)
+                for r in results for x in r.weight_versions]
+
     def of(self, results) -> set[int]:
-        return {self.label(x.version) for r in results for x in r.weight_versions}
+        """The versions that made the results' tokens."""
+        return {version for version, _ in self.spans(results)}
 
     def add(self, version: int) -> None:
         if self.eta:
@@ -215,7 +240,9 @@ class Versions:
 
     def logprobs_under(self, current: int, results, current_logprobs):
         """`largest_gap`'s callable: the trainer's own pass for the current version, a pass
-        of the scratch model under a saved version's weights for an older one."""
+        of the scratch model under a saved version's weights for an older one. With
+        --lora every token is of the current adapter version (the synchronous loop, whose
+        first check holds it), which `largest_gap` sees as the weights' one version."""
         import copy
 
         import torch
@@ -223,7 +250,7 @@ class Versions:
         mine = {id(r): lp.detach() for r, lp in zip(results, current_logprobs)}
 
         def under(version, holding):
-            if self.label(version) == current:
+            if self.adapter or self.label(version) == current:
                 return [mine[id(r)] for r in holding]
             if self.scratch is None:
                 self.scratch = copy.deepcopy(self.model)
@@ -233,9 +260,17 @@ class Versions:
         return under
 
 
-def accuracy(sampler, task, max_tokens: int) -> float:
+def adapter_tensors(model):
+    """The adapter's tensors under PEFT's names, as `load_adapter` takes them."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model).items()
+
+
+def accuracy(sampler, task, max_tokens: int, adapter: str | None) -> float:
     """The share of held-out prompts answered right under greedy decoding."""
-    requests = [{**fields, "sampling": {"temperature": 0.0, "max_tokens": max_tokens}}
+    requests = [{**fields, "adapter": adapter,
+                 "sampling": {"temperature": 0.0, "max_tokens": max_tokens}}
                 for fields, _ in task.held_out]
     completions = sampler.generate(requests)
     right = sum(task.score(c.unwrap()[0], answer)
@@ -267,7 +302,15 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.to(args.device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    lora = None  # the adapter's LoraConfig, as a dict, with --lora
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(
+            r=args.lora, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear"))
+        lora = model.peft_config["default"].to_dict()
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
+                                 lr=args.lr * (LORA_LR_SCALE if args.lora else 1))
 
     # The sampler: which engine, and where it runs, is configuration only. Served ones
     # take the same calls; their weights travel through shared memory.
@@ -288,7 +331,7 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     def evaluate(step: int) -> float | None:
         if not task.held_out:
             return None
-        score = accuracy(sampler, task, args.max_tokens)
+        score = accuracy(sampler, task, args.max_tokens, lora and ADAPTER)
         print(f"after {step:3d} steps  held-out greedy accuracy {score:.3f}", flush=True)
         record({"step": step, "accuracy": score})
         return score
@@ -301,6 +344,7 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
         for step in itertools.count(1):
             for i, (fields, answer) in enumerate(task.batch(step)):
                 yield {**fields, "id": f"s{step}-{i}", "metadata": {"answer": answer},
+                       "adapter": lora and ADAPTER,
                        "sampling": {"temperature": args.temperature,
                                     "max_tokens": args.max_tokens, "logprobs": 0,
                                     # A seed of its own per prompt, the same from run to run.
@@ -309,9 +353,18 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
 
     rewards_per_step, worst_diff, timings = [], 0.0, []
     # The weights of the versions a batch may still hold tokens of, for the logprob check.
-    kept = Versions(model, args.eta)
+    kept = Versions(model, args.eta, adapter=lora is not None)
     groups = None
+
+    def push() -> int:
+        """The trainer's new weights (or adapter) to the sampler, as the next version."""
+        if lora is None:
+            return groups.update_weights(model.named_parameters())
+        return groups.load_adapter(ADAPTER, adapter_tensors(model), lora)
+
     try:
+        if lora is not None:  # version 0: peft starts B at zero, so it is the base model
+            sampler.load_adapter(ADAPTER, adapter_tensors(model), lora, version=0)
         before = evaluate(0)
         groups = GroupSampler(sampler, prompts(), group_size=args.group_size,
                               batch_size=args.prompts, eta=args.eta, score=score)
@@ -358,15 +411,14 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
             trained = time.perf_counter()
 
             # Push the new weights as the next version: running samples go on under them.
-            kept.add(groups.update_weights(model.named_parameters()))
+            kept.add(push())
             pushed = time.perf_counter()
             rewards_per_step.append(reward.mean().item())
             tokens = sum(r.completion_tokens for r in results)
             timing = {"sample_s": sampled - started, "train_s": trained - sampled,
                       "push_s": pushed - trained, "step_s": pushed - started}
             timings.append(timing)
-            stale = sum(x.end - x.start for r in results for x in r.weight_versions
-                        if kept.label(x.version) < version) / max(tokens, 1)
+            stale = sum(n for v, n in kept.spans(results) if v < version) / max(tokens, 1)
             record({"step": step, "reward": rewards_per_step[-1], "max_logprob_diff": diff,
                     "stale_token_share": round(stale, 4), "eta": args.eta,
                     **{k: round(v, 4) for k, v in timing.items()}})
@@ -391,7 +443,7 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     last = sum(rewards_per_step[-window:]) / window
     mean = {k: round(sum(t[k] for t in timings) / len(timings), 4) for k in timings[0]} if timings else {}
     print(json.dumps({"backend": args.backend, "task": args.task, "steps": args.steps,
-                      "eta": args.eta,
+                      "eta": args.eta, "lora": args.lora,
                       "first_reward": round(first, 4), "last_reward": round(last, 4),
                       "accuracy_before": before, "accuracy_after": after,
                       "max_logprob_diff": worst_diff, "mean_seconds": mean,

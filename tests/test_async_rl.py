@@ -182,6 +182,31 @@ def test_groups_run_across_updates_and_reach_the_trainer_whole(request, tiny_mod
     assert sampler.weight_version == start + 4
 
 
+def test_adapter_pushes_age_adapter_samples_by_their_adapter_version(ro, tiny_model):
+    """A trainer of a LoRA adapter pushes only it: its samples are as old as the adapter
+    version that made them (the base weights' spans never move), so none is dropped as
+    stale and each batch is of the version just pushed; eta > 0 is refused by name."""
+    from rollout.testing.adapters import lora_adapter
+
+    tensors, config = lora_adapter(tiny_model, rank=4, seed=3)
+    ro.load_adapter("trained", tensors.items(), config, version=0)
+    prompts = [{**p, "adapter": "trained"} for p in _prompts(4)]
+    try:
+        with GroupSampler(ro, prompts, group_size=2, batch_size=2, eta=0) as groups:
+            for step in range(3):
+                batch = groups.next_batch(timeout=300)
+                assert {(g.version, g.staleness) for g in batch} == {(step, 0)}
+                assert {(r.adapter, r.adapter_version) for g in batch
+                        for r in g.results} == {("trained", step)}
+                assert groups.load_adapter("trained", tensors.items(), config) == step + 1
+            assert groups.stats()["dropped_stale"] == 0
+        with GroupSampler(ro, prompts, group_size=2, batch_size=2, eta=1) as groups:
+            with pytest.raises(InvalidRequestError, match="eta"):
+                groups.load_adapter("trained", tensors.items(), config)
+    finally:
+        ro.unload_adapter("trained")
+
+
 def test_a_group_filter_and_oversampling_fill_batches_with_kept_groups(ro):
     turned_down = []
 

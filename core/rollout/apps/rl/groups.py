@@ -120,6 +120,22 @@ class GroupSampler:
         version = self.version + 1
         self.sampler.update_weights(named_tensors, bucket_bytes=bucket_bytes, version=version,
                                     pause=self.pause)
+        return self._advance(version)
+
+    def load_adapter(self, name: str, named_tensors: Iterable, config: Mapping,
+                     bucket_bytes: int | None = None) -> int:
+        """Push the trainer's LoRA adapter `name` (its prompts name it) as the next version;
+        returns it. Only with eta 0: a result has one adapter version, so nothing may be
+        sampled across the push, and a group's staleness would count the base weights'."""
+        if self.bound.eta:
+            raise InvalidRequestError("eta", f"got {self.bound.eta}: a sample holds one "
+                                      "adapter version, so none may run across a push", "0")
+        version = self.version + 1
+        self.sampler.load_adapter(name, named_tensors, config, version=version,
+                                  bucket_bytes=bucket_bytes)
+        return self._advance(version)
+
+    def _advance(self, version: int) -> int:
         with self._gate:
             self.version = version
             self.bound.advance()
@@ -218,9 +234,11 @@ class GroupSampler:
                 self._ids.discard(sample.id)
 
     def _oldest(self, results: Sequence[Result]) -> int:
-        # Tokens made before any versioned update count as the starting version.
-        versions = [self.bound.first if x.version is None else x.version
-                    for r in results for x in r.weight_versions]
+        # Tokens made before any versioned update count as the starting version. An
+        # adapter's sample is as old as its adapter: pushes change it, not the base weights.
+        versions = [self.bound.first if v is None else v for r in results
+                    for v in ([r.adapter_version] if r.adapter is not None
+                              else [x.version for x in r.weight_versions])]
         return min(versions, default=self.version)
 
     def _fail(self, exc: BaseException) -> None:
