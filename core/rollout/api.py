@@ -225,7 +225,7 @@ class Rollout:
             timeout, _cancel_all, [flight], True)
         try:
             if flight.aborted:  # before it started
-                return Completion(request.id, aborted_results(request))
+                return aborted_completion(request)
             await self._admit()
             flight.admitted = True
             try:
@@ -237,7 +237,7 @@ class Rollout:
             if not flight.aborted:
                 raise
             uncancel()
-            return Completion(request.id, aborted_results(request))
+            return aborted_completion(request)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -797,11 +797,11 @@ def _check_adapter_name(name: Any) -> None:
         raise InvalidRequestError("name", f"got {name!r}", "a non-empty string")
 
 
-def aborted_results(request: Request) -> tuple[Result, ...]:
+def aborted_completion(request: Request) -> Completion:
     """What a request stopped before it made anything returns."""
-    return tuple(Result(request_id=request.id, index=i, token_ids=(), text="",
-                        finish_reason="abort", prompt_tokens=0)
-                 for i in range(request.sampling.n))
+    return Completion(request.id, tuple(
+        Result(request_id=request.id, index=i, token_ids=(), text="", finish_reason="abort",
+               prompt_tokens=0) for i in range(request.sampling.n)))
 
 
 def _packed(weights: Iterable, bucket_bytes: int) -> Iterator:

@@ -11,7 +11,7 @@ import threading
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 
-from rollout.api import Stream, aborted_results, load_backend, raw_id
+from rollout.api import Stream, aborted_completion, load_backend, raw_id
 from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError
 from rollout.contract.sampler import Sampler
@@ -153,7 +153,7 @@ class ServedRollout:
         call.task = asyncio.current_task()
         if call.stopped:  # aborted before it started: nothing was sent
             self._forget(call)
-            return Completion(request.id, aborted_results(request))
+            return aborted_completion(request)
         timer = None if timeout is None else self._loop.call_later(timeout, self._stop, [call])
         named = CALL.set(call.token)  # sent with the request: see `_abort_until_done`
         try:
@@ -162,7 +162,7 @@ class ServedRollout:
             if not call.cut:  # the caller's: it goes on
                 raise
             uncancel()  # an abort the server did not answer: nothing came back
-            return Completion(request.id, aborted_results(request))
+            return aborted_completion(request)
         finally:
             CALL.reset(named)
             if timer is not None:

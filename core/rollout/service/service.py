@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextvars import ContextVar
 from typing import Protocol
 
-from rollout.api import Rollout, aborted_results
+from rollout.api import Rollout, aborted_completion
 from rollout.contract.sampler import ChunkStream
 from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 from rollout.service.admission import UNBOUNDED, Gate, Limits
@@ -87,7 +87,7 @@ class LocalService:
             # An abort that came before named the call; one from now on finds the id
             # (the rollout registers the request at once).
             if self.stopped.take(call):
-                return Completion(request.id, aborted_results(request))
+                return aborted_completion(request)
             return await self.rollout.agenerate(request)
 
     def stream(self, request: Request) -> ChunkStream:
@@ -175,7 +175,7 @@ class GatedStream(WrappedStream):
         async with self.gate.turn():
             # The inner stream registers its request on its first step, right below.
             if self.stopped():
-                self._aborted = Completion(self.request.id, aborted_results(self.request))
+                self._aborted = aborted_completion(self.request)
                 return
             async for chunk in self.stream:
                 yield chunk
