@@ -164,14 +164,13 @@ class AsyncEngine:
         await self._call("collective_rpc", "rollout_receive_shm", timeout=timeout,
                          args=(message,))
 
-    async def load_adapter(self, lora_id: int, config: dict, data: bytes,
-                           timeout: float) -> None:
+    async def load_adapter(self, lora, config: dict, data: bytes, timeout: float) -> None:
         await self._call("collective_rpc", "rollout_load_adapter", timeout=timeout,
-                         args=(lora_id, config, data))
+                         args=(lora.lora_int_id, config, data))
 
-    async def unload_adapter(self, lora_id: int, timeout: float) -> None:
+    async def unload_adapter(self, lora, timeout: float) -> None:
         await self._call("collective_rpc", "rollout_unload_adapter", timeout=timeout,
-                         args=(lora_id,))
+                         args=(lora.lora_int_id,))
 
     async def reset_prefix_cache(self) -> None:
         check_reset(await self._call("reset_prefix_cache", True))

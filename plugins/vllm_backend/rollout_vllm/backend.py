@@ -23,6 +23,7 @@ from rollout_vllm.async_engine import AsyncEngine
 from rollout_vllm.cpu import cpu_engine_args
 from rollout_vllm.engine import AdapterEngine, Engine, WeightPath
 from rollout_vllm.in_process import InProcessEngine
+from rollout_vllm.lora import lora_request
 from rollout_vllm.server_engine import ServerEngine
 from rollout_vllm.transport import ENGINE_NAME, TRANSPORTS, GlooSender, ShmPipeline
 from rollout_vllm.weights import layer_groups
@@ -245,11 +246,9 @@ class VLLMBackend:
         self.loop.run(self.engine.reset_prefix_cache(), self.request_timeout + 60,
                       "vLLM weight update")
 
-    # --- LoRA adapters (engine and async modes, with enable_lora) -------------------------
+    # --- LoRA adapters (with enable_lora) -------------------------------------------------
 
     def _lora_request(self, name: str):
-        from rollout_vllm.lora import lora_request
-
         lora_id = self.lora_ids.get(name)
         if lora_id is None:  # vLLM would look for it on disk, and its engine die of that
             raise no_such_adapter(name, self.lora_ids)
@@ -269,19 +268,20 @@ class VLLMBackend:
                        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in tensors})}
         engine: AdapterEngine = self.engine
         lora_id = next(self._new_lora_id)
-        self.loop.run(engine.load_adapter(lora_id, peft_config, save(tensors),
-                                          self.request_timeout),
+        self.loop.run(engine.load_adapter(lora_request(name, lora_id), peft_config,
+                                          save(tensors), self.request_timeout),
                       self.request_timeout + 60, "vLLM adapter load")
         replaced = self.lora_ids.get(name)
         self.lora_ids[name] = lora_id
         if replaced is not None:
-            self.loop.run(engine.unload_adapter(replaced, self.request_timeout),
+            self.loop.run(engine.unload_adapter(lora_request(name, replaced),
+                                                self.request_timeout),
                           self.request_timeout + 60, "vLLM adapter unload")
 
     @rollout.hookimpl
     def unload_adapter(self, name):
-        lora_id = self.lora_ids.pop(name)
-        self.loop.run(self.engine.unload_adapter(lora_id, self.request_timeout),
+        lora = lora_request(name, self.lora_ids.pop(name))
+        self.loop.run(self.engine.unload_adapter(lora, self.request_timeout),
                       self.request_timeout + 60, "vLLM adapter unload")
 
     def _linears(self) -> dict[str, tuple[int, int]]:
@@ -309,9 +309,6 @@ class VLLMBackend:
 
 def _adapters_reason(mode: str, args: dict) -> str | None:
     """Why this backend loads no LoRA adapter; None where it does."""
-    if mode == "server":
-        return ("not in server mode yet (vLLM's server loads adapters from folders); "
-                "the engine and async modes load them from tensors")
     if not args.get("enable_lora"):
         return ADAPTERS_OFF
     return None

@@ -77,16 +77,16 @@ class Engine(Protocol):
 
 
 class AdapterEngine(Engine, Protocol):
-    """An engine whose worker is reached by `collective_rpc` (in process, or its core in a
-    child process), which loads LoRA adapters from tensors (`rollout_vllm.lora`)."""
+    """An engine whose worker is reached by `collective_rpc` (in process, its core in a
+    child process, or through vLLM's server), which loads LoRA adapters from tensors
+    (`rollout_vllm.lora`)."""
 
-    async def load_adapter(self, lora_id: int, config: dict, data: bytes,
-                           timeout: float) -> None:
-        """Keep and load adapter `lora_id` (PEFT's tensors as safetensors bytes, its
-        LoraConfig as a dict) in the worker; raise what vLLM refuses."""
+    async def load_adapter(self, lora, config: dict, data: bytes, timeout: float) -> None:
+        """Keep and load adapter `lora` (vLLM's LoRARequest; PEFT's tensors as safetensors
+        bytes, its LoraConfig as a dict) in the worker; raise what vLLM refuses."""
 
-    async def unload_adapter(self, lora_id: int, timeout: float) -> None:
-        """Drop adapter `lora_id` from the worker."""
+    async def unload_adapter(self, lora, timeout: float) -> None:
+        """Drop adapter `lora` from the worker."""
 
 
 class ShmEngine(Engine, Protocol):

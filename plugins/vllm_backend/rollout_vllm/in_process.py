@@ -197,14 +197,13 @@ class InProcessEngine:
         await self._call(lambda engine: engine.collective_rpc(
             "rollout_load_tensors", timeout=timeout, args=(list(tensors.items()),)))
 
-    async def load_adapter(self, lora_id: int, config: dict, data: bytes,
-                           timeout: float) -> None:
+    async def load_adapter(self, lora, config: dict, data: bytes, timeout: float) -> None:
         await self._call(lambda engine: engine.collective_rpc(
-            "rollout_load_adapter", timeout=timeout, args=(lora_id, config, data)))
+            "rollout_load_adapter", timeout=timeout, args=(lora.lora_int_id, config, data)))
 
-    async def unload_adapter(self, lora_id: int, timeout: float) -> None:
+    async def unload_adapter(self, lora, timeout: float) -> None:
         await self._call(lambda engine: engine.collective_rpc(
-            "rollout_unload_adapter", timeout=timeout, args=(lora_id,)))
+            "rollout_unload_adapter", timeout=timeout, args=(lora.lora_int_id,)))
 
     async def reset_prefix_cache(self) -> None:
         # Running requests (none in an update, which runs alone) would be preempted.

@@ -1,8 +1,10 @@
 """LoRA adapters from tensors, inside vLLM's worker (vLLM itself loads them from folders
-only). The worker keeps each adapter's tensors under its LoRA id, and vLLM's loader builds
-an adapter from them instead of from `lora_path`: when it is loaded, and again whenever
-vLLM's LRU cache evicted it and a request needs it back (from a path that does not exist,
-vLLM's loader would kill the engine).
+only). The worker keeps each adapter's tensors under our LoRA id, which its `lora_path`
+names, and vLLM's loader builds an adapter from them instead of from the path: when it is
+loaded, and again whenever vLLM's LRU cache evicted it and a request needs it back (from a
+path that does not exist, vLLM's loader would kill the engine). Through vLLM's server the
+tensors come first (`keep`), then the server's `/v1/load_lora_adapter` loads the adapter
+under an id of the server's own: the path still names ours.
 
 Fixes to vLLM 0.32 on the way:
 - its loader scales `lora_B` in place (`LoRALayerWeights.optimize`) on tensors it did not
@@ -23,7 +25,8 @@ import types
 
 # Where a request's LoRA path points: nowhere on disk. vLLM's prefix cache keys on the
 # name and path, so each load (a new id) gets its own cache entries.
-PATH = "rollout-adapter://{name}/{lora_id}"
+SCHEME = "rollout-adapter://"
+PATH = SCHEME + "{name}/{lora_id}"
 
 
 def lora_request(name: str, lora_id: int):
@@ -32,24 +35,39 @@ def lora_request(name: str, lora_id: int):
     return LoRARequest(f"{name}@{lora_id}", lora_id, PATH.format(name=name, lora_id=lora_id))
 
 
-def load(worker, lora_id: int, config: dict, data: bytes) -> None:
-    """Keep adapter `lora_id` (safetensors bytes `data`, PEFT's names) and load it now, so
-    that what vLLM refuses is refused here, not in a step."""
+def keep(worker, lora_id: int, config: dict, data: bytes) -> None:
+    """Keep adapter `lora_id`'s tensors (safetensors bytes `data`, PEFT's names) for vLLM's
+    loader."""
     from safetensors.torch import load as from_bytes
 
     manager = _tensor_loading(worker.model_runner.lora_manager)
     manager.rollout_tensors[lora_id] = (config, from_bytes(bytes(data)))
+
+
+def load(worker, lora_id: int, config: dict, data: bytes) -> None:
+    """Keep adapter `lora_id` and load it now, so that what vLLM refuses is refused here,
+    not in a step."""
+    keep(worker, lora_id, config, data)
     try:
-        manager.add_adapter(lora_request("load", lora_id))
+        worker.model_runner.lora_manager.add_adapter(lora_request("load", lora_id))
     except BaseException:
-        manager.rollout_tensors.pop(lora_id, None)
+        unload(worker, lora_id)
         raise
 
 
 def unload(worker, lora_id: int) -> None:
+    """Drop adapter `lora_id`'s tensors and every id vLLM loaded it under."""
     manager = worker.model_runner.lora_manager
     getattr(manager, "rollout_tensors", {}).pop(lora_id, None)
-    manager.remove_adapter(lora_id)
+    loaded = getattr(manager, "rollout_loaded", {})
+    for vllm_id in [i for i, ours in loaded.items() if ours == lora_id] or [lora_id]:
+        loaded.pop(vllm_id, None)
+        manager.remove_adapter(vllm_id)
+
+
+def _our_id(request) -> int | None:
+    path = request.lora_path or ""
+    return int(path.rsplit("/", 1)[1]) if path.startswith(SCHEME) else None
 
 
 def _tensor_loading(manager):
@@ -57,12 +75,15 @@ def _tensor_loading(manager):
     if hasattr(manager, "rollout_tensors"):
         return manager
     manager.rollout_tensors = {}
+    manager.rollout_loaded = {}  # vLLM's id of each adapter built from our tensors -> ours
     from_path = manager._load_adapter
 
     def load_adapter(self, request):
-        kept = self.rollout_tensors.get(request.lora_int_id)
+        ours = _our_id(request)
+        kept = self.rollout_tensors.get(ours)
         if kept is None:
             return from_path(request)
+        self.rollout_loaded[request.lora_int_id] = ours
         from vllm.lora.peft_helper import PEFTHelper
 
         config, tensors = kept

@@ -6,6 +6,7 @@ streamed events. Its weight updates go through shared memory or, with
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import sys
@@ -58,8 +59,11 @@ class ServerEngine:
     async def start(self) -> None:
         # Dev mode adds the routes for weight RPCs, sleep and prefix-cache resets. Watched:
         # a call waiting on a server that died fails at once, with the end of its log.
-        await self.server.start(self.argv(), {"VLLM_SERVER_DEV_MODE": "1"},
-                                self.startup_timeout, watch=True)
+        # Runtime LoRA updates: the routes that load adapters after the start.
+        env = {"VLLM_SERVER_DEV_MODE": "1",
+               "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1" if self.engine_args.get("enable_lora")
+               else "0"}
+        await self.server.start(self.argv(), env, self.startup_timeout, watch=True)
 
     async def _call(self, path: str, body: dict | None = None, timeout: float | None = None):
         """POST and return the JSON answer."""
@@ -109,20 +113,18 @@ class ServerEngine:
         before it has started)."""
         import aiohttp
 
-        # No adapters in server mode (the backend's capabilities say so): never given one.
-        assert lora is None, "adapters are unsupported in server mode"
         self.server.check()
         if params.get("prompt_logprobs") is not None and "multi_modal_data" not in prompt:
             # vLLM's server scores prompts only in a whole (not streamed) answer.
-            async for chunk in self._scored(rid, prompt, params):
+            async for chunk in self._scored(rid, prompt, params, lora):
                 yield chunk
             return
         if "multi_modal_data" in prompt:
             path, parse = "/inference/v1/generate", _generate_chunks
-            body = await _generate_body(rid, prompt, params, self.encoded)
+            body = await _generate_body(rid, prompt, params, self.encoded, _model(lora))
         else:
             path, parse = "/v1/completions", _sse_chunks
-            body = {"model": SERVED_NAME, "prompt": prompt["prompt_token_ids"],
+            body = {"model": _model(lora), "prompt": prompt["prompt_token_ids"],
                     "request_id": rid, "return_token_ids": True,
                     "return_tokens_as_token_ids": True,
                     "stream": True, "stream_interval": self.stream_interval,
@@ -158,14 +160,15 @@ class ServerEngine:
         except (aiohttp.ClientError, OSError, RuntimeError) as exc:  # RuntimeError: closed
             raise await self.server.failure(exc, f"vLLM server call {path}") from None
 
-    async def _scored(self, rid: str, prompt: dict, params: dict) -> AsyncIterator[Chunk]:
+    async def _scored(self, rid: str, prompt: dict, params: dict, lora
+                      ) -> AsyncIterator[Chunk]:
         """A request with prompt_logprobs, in one answer from /v1/completions: the prompt's
         scores first, then every sample whole."""
         import aiohttp
 
         path = "/v1/completions"
-        body = {"model": SERVED_NAME, "prompt": prompt["prompt_token_ids"], "request_id": rid,
-                "return_token_ids": True, "return_tokens_as_token_ids": True,
+        body = {"model": _model(lora), "prompt": prompt["prompt_token_ids"],
+                "request_id": rid, "return_token_ids": True, "return_tokens_as_token_ids": True,
                 **{k: v for k, v in params.items() if v is not None}}
         try:
             async with self.server.session.post(
@@ -197,6 +200,29 @@ class ServerEngine:
         # the call on its side too.
         await self._call("/collective_rpc", {"method": "rollout_receive_shm",
                                              "args": [message], "timeout": timeout},
+                         timeout=timeout + 30)
+
+    async def load_adapter(self, lora, config: dict, data: bytes, timeout: float) -> None:
+        """The tensors to the worker (JSON: base64), then the server's own route loads the
+        adapter under `lora`'s name, which requests then give as their model."""
+        await self._call("/collective_rpc", {
+            "method": "rollout_keep_adapter", "timeout": timeout,
+            "args": [lora.lora_int_id, config, base64.b64encode(data).decode()]},
+            timeout=timeout + 30)
+        try:
+            await self._call("/v1/load_lora_adapter", {"lora_name": lora.lora_name,
+                                                       "lora_path": lora.lora_path}, timeout)
+        except BaseException:
+            await self._drop_adapter(lora, timeout)
+            raise
+
+    async def unload_adapter(self, lora, timeout: float) -> None:
+        await self._call("/v1/unload_lora_adapter", {"lora_name": lora.lora_name}, timeout)
+        await self._drop_adapter(lora, timeout)
+
+    async def _drop_adapter(self, lora, timeout: float) -> None:
+        await self._call("/collective_rpc", {"method": "rollout_unload_adapter",
+                                             "args": [lora.lora_int_id], "timeout": timeout},
                          timeout=timeout + 30)
 
     # vLLM's weight-transfer routes (`weight_transport="gloo"`, rollout_vllm.transport).
@@ -233,8 +259,13 @@ class ServerEngine:
 
 
 async def _json(response, path: str):
-    """The JSON of a 200 answer; the server's refusal as our error otherwise."""
-    data = await response.json(content_type=None)
+    """The JSON of a 200 answer (or its text: vLLM's LoRA routes answer plain text); the
+    server's refusal as our error otherwise."""
+    text = await response.text()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = text
     if response.status == 400:
         error = data.get("error", {}) if isinstance(data, dict) else {}
         raise request_error(str(error.get("message", data)), error.get("param"))
@@ -302,8 +333,13 @@ def _sse_chunks(event: dict, k: int | None) -> list[Chunk]:
     return chunks
 
 
-async def _generate_body(rid: str, prompt: dict, params: dict, encoded: EncodedImages
-                         ) -> dict:
+def _model(lora) -> str:
+    """The model a request names: the adapter's name as the server loaded it, or the base."""
+    return SERVED_NAME if lora is None else lora.lora_name
+
+
+async def _generate_body(rid: str, prompt: dict, params: dict, encoded: EncodedImages,
+                         model: str) -> dict:
     """A streamed request to /inference/v1/generate: the collapsed ids (vLLM expands each
     placeholder), each image as a PNG data: URL (lossless: the pixels the core loaded; encoded
     off the loop, once per image) with our id as its uuid, the key of vLLM's processor
@@ -318,7 +354,7 @@ async def _generate_body(rid: str, prompt: dict, params: dict, encoded: EncodedI
         # The route lists each position's first k entries, the sampled token first: one more
         # keeps the whole top k when the sampled token is not in it (cut in _generate_chunks).
         sampling["logprobs"] = params["logprobs"] + 1
-    return {"model": SERVED_NAME, "request_id": rid, "token_ids": prompt["prompt_token_ids"],
+    return {"model": model, "request_id": rid, "token_ids": prompt["prompt_token_ids"],
             "content_parts": [{"type": "image_url", "url": url, "uuid": uuid} for url, uuid
                               in zip(urls, prompt["multi_modal_uuids"]["image"], strict=True)],
             "sampling_params": sampling, "stream": True,

@@ -1,6 +1,6 @@
 """The vLLM backend through AsyncLLM, its engine core in a child process, against the full
-contract suite, with LoRA adapters enabled (the contract's adapter tests run here; the
-engine-mode and server classes check that a backend without them refuses them)."""
+contract suite, with LoRA adapters enabled (the contract's adapter tests run here and in
+server mode; the engine-mode class checks that a backend without them refuses them)."""
 
 import pytest
 from conftest import ENGINE

@@ -1,8 +1,9 @@
-"""LoRA adapters on vLLM (engine mode, the tiny model), beyond the contract suite's: rows of
-two adapters and of the base in one batch (vLLM's CPU ops gave base rows the last slot's
-adapter), more adapters than vLLM keeps loaded (an evicted one is rebuilt from the tensors
-the worker kept), and replacing one in place. References: each adapter merged into the
-model's weights, on the HF backend (whose greedy tokens equal vLLM's, test_matches_hf)."""
+"""LoRA adapters on vLLM (engine and server modes, the tiny model), beyond the contract
+suite's: rows of two adapters and of the base in one batch (vLLM's CPU ops gave base rows
+the last slot's adapter), more adapters than vLLM keeps loaded (an evicted one is rebuilt
+from the tensors the worker kept), and replacing one in place. References: each adapter
+merged into the model's weights, on the HF backend (whose greedy tokens equal vLLM's,
+test_matches_hf)."""
 
 import pytest
 from conftest import ENGINE
@@ -45,9 +46,11 @@ def expected(tiny_model, adapters, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def ro(tiny_model):
-    with rollout.load_backend("vllm", model=str(tiny_model), mode="engine",
+@pytest.fixture(scope="module", params=["engine", "server"])
+def ro(request, tiny_model):
+    """In server mode vLLM's server gives each adapter an id of its own: the worker finds
+    the tensors by the adapter's path, also when it rebuilds an evicted one."""
+    with rollout.load_backend("vllm", model=str(tiny_model), mode=request.param,
                               engine_args=LORA, **ENGINE) as backend:
         yield backend
 

@@ -1,7 +1,9 @@
-"""The vLLM backend, OpenAI server in a child process, against the full contract suite."""
+"""The vLLM backend, OpenAI server in a child process, against the full contract suite,
+with LoRA adapters enabled (the contract's adapter tests run through the server's routes)."""
 
 import pytest
 from conftest import ENGINE
+from test_async_contract import LORA
 
 import rollout
 from rollout.testing import BackendContract, WeightTestsOnly
@@ -13,7 +15,8 @@ class TestVLLMServer(BackendContract):
     @pytest.fixture(scope="class")
     @classmethod
     def make_backend(cls):
-        return lambda model: rollout.load_backend("vllm", model=str(model), mode="server", **ENGINE)
+        return lambda model: rollout.load_backend("vllm", model=str(model), mode="server",
+                                                  engine_args=LORA, **ENGINE)
 
 
 class TestVLLMServerShm(WeightTestsOnly, BackendContract):
