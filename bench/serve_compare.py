@@ -1,0 +1,59 @@
+"""Servers compared under vLLM's own serving benchmark (`vllm.benchmarks.serve`): random
+dataset, 32 tokens in and 32 out, 64 requests at once, streamed, on /v1/completions. Each
+server runs alone (two engines on a small machine would slow each other), alternating for
+`rounds` rounds after a warm-up round each; the medians are compared with the baseline's.
+The benchmark sends `repetition_penalty`, which rollout honours."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+
+LOAD = ("--random-input-len", "32", "--random-output-len", "32", "--max-concurrency", "64",
+        "--ignore-eos")
+KEYS = ("output_throughput", "median_ttft_ms")
+
+
+def measure(name: str, argv: Sequence[str], port: int, model: str, served: str, prompts: int,
+            bench_python: str) -> dict:
+    """Start the server `argv` (listening on `port`), run the benchmark, stop it."""
+    from rollout.kit.process import ServerProcess
+    from rollout.testing.vllm_bench import run_bench
+
+    server = ServerProcess(name, argv, die_with_parent=True)
+    try:
+        server.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=600)
+        result = run_bench(bench_python, f"http://127.0.0.1:{port}", served, model, "openai",
+                           "/v1/completions", prompts, extra=LOAD)
+        assert (result["completed"], result["failed"]) == (prompts, 0), result
+        return result
+    finally:
+        server.stop()
+
+
+def compare(contenders: Mapping[str, Sequence[str]], baseline: str, port: int, model: str,
+            served: str, prompts: int, rounds: int, bench_python: str, label: str) -> dict:
+    """Every contender, round after round; prints each round, the medians and each one's
+    ratios to `baseline` (throughput: higher is better; TTFT: lower is better)."""
+    results: dict[str, list[dict]] = {name: [] for name in contenders}
+    for round_ in range(rounds + 1):
+        for name, argv in contenders.items():
+            result = measure(name, argv, port, model, served, prompts, bench_python)
+            if round_:  # the first round warms caches up
+                results[name].append(result)
+            print(f"round {round_} {name}: {result['output_throughput']:.1f} tokens/s, "
+                  f"TTFT p50 {result['median_ttft_ms']:.1f} ms", flush=True)
+    median = {name: {key: statistics.median(r[key] for r in rs) for key in KEYS}
+              for name, rs in results.items()}
+    print(f"model {label}: {prompts} prompts, 32 in / 32 out, concurrency 64, "
+          f"median of {rounds}:")
+    for name, m in median.items():
+        print(f"  {name:16s} {m['output_throughput']:8.1f} tokens/s  "
+              f"TTFT p50 {m['median_ttft_ms']:8.1f} ms")
+    base = median[baseline]
+    for name, m in median.items():
+        if name != baseline:
+            print(f"  {name}: output throughput ratio (rollout / {baseline}) "
+                  f"{m['output_throughput'] / base['output_throughput']:.3f}, "
+                  f"TTFT p50 ratio {m['median_ttft_ms'] / base['median_ttft_ms']:.3f}")
+    return median
