@@ -363,8 +363,9 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
         return groups.load_adapter(ADAPTER, adapter_tensors(model), lora)
 
     try:
-        if lora is not None:  # version 0: peft starts B at zero, so it is the base model
-            sampler.load_adapter(ADAPTER, adapter_tensors(model), lora, version=0)
+        if lora is not None:  # untrained (peft starts B at zero), at the sampler's version
+            sampler.load_adapter(ADAPTER, adapter_tensors(model), lora,
+                                 version=sampler.weight_version or 0)
         before = evaluate(0)
         groups = GroupSampler(sampler, prompts(), group_size=args.group_size,
                               batch_size=args.prompts, eta=args.eta, score=score)

@@ -189,11 +189,12 @@ def test_adapter_pushes_age_adapter_samples_by_their_adapter_version(ro, tiny_mo
     from rollout.testing.adapters import lora_adapter
 
     tensors, config = lora_adapter(tiny_model, rank=4, seed=3)
-    ro.load_adapter("trained", tensors.items(), config, version=0)
+    start = ro.weight_version or 0  # where the group sampler's versions start (earlier tests)
+    ro.load_adapter("trained", tensors.items(), config, version=start)
     prompts = [{**p, "adapter": "trained"} for p in _prompts(4)]
     try:
         with GroupSampler(ro, prompts, group_size=2, batch_size=2, eta=0) as groups:
-            for step in range(3):
+            for step in range(start, start + 3):
                 batch = groups.next_batch(timeout=300)
                 assert {(g.version, g.staleness) for g in batch} == {(step, 0)}
                 assert {(r.adapter, r.adapter_version) for g in batch

@@ -125,8 +125,9 @@ class GroupSampler:
     def load_adapter(self, name: str, named_tensors: Iterable, config: Mapping,
                      bucket_bytes: int | None = None) -> int:
         """Push the trainer's LoRA adapter `name` (its prompts name it) as the next version;
-        returns it. Only with eta 0: a result has one adapter version, so nothing may be
-        sampled across the push, and a group's staleness would count the base weights'."""
+        returns it. Load the adapter first at this sampler's `version`: a sample is as old
+        as its adapter version. Only with eta 0: a result has one adapter version, so
+        nothing may be sampled across the push."""
         if self.bound.eta:
             raise InvalidRequestError("eta", f"got {self.bound.eta}: a sample holds one "
                                       "adapter version, so none may run across a push", "0")
