@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from common import add_model_argument, model_folder
-from serve_compare import compare
+from serve_compare import compare, rollout_serve
 
 SETTINGS = {"dtype": "float32", "max_total_tokens": 64 * 2048 + 4096}
 
@@ -43,10 +43,8 @@ def servers(model: str, served: str, port: int, modes: list[str], device: str
                    "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
                    *cli_flags(own)]}
     for mode in modes:
-        contenders[f"rollout-{mode}"] = [
-            sys.executable, "-m", "rollout", "serve", "--backend", "sglang", "--model", model,
-            "--served-model-name", served, "--port", str(port), "-o", f"mode={mode}",
-            *(x for key, value in SETTINGS.items() for x in ("-o", f"{key}={value}"))]
+        contenders[f"rollout-{mode}"] = rollout_serve("sglang", model, served, port, mode,
+                                                      SETTINGS)
     return contenders
 
 

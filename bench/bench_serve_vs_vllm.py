@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench_vllm import SETTINGS
 from common import add_model_argument, model_folder, use_cpu_defaults
-from serve_compare import compare
+from serve_compare import compare, rollout_serve
 
 
 def servers(model: str, served: str, port: int, modes: list[str]) -> dict[str, list[str]]:
@@ -32,10 +32,8 @@ def servers(model: str, served: str, port: int, modes: list[str]) -> dict[str, l
         "vllm": [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                  "--served-model-name", served, "--port", str(port), *engine]}
     for mode in modes:
-        contenders[f"rollout-{mode}"] = [
-            sys.executable, "-m", "rollout", "serve", "--backend", "vllm", "--model", model,
-            "--served-model-name", served, "--port", str(port), "-o", f"mode={mode}",
-            "-o", "dtype=float32", "-o", "enforce_eager=true"]
+        contenders[f"rollout-{mode}"] = rollout_serve(
+            "vllm", model, served, port, mode, {"dtype": "float32", "enforce_eager": "true"})
     return contenders
 
 

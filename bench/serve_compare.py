@@ -7,11 +7,20 @@ The benchmark sends `repetition_penalty`, which rollout honours."""
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Mapping, Sequence
 
 LOAD = ("--random-input-len", "32", "--random-output-len", "32", "--max-concurrency", "64",
         "--ignore-eos")
 KEYS = ("output_throughput", "median_ttft_ms")
+
+
+def rollout_serve(backend: str, model: str, served: str, port: int, mode: str,
+                  options: Mapping[str, object]) -> list[str]:
+    """`rollout serve`'s command line for one backend mode, with backend options (`-o`)."""
+    return [sys.executable, "-m", "rollout", "serve", "--backend", backend, "--model", model,
+            "--served-model-name", served, "--port", str(port), "-o", f"mode={mode}",
+            *(arg for key, value in options.items() for arg in ("-o", f"{key}={value}"))]
 
 
 def measure(name: str, argv: Sequence[str], port: int, model: str, served: str, prompts: int,

@@ -164,7 +164,8 @@ class VLLMBackend:
             self.loop.run(self.engine.close(), 60, "stopping vLLM")
             raise
         self.images_reason = _images_reason(config, mode, self.engine.model_config())
-        self.adapters_reason = _adapters_reason(mode, args)
+        # Adapters in every mode, where vLLM reserved its LoRA slots at the start.
+        self.adapters_reason = None if args.get("enable_lora") else ADAPTERS_OFF
         self.max_lora_rank = args.get("max_lora_rank", DEFAULT_MAX_LORA_RANK)
         self.lora_ids: dict[str, int] = {}  # adapter name -> the vLLM LoRA id it is under
         self._new_lora_id = itertools.count(1)  # a new one per load: vLLM's caches key on it
@@ -305,13 +306,6 @@ class VLLMBackend:
     def close(self):
         self.weights.close()  # a gloo group: the server leaves it too, bounded
         self.loop.run(self.engine.close(), 120, "stopping vLLM")
-
-
-def _adapters_reason(mode: str, args: dict) -> str | None:
-    """Why this backend loads no LoRA adapter; None where it does."""
-    if not args.get("enable_lora"):
-        return ADAPTERS_OFF
-    return None
 
 
 def _images_reason(config, mode: str, model_config) -> str | None:
