@@ -54,3 +54,23 @@ def test_a_template_that_raises_is_an_error_naming_messages(tokenizer):
     with pytest.raises(InvalidRequestError) as info:
         encode(tokenizer, messages=CALLED[:1])
     assert info.value.field == "messages" and "roles must alternate" in str(info.value)
+
+
+@pytest.mark.parametrize("model", ["tiny_model", "real_model"])
+def test_texts_are_decoded_as_the_tokenizer_decodes_them(model, request):
+    """Streams decode through the Rust tokenizer directly; the text must be transformers'
+    own, special tokens and characters split across tokens included."""
+    from hypothesis import given, settings, strategies as st
+
+    tokenizer = AutoTokenizer.from_pretrained(str(request.getfixturevalue(model)))
+    encoder = PromptEncoder(tokenizer, len(tokenizer), 2048)
+    assert encoder._decode.__code__ is not PromptEncoder(object(), 1, 1)._decode.__code__
+    specials = sorted(tokenizer.all_special_ids)
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.one_of(st.integers(0, len(tokenizer) - 1), st.sampled_from(specials)),
+                    max_size=12))
+    def decoded_alike(ids):
+        assert encoder.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+    decoded_alike()

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import attrs
 from aiohttp import web
@@ -25,7 +25,7 @@ from rollout.contract import convert
 from rollout.api import raw_id
 from rollout.contract.errors import EngineDeadError, InvalidRequestError, NoReplicaError, \
     RolloutError, RolloutTimeoutError
-from rollout.contract.schemas import Completion, Request
+from rollout.contract.schemas import Chunk, Completion, Request
 from rollout.kit.images import refuse_paths
 from rollout.apps.serving.prometheus import CONTENT_TYPE, Metered, ServerMetrics
 from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
@@ -437,26 +437,12 @@ async def _stream(request: web.Request, service: Service, call: Call) -> web.Str
             await response.prepare(request)
         await response.write(f"data: {data}\n\n".encode())
 
-    arrived: asyncio.Queue = asyncio.Queue()  # (prompt index, Chunk | Completion | error)
-
-    async def pump(i: int, request: Request) -> None:
-        stream = service.stream(request)
-        try:
-            async for chunk in stream:
-                arrived.put_nowait((i, chunk))
-            arrived.put_nowait((i, stream.completion))
-        except Exception as exc:  # noqa: BLE001 - the request's error, sent to the client
-            arrived.put_nowait((i, exc))
-        finally:
-            await stream.aclose()
-
-    pumps = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(call.requests)]
-    completions: list[Completion | None] = [None] * len(pumps)
+    completions: list[Completion | None] = [None] * len(call.requests)
+    arrived = _arrivals([service.stream(r) for r in call.requests])
     try:
         for chunk in call.opening_chunks():
             await send(json.dumps(chunk))
-        while any(c is None for c in completions):
-            i, item = await arrived.get()
+        async for i, item in arrived:
             if isinstance(item, Exception):
                 raise item
             if isinstance(item, Completion):
@@ -479,10 +465,48 @@ async def _stream(request: web.Request, service: Service, call: Call) -> web.Str
         await send(json.dumps(error.body()))
         await send("[DONE]")  # the stream still ends as streams do (as vLLM's server)
     finally:
-        for task in pumps:
-            task.cancel()
+        await arrived.aclose()
     await response.write_eof()
     return response
+
+
+async def _arrivals(streams: list) -> AsyncIterator[tuple[int, Chunk | Completion | Exception]]:
+    """(index, item) for each stream's chunks as they come, then its completion, or the
+    error it raised. One stream (most calls) is read in place; several are pumped into one
+    queue, which costs each chunk a turn of the loop. Leaving early stops them all."""
+    if len(streams) == 1:
+        [stream] = streams
+        try:
+            async for chunk in stream:
+                yield 0, chunk
+            yield 0, stream.completion
+        except Exception as exc:  # noqa: BLE001 - the request's error, for the caller
+            yield 0, exc
+        finally:
+            await stream.aclose()
+        return
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for chunk in stream:
+                arrived.put_nowait((i, chunk))
+            arrived.put_nowait((i, stream.completion))
+        except Exception as exc:  # noqa: BLE001 - the request's error, for the caller
+            arrived.put_nowait((i, exc))
+        finally:
+            await stream.aclose()
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    ended = 0
+    try:
+        while ended < len(streams):
+            i, item = await arrived.get()
+            ended += not isinstance(item, Chunk)
+            yield i, item
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
 async def _stream_response(request: web.Request, service: Service, call: ResponsesCall,
