@@ -20,7 +20,7 @@ HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"
 (
   source scripts/env.sh hf $HF_EXTRAS
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/example_backend
-  python -m pytest tests plugins/hf_backend/tests plugins/example_backend/tests --durations=25 "$@"
+  python -m pytest tests plugins/hf_backend/tests plugins/example_backend/tests --durations=50 "$@"
 )
 
 # verl's own rollout interfaces driving rollout (rollout.integrations.verl) on a local Ray
@@ -28,7 +28,7 @@ HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"
 (
   source scripts/env.sh verl requirements/test.txt
   pip install -q --no-deps -e . -e plugins/hf_backend
-  python -m pytest tests/test_integrations_verl.py --durations=25 "$@"
+  python -m pytest tests/test_integrations_verl.py --durations=50 "$@"
 )
 
 # The vLLM backend on the real engine (CPU build), in its own environment; the HF backend
@@ -39,7 +39,7 @@ HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"
   export ROLLOUT_AGENTS_PYTHON
   source scripts/env.sh vllm requirements/test.txt requirements/trl.txt requirements/ray.txt requirements/peft.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
-  python -m pytest plugins/vllm_backend/tests --durations=25 "$@"
+  python -m pytest plugins/vllm_backend/tests --durations=50 "$@"
 )
 
 # The SGLang backend on the real engine (the PyPI wheel, a CUDA build, run on CPU with the
@@ -53,5 +53,5 @@ HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"
   export ROLLOUT_VLLM_PYTHON ROLLOUT_AGENTS_PYTHON
   source scripts/env.sh sglang requirements/test.txt requirements/trl.txt
   pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/sglang_backend
-  python -m pytest plugins/sglang_backend/tests --durations=25 "$@"
+  python -m pytest plugins/sglang_backend/tests --durations=50 "$@"
 )

@@ -28,3 +28,43 @@ _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 
 # float32 and eager mode: the tiny model's outputs then match the HF backend's.
 ENGINE = {"dtype": "float32", "enforce_eager": True}
+
+
+class Lent:
+    """A backend lent to a module: everything is the backend's, but closing it leaves it
+    running for the next module; the session closes it at its end."""
+
+    def __init__(self, ro):
+        self._ro = ro
+
+    def __getattr__(self, name):
+        return getattr(self._ro, name)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def shared_vllm(tiny_model):
+    """`shared_vllm(mode)`: one tiny-model engine per mode (ENGINE's settings, nothing
+    else) for the modules that only sample from it and leave its weights alone. An engine
+    start costs 15-40 s of CI's two cores; five modules share the engine mode's."""
+    import rollout
+
+    started = {}
+
+    def lend(mode: str) -> Lent:
+        if mode not in started:
+            started[mode] = rollout.load_backend("vllm", model=str(tiny_model), mode=mode,
+                                                 **ENGINE)
+        return Lent(started[mode])
+
+    yield lend
+    for ro in started.values():
+        ro.close()

@@ -13,9 +13,8 @@ from rollout.testing.agents import GREEDY, ROWS, AgentContract, ToolTask
 class TestVLLMAgents(AgentContract):
     @pytest.fixture(scope="class")
     @classmethod
-    def make_rollout(cls):
-        return lambda model_dir: rollout.load_backend("vllm", model=str(model_dir),
-                                                      mode="engine", **ENGINE)
+    def make_rollout(cls, shared_vllm):
+        return lambda model_dir: shared_vllm("engine")
 
 
 def test_two_replicas_with_sessions_serve_later_turns_from_the_prefix_cache(tiny_model):

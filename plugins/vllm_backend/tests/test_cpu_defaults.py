@@ -39,13 +39,15 @@ def test_a_size_the_caller_chose_is_kept(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["engine", "server"])
-def test_seeded_prompts_too_long_for_one_step_together_leave_the_engine_up(tiny_model, mode):
+def test_seeded_prompts_too_long_for_one_step_together_leave_the_engine_up(tiny_model, mode,
+                                                                          shared_vllm):
     """vLLM's CPU build dies when a seeded request's prompt is prefilled in chunks; the
     backend turns chunked prefill off there, so long seeded prompts that cannot share one
     step's token budget are each prefilled whole."""
     batch = [{"prompt_token_ids": [5 + (i * 7 + j) % 400 for j in range(1500)],
               "sampling": {"temperature": 1.0, "seed": i, "max_tokens": 4}} for i in range(4)]
-    with rollout.load_backend("vllm", model=str(tiny_model), mode=mode, **ENGINE) as ro:
+    with (shared_vllm(mode) if mode == "engine" else
+          rollout.load_backend("vllm", model=str(tiny_model), mode=mode, **ENGINE)) as ro:
         for completion in ro.generate(batch):
             assert completion.unwrap()[0].completion_tokens == 4
         [again] = ro.generate([{"prompt": "the ka lo", "sampling": {"max_tokens": 2}}])

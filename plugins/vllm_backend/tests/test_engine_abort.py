@@ -6,18 +6,15 @@ import asyncio
 import time
 
 import pytest
-from conftest import ENGINE
 
-import rollout
 from rollout.kit.aio import engine_loop
 
 LONG = {"prompt": "the ka lo", "sampling": {"max_tokens": 2000, "ignore_eos": True, "n": 2}}
 
 
 @pytest.fixture(scope="module", params=["engine", "async"])
-def backend(tiny_model, request):
-    with rollout.load_backend("vllm", model=str(tiny_model), mode=request.param, **ENGINE) as r:
-        yield r
+def backend(shared_vllm, request):
+    return shared_vllm(request.param)
 
 
 def unfinished(backend) -> int:

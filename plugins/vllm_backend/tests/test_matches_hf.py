@@ -2,19 +2,16 @@
 rollout.testing.agreement states and explains."""
 
 import pytest
-from conftest import ENGINE
 
 import rollout
 from rollout.testing.agreement import check_first_token_logprobs, check_greedy_tokens, greedy_outputs
 
 
 @pytest.fixture(scope="module")
-def pairs(tiny_model):
+def pairs(tiny_model, shared_vllm):
     with rollout.load_backend("hf", model=str(tiny_model)) as hf:
         expected = greedy_outputs(hf)
-    with rollout.load_backend("vllm", model=str(tiny_model), mode="engine", **ENGINE) as other:
-        got = greedy_outputs(other)
-    return list(zip(expected, got))
+    return list(zip(expected, greedy_outputs(shared_vllm("engine"))))
 
 
 def test_first_token_logprobs_agree(pairs):

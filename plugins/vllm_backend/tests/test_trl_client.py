@@ -6,7 +6,6 @@ installed, so this runs in the vLLM environment (requirements/trl.txt)."""
 import re
 
 import pytest
-from conftest import ENGINE
 
 import rollout
 from rollout.apps.serving.app import ServerThread
@@ -19,9 +18,9 @@ PROMPTS = [[5, 17, 42], [7, 8, 9, 10]]
 
 
 @pytest.fixture(scope="module", params=["hf", "vllm"])
-def served(request, tiny_model):
-    options = {**ENGINE, "mode": "async"} if request.param == "vllm" else {"dtype": "float32"}
-    with rollout.load_backend(request.param, model=str(tiny_model), **options) as ro:
+def served(request, tiny_model, shared_vllm):
+    with (shared_vllm("async") if request.param == "vllm" else
+          rollout.load_backend("hf", model=str(tiny_model), dtype="float32")) as ro:
         with ServerThread(LocalService(ro, "tiny")) as server:
             yield ro, vllm_client.VLLMClient(base_url=server.url, connection_timeout=60)
 
