@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import re
 import uuid
+from collections.abc import Mapping
 from contextlib import aclosing
 
 import rollout
@@ -111,6 +112,10 @@ class VLLMBackend:
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
                                       "an integer >= 1")
+        if not isinstance(engine_args, Mapping | None):
+            raise InvalidRequestError("engine_args", f"got {engine_args!r}",
+                                      "a mapping of vLLM engine arguments (on the command "
+                                      "line JSON: -o 'engine_args={\"max_num_seqs\": 64}')")
         from transformers import AutoConfig, AutoTokenizer
 
         config = AutoConfig.from_pretrained(model)

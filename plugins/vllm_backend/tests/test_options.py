@@ -12,6 +12,7 @@ from rollout import InvalidRequestError
     ({"stream_interval": 1.5}, "stream_interval"),
     ({"mode": "server", "weight_transport": "nccl"}, "weight_transport"),
     ({"mode": "async", "weight_transport": "gloo"}, "weight_transport"),  # server mode only
+    ({"engine_args": "{max_num_seqs: 4}"}, "engine_args"),  # YAML, not the JSON -o parses
 ])
 def test_bad_option_names_the_field(tiny_model, options, field):
     with pytest.raises(InvalidRequestError, match=field) as caught:
