@@ -470,40 +470,40 @@ async def _stream(request: web.Request, service: Service, call: Call) -> web.Str
     return response
 
 
-async def _arrivals(streams: list) -> AsyncIterator[tuple[int, Chunk | Completion | Exception]]:
+def _arrivals(streams: list) -> AsyncIterator[tuple[int, Chunk | Completion | Exception]]:
     """(index, item) for each stream's chunks as they come, then its completion, or the
-    error it raised. One stream (most calls) is read in place; several are pumped into one
-    queue, which costs each chunk a turn of the loop. Leaving early stops them all."""
+    error it raised. One stream (most calls) is read in place; several are merged through a
+    queue, which costs each chunk a turn of the loop. Closing it stops them all."""
     if len(streams) == 1:
-        [stream] = streams
-        try:
-            async for chunk in stream:
-                yield 0, chunk
-            yield 0, stream.completion
-        except Exception as exc:  # noqa: BLE001 - the request's error, for the caller
-            yield 0, exc
-        finally:
-            await stream.aclose()
-        return
+        return _items(0, streams[0])
+    return _merged([_items(i, stream) for i, stream in enumerate(streams)])
+
+
+async def _items(i: int, stream) -> AsyncIterator[tuple[int, Chunk | Completion | Exception]]:
+    try:
+        async for chunk in stream:
+            yield i, chunk
+        yield i, stream.completion
+    except Exception as exc:  # noqa: BLE001 - the request's error, for the caller
+        yield i, exc
+    finally:
+        await stream.aclose()
+
+
+async def _merged(sources: list[AsyncIterator]) -> AsyncIterator:
     arrived: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, stream) -> None:
-        try:
-            async for chunk in stream:
-                arrived.put_nowait((i, chunk))
-            arrived.put_nowait((i, stream.completion))
-        except Exception as exc:  # noqa: BLE001 - the request's error, for the caller
-            arrived.put_nowait((i, exc))
-        finally:
-            await stream.aclose()
+    async def pump(source) -> None:
+        async for item in source:
+            arrived.put_nowait(item)
 
-    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    pumps = [asyncio.ensure_future(pump(source)) for source in sources]
     ended = 0
     try:
-        while ended < len(streams):
-            i, item = await arrived.get()
-            ended += not isinstance(item, Chunk)
-            yield i, item
+        while ended < len(sources):  # each source ends with its one item that is no Chunk
+            item = await arrived.get()
+            ended += not isinstance(item[1], Chunk)
+            yield item
     finally:
         for task in pumps:
             task.cancel()
