@@ -104,8 +104,9 @@ def _text_decoder(tokenizer):
     tokenizer whose class keeps transformers' own `_decode` and does no space clean-up."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     owner = next((c for c in type(tokenizer).__mro__ if "_decode" in vars(c)), None)
-    if (backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-            and owner is not None and owner.__module__ == "transformers.tokenization_utils_tokenizers"):
+    plain = owner is not None and owner.__module__ == "transformers.tokenization_utils_tokenizers"
+    if plain and backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces",
+                                                     True):
         return lambda ids: backend.decode(list(ids), skip_special_tokens=True)
     return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)
 
