@@ -21,6 +21,7 @@ import rollout
 from rollout import Capabilities, Chunk, GenerationError, InvalidRequestError, RolloutError
 from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
 from rollout.weights.checkpoint import checkpoint_shapes
+from rollout.kit import options
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.structured import constraint_error
 from rollout.kit.text import TextStream, first_stop
@@ -107,8 +108,9 @@ class SGLangBackend:
                 "weight_transport", f"{weight_transport!r} needs mode='server' (in process, "
                 "tensors reach SGLang's scheduler as file descriptors, without a copy)",
                 "'tensor' with mode='engine'")
+        engine_args = options.engine_args(engine_args, "SGLang")
         for name, value in STREAM_ARGS.items():  # set by the engines, never silently undone
-            if (engine_args or {}).get(name, value) != value:
+            if engine_args.get(name, value) != value:
                 raise InvalidRequestError(
                     f"engine_args.{name}", f"got {engine_args[name]!r}: the backend reads "
                     "SGLang's stream outputs as new tokens only", f"{value!r}, or leave it out")
@@ -136,7 +138,7 @@ class SGLangBackend:
                 "sleep_on_idle": True, "log_level": "error",
                 "enable_memory_saver": device != "cpu", **ENGINE_DEFAULTS,
                 **(vision_args(model, image_cache_mb) if self.vision else {}),
-                **(engine_args or {})}
+                **engine_args}
         self.penalties = args["enable_custom_logit_processor"] and \
             args["disable_overlap_schedule"]
         self.engine = InProcessEngine(args, startup_timeout) if mode == "engine" else \

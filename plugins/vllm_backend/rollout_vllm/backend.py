@@ -7,11 +7,11 @@ from __future__ import annotations
 import itertools
 import re
 import uuid
-from collections.abc import Mapping
 from contextlib import aclosing
 
 import rollout
 from rollout import Capabilities, EngineDeadError, InvalidRequestError, RolloutError
+from rollout.kit import options
 from rollout.kit.aio import engine_loop
 from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, iter_unpacked
 from rollout.weights.lora import no_such_adapter, read_adapter
@@ -112,10 +112,7 @@ class VLLMBackend:
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
                                       "an integer >= 1")
-        if not isinstance(engine_args, Mapping | None):
-            raise InvalidRequestError("engine_args", f"got {engine_args!r}",
-                                      "a mapping of vLLM engine arguments (on the command "
-                                      "line JSON: -o 'engine_args={\"max_num_seqs\": 64}')")
+        engine_args = options.engine_args(engine_args, "vLLM")
         from transformers import AutoConfig, AutoTokenizer
 
         config = AutoConfig.from_pretrained(model)
@@ -129,7 +126,6 @@ class VLLMBackend:
             SHM_GROUP_BYTES if weight_transport == "shm" and mode != "engine"
             else DEFAULT_BUCKET_BYTES)
         self.sleep_reason = sleep_unsupported_reason()
-        engine_args = dict(engine_args or {})
         # vLLM refuses (prompt) logprobs over this: the contract's most.
         engine_args.setdefault("max_logprobs", PROMPT_LOGPROBS_MAX)
         vision = config.model_type in VISION_MODEL_TYPES
