@@ -11,47 +11,65 @@ if ! command -v prometheus >/dev/null; then
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     prometheus >/dev/null
 fi
-# The HF environment also holds Ray and the OpenAI Agents SDK; the SDK's Python is the
-# client of the other engines' servers too.
-HF_EXTRAS="requirements/test.txt requirements/ray.txt requirements/agents.txt"
+
+# One environment per engine, each pinning its own torch (scripts/env.sh). The HF one also
+# holds Ray and the OpenAI Agents SDK, whose Python is the client of the other engines'
+# servers too; the vLLM one holds TRL (its vLLM client and its trainer through
+# rollout.integrations.trl), Ray and PEFT; verl's has its own because verl pins
+# transformers below 5.11.
+HF=(hf requirements/test.txt requirements/ray.txt requirements/agents.txt)
+VERL=(verl requirements/test.txt)
+VLLM=(vllm requirements/test.txt requirements/trl.txt requirements/ray.txt requirements/peft.txt)
+SGLANG=(sglang requirements/test.txt requirements/trl.txt)
+
+# Every environment is built and given this clone's packages (--no-deps: no index is asked
+# for a rollout-* name) before any test runs, so the test steps below only read them.
+python_of() { (source scripts/env.sh "$@" && command -v python); }
+ROLLOUT_AGENTS_PYTHON=$(python_of "${HF[@]}")
+ROLLOUT_VLLM_PYTHON=$(python_of "${VLLM[@]}")
+export ROLLOUT_AGENTS_PYTHON ROLLOUT_VLLM_PYTHON
+"$ROLLOUT_AGENTS_PYTHON" -m pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/example_backend
+"$(python_of "${VERL[@]}")" -m pip install -q --no-deps -e . -e plugins/hf_backend
+"$ROLLOUT_VLLM_PYTHON" -m pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
+"$(python_of "${SGLANG[@]}")" -m pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/sglang_backend
 
 # The core, the HF backend (transformers) and the example backend of
 # docs/writing-a-backend.md.
-(
-  source scripts/env.sh hf $HF_EXTRAS
-  pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/example_backend
-  python -m pytest tests plugins/hf_backend/tests plugins/example_backend/tests --durations=50 "$@"
+hf_tests() (
+  source scripts/env.sh "${HF[@]}" &&
+    python -m pytest tests plugins/hf_backend/tests plugins/example_backend/tests --durations=30 "$@"
 )
-
 # verl's own rollout interfaces driving rollout (rollout.integrations.verl) on a local Ray
-# cluster, in an environment of its own: verl pins transformers below 5.11.
-(
-  source scripts/env.sh verl requirements/test.txt
-  pip install -q --no-deps -e . -e plugins/hf_backend
-  python -m pytest tests/test_integrations_verl.py --durations=50 "$@"
+# cluster.
+verl_tests() (
+  source scripts/env.sh "${VERL[@]}" &&
+    python -m pytest tests/test_integrations_verl.py --durations=30 "$@"
 )
-
-# The vLLM backend on the real engine (CPU build), in its own environment; the HF backend
-# is installed beside it for the cross-engine comparison, TRL for its vLLM client and
-# its trainer through rollout.integrations.trl, and Ray for vLLM replicas on a cluster.
-(
-  ROLLOUT_AGENTS_PYTHON=$(source scripts/env.sh hf $HF_EXTRAS && command -v python)
-  export ROLLOUT_AGENTS_PYTHON
-  source scripts/env.sh vllm requirements/test.txt requirements/trl.txt requirements/ray.txt requirements/peft.txt
-  pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
-  python -m pytest plugins/vllm_backend/tests --durations=50 "$@"
+# The vLLM backend on the real engine (CPU build); the HF backend beside it for the
+# cross-engine comparison.
+vllm_tests() (
+  source scripts/env.sh "${VLLM[@]}" &&
+    python -m pytest plugins/vllm_backend/tests --durations=30 "$@"
 )
-
 # The SGLang backend on the real engine (the PyPI wheel, a CUDA build, run on CPU with the
-# test-only driver stub and start-up shim in plugins/sglang_backend/tests/cpu/, which need gcc), in its
-# own environment; the HF backend is installed beside it for the cross-engine comparison,
-# and TRL for its trainer through rollout.integrations.trl.
-(
-  # vLLM's serving benchmark runs against the SGLang backend from the vLLM environment.
-  ROLLOUT_VLLM_PYTHON=$(source scripts/env.sh vllm requirements/test.txt requirements/trl.txt requirements/ray.txt requirements/peft.txt && command -v python)
-  ROLLOUT_AGENTS_PYTHON=$(source scripts/env.sh hf $HF_EXTRAS && command -v python)
-  export ROLLOUT_VLLM_PYTHON ROLLOUT_AGENTS_PYTHON
-  source scripts/env.sh sglang requirements/test.txt requirements/trl.txt
-  pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/sglang_backend
-  python -m pytest plugins/sglang_backend/tests --durations=50 "$@"
+# test-only driver stub and start-up shim in plugins/sglang_backend/tests/cpu/, which need
+# gcc); vLLM's serving benchmark runs against it from the vLLM environment.
+sglang_tests() (
+  source scripts/env.sh "${SGLANG[@]}" &&
+    python -m pytest plugins/sglang_backend/tests --durations=30 "$@"
 )
+
+# Two lanes side by side: a step keeps about one of the machine's cores busy on average,
+# so the second core would otherwise idle. Each lane stops at its first failing step; every
+# line is prefixed with the lane's name.
+lane() {
+  local name=$1; shift
+  (for step in "$@"; do "$step" "${ARGS[@]}" || exit; done) 2>&1 | sed -u "s/^/[$name] /"
+}
+ARGS=("$@")
+lane vllm+verl vllm_tests verl_tests & first=$!
+lane hf+sglang hf_tests sglang_tests & second=$!
+rc=0
+wait "$first" || rc=$?
+wait "$second" || rc=$?
+exit "$rc"
