@@ -59,16 +59,23 @@ sglang_tests() (
     python -m pytest plugins/sglang_backend/tests --durations=30 "$@"
 )
 
-# Two lanes side by side: a step keeps about one of the machine's cores busy on average,
-# so the second core would otherwise idle. Each lane stops at its first failing step; every
-# line is prefixed with the lane's name.
+# Two lanes side by side, each on its own half of the cores (taskset): a step keeps about
+# one core busy on average, so the second would otherwise idle, and engines that bind or
+# spin their threads on every core they may use would fight the other lane's for each.
+# Each lane stops at its first failing step; every line is prefixed with the lane's name.
+read -r first_cores second_cores < <(python3 -c '
+import os
+cores = sorted(os.sched_getaffinity(0))
+half = max(1, len(cores) // 2)
+print(",".join(map(str, cores[:half])), ",".join(map(str, cores[half:] or cores)))')
 lane() {
-  local name=$1; shift
-  (for step in "$@"; do "$step" "${ARGS[@]}" || exit; done) 2>&1 | sed -u "s/^/[$name] /"
+  local name=$1 cores=$2; shift 2
+  (taskset -p -c "$cores" "$BASHPID" >/dev/null
+   for step in "$@"; do "$step" "${ARGS[@]}" || exit; done) 2>&1 | sed -u "s/^/[$name] /"
 }
 ARGS=("$@")
-lane vllm+verl vllm_tests verl_tests & first=$!
-lane hf+sglang hf_tests sglang_tests & second=$!
+lane vllm+verl "$first_cores" vllm_tests verl_tests & first=$!
+lane hf+sglang "$second_cores" hf_tests sglang_tests & second=$!
 rc=0
 wait "$first" || rc=$?
 wait "$second" || rc=$?
