@@ -33,11 +33,15 @@ export ROLLOUT_AGENTS_PYTHON ROLLOUT_VLLM_PYTHON
 "$ROLLOUT_VLLM_PYTHON" -m pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
 "$(python_of "${SGLANG[@]}")" -m pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/sglang_backend
 
-# The core, the HF backend (transformers) and the example backend of
+# The core; then the HF backend (transformers) and the example backend of
 # docs/writing-a-backend.md.
+core_tests() (
+  source scripts/env.sh "${HF[@]}" &&
+    python -m pytest tests --durations=30 "$@"
+)
 hf_tests() (
   source scripts/env.sh "${HF[@]}" &&
-    python -m pytest tests plugins/hf_backend/tests plugins/example_backend/tests --durations=30 "$@"
+    python -m pytest plugins/hf_backend/tests plugins/example_backend/tests --durations=30 "$@"
 )
 # verl's own rollout interfaces driving rollout (rollout.integrations.verl) on a local Ray
 # cluster.
@@ -59,24 +63,35 @@ sglang_tests() (
     python -m pytest plugins/sglang_backend/tests --durations=30 "$@"
 )
 
-# Two lanes side by side, each on its own half of the cores (taskset): a step keeps about
+# Two workers side by side, each on its own half of the cores (taskset): a step keeps about
 # one core busy on average, so the second would otherwise idle, and engines that bind or
-# spin their threads on every core they may use would fight the other lane's for each.
-# Each lane stops at its first failing step; every line is prefixed with the lane's name.
+# spin their threads on every core they may use would fight the other worker's for each.
+# Each worker takes the next step nobody has taken (longest first) until none is left, so
+# neither idles while the other has two to go. Every line is prefixed with its step's name.
+STEPS=(vllm_tests sglang_tests core_tests hf_tests verl_tests)
 read -r first_cores second_cores < <(python3 -c '
 import os
 cores = sorted(os.sched_getaffinity(0))
 half = max(1, len(cores) // 2)
 print(",".join(map(str, cores[:half])), ",".join(map(str, cores[half:] or cores)))')
-lane() {
-  local name=$1 cores=$2; shift 2
-  (taskset -p -c "$cores" "$BASHPID" >/dev/null
-   for step in "$@"; do "$step" "${ARGS[@]}" || exit; done) 2>&1 | sed -u "s/^/[$name] /"
+taken=$(mktemp)
+echo 0 > "$taken"
+take() {  # the index of the next step, under a lock on the count of those taken
+  flock "$taken" bash -c 'read -r i < "$0"; echo $((i + 1)) > "$0"; echo "$i"' "$taken"
+}
+worker() {
+  taskset -p -c "$1" "$BASHPID" >/dev/null
+  local i rc=0
+  while i=$(take) && [ "$i" -lt "${#STEPS[@]}" ]; do
+    "${STEPS[$i]}" "${ARGS[@]}" 2>&1 | sed -u "s/^/[${STEPS[$i]%_tests}] /" || rc=$?
+  done
+  return "$rc"
 }
 ARGS=("$@")
-lane vllm+verl "$first_cores" vllm_tests verl_tests & first=$!
-lane hf+sglang "$second_cores" hf_tests sglang_tests & second=$!
+worker "$first_cores" & first=$!
+worker "$second_cores" & second=$!
 rc=0
 wait "$first" || rc=$?
 wait "$second" || rc=$?
+rm -f "$taken"
 exit "$rc"
