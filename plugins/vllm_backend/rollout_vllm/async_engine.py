@@ -164,9 +164,11 @@ class AsyncEngine:
         await self._call("collective_rpc", "rollout_receive_shm", timeout=timeout,
                          args=(message,))
 
-    async def load_adapter(self, lora, config: dict, data: bytes, timeout: float) -> None:
+    async def load_adapter(self, lora, config: dict, tensors: dict, timeout: float) -> None:
+        from safetensors.torch import save
+
         await self._call("collective_rpc", "rollout_load_adapter", timeout=timeout,
-                         args=(lora.lora_int_id, config, data))
+                         args=(lora.lora_int_id, config, save(tensors)))
 
     async def unload_adapter(self, lora, timeout: float) -> None:
         await self._call("collective_rpc", "rollout_unload_adapter", timeout=timeout,

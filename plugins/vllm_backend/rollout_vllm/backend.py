@@ -258,8 +258,6 @@ class VLLMBackend:
 
     @rollout.hookimpl
     def load_adapter(self, name, config, buckets):
-        from safetensors.torch import save
-
         adapter = read_adapter(config, iter_unpacked(buckets), self._linears(),
                                self.max_lora_rank)
         tensors = {f"base_model.model.{module}.lora_{which}.weight": t.contiguous()
@@ -271,7 +269,7 @@ class VLLMBackend:
         engine: AdapterEngine = self.engine
         lora_id = next(self._new_lora_id)
         self.loop.run(engine.load_adapter(lora_request(name, lora_id), peft_config,
-                                          save(tensors), self.request_timeout),
+                                          tensors, self.request_timeout),
                       self.request_timeout + 60, "vLLM adapter load")
         replaced = self.lora_ids.get(name)
         self.lora_ids[name] = lora_id

@@ -81,9 +81,10 @@ class AdapterEngine(Engine, Protocol):
     child process, or through vLLM's server), which loads LoRA adapters from tensors
     (`rollout_vllm.lora`)."""
 
-    async def load_adapter(self, lora, config: dict, data: bytes, timeout: float) -> None:
-        """Keep and load adapter `lora` (vLLM's LoRARequest; PEFT's tensors as safetensors
-        bytes, its LoraConfig as a dict) in the worker; raise what vLLM refuses."""
+    async def load_adapter(self, lora, config: dict, tensors: dict, timeout: float) -> None:
+        """Keep and load adapter `lora` (vLLM's LoRARequest; PEFT's tensors by name, which
+        may be views the caller reuses after this call; its LoraConfig as a dict) in the
+        worker; raise what vLLM refuses."""
 
     async def unload_adapter(self, lora, timeout: float) -> None:
         """Drop adapter `lora` from the worker."""

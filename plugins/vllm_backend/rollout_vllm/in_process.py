@@ -197,9 +197,12 @@ class InProcessEngine:
         await self._call(lambda engine: engine.collective_rpc(
             "rollout_load_tensors", timeout=timeout, args=(list(tensors.items()),)))
 
-    async def load_adapter(self, lora, config: dict, data: bytes, timeout: float) -> None:
+    async def load_adapter(self, lora, config: dict, tensors: dict, timeout: float) -> None:
+        # In process: copies of the tensors (the caller's may be views it reuses), no bytes.
+        owned = {name: t.clone() for name, t in tensors.items()}
         await self._call(lambda engine: engine.collective_rpc(
-            "rollout_load_adapter", timeout=timeout, args=(lora.lora_int_id, config, data)))
+            "rollout_load_adapter_tensors", timeout=timeout,
+            args=(lora.lora_int_id, config, owned)))
 
     async def unload_adapter(self, lora, timeout: float) -> None:
         await self._call(lambda engine: engine.collective_rpc(

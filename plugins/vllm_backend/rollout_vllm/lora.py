@@ -35,19 +35,24 @@ def lora_request(name: str, lora_id: int):
     return LoRARequest(f"{name}@{lora_id}", lora_id, PATH.format(name=name, lora_id=lora_id))
 
 
-def keep(worker, lora_id: int, config: dict, data: bytes) -> None:
-    """Keep adapter `lora_id`'s tensors (safetensors bytes `data`, PEFT's names) for vLLM's
-    loader."""
-    from safetensors.torch import load as from_bytes
+def from_bytes(data: bytes) -> dict:
+    """An adapter's tensors from the safetensors bytes it crossed a process boundary as."""
+    from safetensors.torch import load
 
+    return load(data if isinstance(data, bytes) else bytes(data))
+
+
+def keep(worker, lora_id: int, config: dict, tensors: dict) -> None:
+    """Keep adapter `lora_id`'s tensors (PEFT's names; tensors no one else writes to) for
+    vLLM's loader."""
     manager = _tensor_loading(worker.model_runner.lora_manager)
-    manager.rollout_tensors[lora_id] = (config, from_bytes(bytes(data)))
+    manager.rollout_tensors[lora_id] = (config, tensors)
 
 
-def load(worker, lora_id: int, config: dict, data: bytes) -> None:
+def load(worker, lora_id: int, config: dict, tensors: dict) -> None:
     """Keep adapter `lora_id` and load it now, so that what vLLM refuses is refused here,
     not in a step."""
-    keep(worker, lora_id, config, data)
+    keep(worker, lora_id, config, tensors)
     try:
         worker.model_runner.lora_manager.add_adapter(lora_request("load", lora_id))
     except BaseException:
@@ -139,7 +144,13 @@ def _by_adapter(grouped, original):
             return original(inputs, weights, output, indices, *args, **kwargs)
         stacked = weights.squeeze(1) if weights.dim() == 4 else weights  # [slots, out, in]
         x = inputs.to(output.dtype)
-        for slot in indices.unique().tolist():
+        slots = indices.unique().tolist()
+        if len(slots) == 1:  # one adapter for the whole batch (an RL policy's): no gathers
+            if slots[0] >= 0:
+                grouped(output, slice(None), x @ stacked[slots[0]].to(output.dtype).T,
+                        *args, **kwargs)
+            return None
+        for slot in slots:
             if slot < 0:
                 continue
             rows = (indices == slot).nonzero().squeeze(1)
@@ -165,4 +176,8 @@ def _expand_slice(output, rows, product, slice_offset: int, slice_size: int,
 
 
 def _put(output, rows, columns: slice, values, add: bool) -> None:
-    output[rows, columns] = output[rows, columns] + values if add else values
+    if isinstance(rows, slice):  # a view of `output`: written in place
+        view = output[rows, columns]
+        view.add_(values) if add else view.copy_(values)
+    else:
+        output[rows, columns] = output[rows, columns] + values if add else values

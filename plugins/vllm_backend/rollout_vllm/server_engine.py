@@ -202,12 +202,15 @@ class ServerEngine:
                                              "args": [message], "timeout": timeout},
                          timeout=timeout + 30)
 
-    async def load_adapter(self, lora, config: dict, data: bytes, timeout: float) -> None:
-        """The tensors to the worker (JSON: base64), then the server's own route loads the
-        adapter under `lora`'s name, which requests then give as their model."""
+    async def load_adapter(self, lora, config: dict, tensors: dict, timeout: float) -> None:
+        """The tensors to the worker (JSON: safetensors bytes in base64), then the server's
+        own route loads the adapter under `lora`'s name, which requests then give as their
+        model."""
+        from safetensors.torch import save
+
         await self._call("/collective_rpc", {
             "method": "rollout_keep_adapter", "timeout": timeout,
-            "args": [lora.lora_int_id, config, base64.b64encode(data).decode()]},
+            "args": [lora.lora_int_id, config, base64.b64encode(save(tensors)).decode()]},
             timeout=timeout + 30)
         try:
             await self._call("/v1/load_lora_adapter", {"lora_name": lora.lora_name,

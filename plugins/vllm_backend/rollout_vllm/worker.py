@@ -6,7 +6,8 @@ so each `reload_weights` completes the layers it touches.
 Imported by each vLLM worker (as `worker_extension_cls`) before it builds its weight-transfer
 engine: this is where our engines join vLLM's registry (loaded only when configured), and
 where vLLM's LoRA ops get their CPU fixes (`rollout_vllm.lora`). LoRA adapters arrive as
-safetensors bytes (`rollout_load_adapter`; through vLLM's server, `rollout_keep_adapter`)."""
+tensors in process (`rollout_load_adapter_tensors`), else as safetensors bytes
+(`rollout_load_adapter`; through vLLM's server, `rollout_keep_adapter`)."""
 
 from __future__ import annotations
 
@@ -56,11 +57,15 @@ class WeightUpdateExtension:
         return len(tensors)
 
     def rollout_load_adapter(self, lora_id: int, config: dict, data: bytes) -> None:
-        lora.load(self, lora_id, config, data)
+        lora.load(self, lora_id, config, lora.from_bytes(data))
+
+    def rollout_load_adapter_tensors(self, lora_id: int, config: dict, tensors: dict) -> None:
+        # In process: the tensors themselves, the engine's own copies.
+        lora.load(self, lora_id, config, tensors)
 
     def rollout_keep_adapter(self, lora_id: int, config: dict, data: str) -> None:
         # Through vLLM's server (JSON): the bytes in base64; its own route loads it next.
-        lora.keep(self, lora_id, config, base64.b64decode(data))
+        lora.keep(self, lora_id, config, lora.from_bytes(base64.b64decode(data)))
 
     def rollout_unload_adapter(self, lora_id: int) -> None:
         lora.unload(self, lora_id)
