@@ -33,12 +33,15 @@ def free_port() -> int:
 
 def cli_flags(options: Mapping[str, object]) -> list[str]:
     """Engine arguments as a server's command-line flags: `True` is a bare flag, `False`
-    and `None` are left out, anything else is `--key value`."""
+    and `None` are left out, a list or tuple is `--key v1 v2 ...` (argparse's nargs),
+    anything else is `--key value`."""
     argv: list[str] = []
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             argv.append(flag)
+        elif isinstance(value, list | tuple):
+            argv += [flag, *map(str, value)]
         elif value not in (False, None):
             argv += [flag, str(value)]
     return argv

@@ -47,6 +47,14 @@ def no_such_adapter(name, loaded: Iterable[str]) -> InvalidRequestError:
                                ", ".join(loaded) or "none loaded")
 
 
+def linear_modules(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, int]]:
+    """The linear layers engines adapt, from a checkpoint's tensor shapes (module name ->
+    (out_features, in_features)): not the embeddings, not the head."""
+    return {name.removesuffix(".weight"): tuple(shape) for name, shape in shapes.items()
+            if name.endswith(".weight") and len(shape) == 2
+            and not name.endswith(("embed_tokens.weight", "lm_head.weight"))}
+
+
 @attrs.frozen
 class Adapter:
     rank: int

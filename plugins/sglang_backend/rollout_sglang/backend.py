@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 import uuid
 
@@ -19,8 +20,9 @@ import attrs
 
 import rollout
 from rollout import Capabilities, Chunk, GenerationError, InvalidRequestError, RolloutError
-from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
+from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, iter_unpacked
 from rollout.weights.checkpoint import checkpoint_shapes
+from rollout.weights.lora import linear_modules, no_such_adapter, read_adapter
 from rollout.kit import options
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.structured import constraint_error
@@ -51,20 +53,40 @@ ENGINE_DEFAULTS = {"grammar_backend": "xgrammar",
                    "stream_interval": 1}
 
 
-ADAPTERS_REASON = ("not in rollout-sglang yet; SGLang's LoRA kernels need a GPU "
-                   "(--enable-lora crashes its CPU engine: sglang issue 31894)")
+ADAPTERS_OFF = ("SGLang sets up its LoRA memory pool when it starts: pass engine_args "
+                "enable_lora=True (and max_lora_rank, max_loras_per_batch) to load adapters")
+DEFAULT_MAX_LORA_RANK = 16  # when engine_args do not say: vLLM's default too
 
 
 def cpu_reasons(device: str) -> dict[str, str]:
     if device != "cpu":
-        return {"adapters": ADAPTERS_REASON}
+        return {}
     return {
-        "adapters": ADAPTERS_REASON,
         "seed": "SGLang uses per-request seeds only with deterministic inference, which it "
                 "refuses on CPU (no supported attention backend); sampling_seed is ignored",
         "release": "SGLang's memory saver is CUDA-only: on CPU release/resume free nothing, "
                    "and a release while a request runs crashes the scheduler",
     }
+
+
+def lora_args(device: str, shapes: dict, engine_args: dict) -> dict:
+    """SGLang's LoRA settings where `engine_args` enable it, under what they set: every
+    linear layer of the model adaptable, and on CPU the one LoRA backend with no GPU
+    kernel (torch_native). SGLang's LoRA layers pin host memory, which needs CUDA: where
+    pinning fails, enable_lora is refused here rather than crash SGLang's scheduler."""
+    if not engine_args.get("enable_lora"):
+        return {}
+    import importlib
+
+    try:  # asked of torch as SGLang's LoRA layers see it
+        importlib.import_module("sglang.srt.lora.layers").torch.empty(1, pin_memory=True)
+    except RuntimeError as exc:
+        raise InvalidRequestError(
+            "engine_args.enable_lora", f"SGLang's LoRA layers pin host memory, which this "
+            f"machine cannot ({exc})", "leave it out on a machine without CUDA") from None
+    modules = sorted({name.rsplit(".", 1)[-1] for name in linear_modules(shapes)})
+    return {"max_lora_rank": DEFAULT_MAX_LORA_RANK, "lora_target_modules": modules,
+            **({"lora_backend": "torch_native"} if device == "cpu" else {})}
 
 
 def vision_args(model: str, image_cache_mb: int) -> dict:
@@ -133,7 +155,8 @@ class SGLangBackend:
         self.shapes = checkpoint_shapes(model)
         self.weight_group_bytes = weight_group_bytes
         self.request_timeout = request_timeout
-        args = {"model_path": model, "device": device, "dtype": dtype,
+        args = {**lora_args(device, self.shapes, engine_args),
+                "model_path": model, "device": device, "dtype": dtype,
                 "max_total_tokens": max_total_tokens, "random_seed": random_seed,
                 "sleep_on_idle": True, "log_level": "error",
                 "enable_memory_saver": device != "cpu", **ENGINE_DEFAULTS,
@@ -141,6 +164,10 @@ class SGLangBackend:
                 **engine_args}
         self.penalties = args["enable_custom_logit_processor"] and \
             args["disable_overlap_schedule"]
+        self.adapters_reason = None if args.get("enable_lora") else ADAPTERS_OFF
+        self.max_lora_rank = args.get("max_lora_rank")
+        self.lora_names: dict[str, str] = {}  # adapter name -> the name SGLang has it under
+        self._new_lora = itertools.count(1)  # a new SGLang name per load
         self.engine = InProcessEngine(args, startup_timeout) if mode == "engine" else \
             ServerEngine(args, startup_timeout, request_timeout)
         self.weights = make_sender(weight_transport, self.engine, request_timeout,
@@ -157,13 +184,18 @@ class SGLangBackend:
             raise
 
     @classmethod
-    def describe_capabilities(cls, device: str = "cpu") -> Capabilities:
-        # images: with a vision-language model (VISION_MODEL_TYPES), in both modes
-        return Capabilities(unsupported=cpu_reasons(device))
+    def describe_capabilities(cls, device: str = "cpu",
+                              adapters_reason: str | None = ADAPTERS_OFF) -> Capabilities:
+        # images: with a vision-language model (VISION_MODEL_TYPES), in both modes;
+        # adapters: with enable_lora (the instance says)
+        unsupported = cpu_reasons(device)
+        if adapters_reason:
+            unsupported["adapters"] = adapters_reason
+        return Capabilities(unsupported=unsupported)
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
-        caps = self.describe_capabilities(self.device)
+        caps = self.describe_capabilities(self.device, self.adapters_reason)
         if not self.vision:
             caps = Capabilities(unsupported={**caps.unsupported, "images": (
                 f"a text-only model here (model type {self.model_type!r}); images need a "
@@ -184,6 +216,7 @@ class SGLangBackend:
     async def generate(self, request, prompt_token_ids, images):
         s = request.sampling
         self._check_sampling(s)
+        lora = None if request.adapter is None else self._lora_name(request.adapter)
         # Like the other backends, generation stops at the context length (reason "length");
         # SGLang would reject the request instead.
         max_tokens = min(s.max_tokens, self.max_model_len - len(prompt_token_ids))
@@ -199,7 +232,7 @@ class SGLangBackend:
         image_data = await asyncio.to_thread(self.engine.image_data, images) if images else None
         # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
         samples = [self._sample(i, protocol.generate_body(uuid.uuid4().hex, prompt_token_ids,
-                                                          sent, image_data),
+                                                          sent, image_data, lora),
                                 s, prompt_token_ids, rescored, image_data)
                    for i in range(s.n)]
         # One sample is read on the request's own task; several, on a task each.
@@ -207,7 +240,7 @@ class SGLangBackend:
         try:
             if s.prompt_logprobs is not None:  # scored by a prefill of its own, first
                 out = await self.engine.generate(protocol.prompt_score_body(
-                    uuid.uuid4().hex, prompt_token_ids, s.prompt_logprobs))
+                    uuid.uuid4().hex, prompt_token_ids, s.prompt_logprobs, lora))
                 yield Chunk(0, **protocol.parse_prompt_scores(out, len(prompt_token_ids),
                                                               s.prompt_logprobs))
             async with contextlib.aclosing(chunks):  # closed, SGLang aborts what still runs
@@ -241,7 +274,7 @@ class SGLangBackend:
                 raise GenerationError("SGLang ended a sample's stream unfinished")
         if rescored:
             logprobs, top = await self._raw_logprobs(prompt, ids, s.logprobs, image_data,
-                                                     expanded)
+                                                     expanded, body["lora_path"])
         yield Chunk(index, ids, logprobs, top, finish, cached_tokens=cached)
 
     def _check_sampling(self, s) -> None:
@@ -259,7 +292,8 @@ class SGLangBackend:
                 "no penalties, or the backend's default engine_args")
 
     async def _raw_logprobs(self, prompt: list[int], tokens: list[int], logprobs: int,
-                            image_data=None, expanded: int | None = None):
+                            image_data=None, expanded: int | None = None,
+                            lora: str | None = None):
         """The sample's logprobs from a scoring prefill: the raw model's, as the contract
         wants, where SGLang's own are after penalties, bias and the min_tokens ban. (A
         prefill knows no constraint: _check_sampling refuses that case.)"""
@@ -267,7 +301,7 @@ class SGLangBackend:
             return [], [] if logprobs else None
         out = await self.engine.generate(
             protocol.score_body(uuid.uuid4().hex, prompt, tokens, logprobs, image_data,
-                                expanded))
+                                expanded, lora))
         return protocol.parse_scores(out, len(tokens), logprobs)
 
     # --- weights and memory -------------------------------------------------------------
@@ -312,6 +346,44 @@ class SGLangBackend:
             if time.monotonic() > deadline:
                 raise rollout.GenerationError("SGLang did not flush its cache within 30 s")
             time.sleep(0.2)
+
+    # --- LoRA adapters (with enable_lora) -------------------------------------------------
+
+    def _lora_name(self, name: str) -> str:
+        sglang_name = self.lora_names.get(name)
+        if sglang_name is None:
+            raise no_such_adapter(name, self.lora_names)
+        return sglang_name
+
+    @rollout.hookimpl
+    def load_adapter(self, name, config, buckets):
+        """Loaded under a new SGLang name, then the one it replaces unloaded: a load that
+        fails leaves the old one serving, and no cached prefix of the old weights (SGLang's
+        radix cache keys on the adapter) is reused."""
+        import torch
+
+        adapter = read_adapter(config, iter_unpacked(buckets), linear_modules(self.shapes),
+                               self.max_lora_rank)
+        # Copies: SGLang keeps the tensors it is sent, and these may be views of buckets
+        # the caller reuses.
+        tensors = {f"base_model.model.{module}.lora_{which}.weight":
+                   t.clone(memory_format=torch.contiguous_format)
+                   for module, pair in adapter.weights.items() for which, t in zip("AB", pair)}
+        modules = sorted({module.rsplit(".", 1)[-1] for module in adapter.weights})
+        sglang_name = f"{name}#{next(self._new_lora)}"
+        self.engine.run(self.engine.load_adapter(sglang_name, adapter.rank, adapter.scale,
+                                                 modules, tensors),
+                        self.request_timeout, "SGLang adapter load")
+        replaced = self.lora_names.get(name)
+        self.lora_names[name] = sglang_name
+        if replaced is not None:
+            self.engine.run(self.engine.unload_adapter(replaced), self.request_timeout,
+                            "SGLang adapter unload")
+
+    @rollout.hookimpl
+    def unload_adapter(self, name):
+        self.engine.run(self.engine.unload_adapter(self.lora_names.pop(name)),
+                        self.request_timeout, "SGLang adapter unload")
 
     @rollout.hookimpl
     def release(self, tags):

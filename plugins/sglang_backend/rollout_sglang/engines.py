@@ -264,6 +264,23 @@ class InProcessEngine:
     async def end_update(self) -> None:
         await self._call("end_weight_update", self._tm.end_weight_update, {})
 
+    async def load_adapter(self, name: str, rank: int, scale: float, modules: list[str],
+                           tensors: dict) -> None:
+        from rollout_sglang.weights import serialize
+
+        # The scheduler is this process's child: tensors travel as file descriptors.
+        body = protocol.adapter_body(name, rank, scale, modules,
+                                     serialize(tensors, as_text=False))
+        await self._lora_call("load_lora_adapter_from_tensors", body)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._lora_call("unload_lora_adapter", {"lora_name": name})
+
+    async def _lora_call(self, name: str, body: dict) -> None:
+        result = await getattr(self._tm, name)(protocol.struct(name)(**body), None)
+        if not result.success:
+            raise GenerationError(f"SGLang {name} failed: {result.error_message}")
+
     async def update_from_disk(self, path: str) -> None:
         await self._call("update_weights_from_disk", self._tm.update_weights_from_disk,
                          protocol.update_disk_body(path))
@@ -437,6 +454,19 @@ class ServerEngine:
     async def end_update(self) -> None:
         await self._call("/end_weight_update", {}, timeout=60)
 
+    async def load_adapter(self, name: str, rank: int, scale: float, modules: list[str],
+                           tensors: dict) -> None:
+        import torch.multiprocessing
+
+        from rollout_sglang.weights import serialize
+
+        torch.multiprocessing.set_sharing_strategy("file_system")  # as update_tensors
+        await self._call("/load_lora_adapter_from_tensors", protocol.adapter_body(
+            name, rank, scale, modules, serialize(tensors, as_text=True)))
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._call("/unload_lora_adapter", {"lora_name": name})
+
     async def init_group(self, body: dict, timeout: float) -> None:
         """Join the update group; answers once the trainer has joined too."""
         await self._call("/init_weights_update_group", body, timeout=timeout)
@@ -495,5 +525,5 @@ def _message(data) -> str:
         error = data.get("error")
         if isinstance(error, dict):
             return str(error.get("message", error))
-        return str(error or data.get("message") or data)
+        return str(error or data.get("message") or data.get("error_message") or data)
     return str(data)

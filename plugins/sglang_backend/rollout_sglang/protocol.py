@@ -32,6 +32,9 @@ STRUCTS = {
                                      "DestroyWeightsUpdateGroupReqInput"),
     "release": ("sglang.srt.managers.io_struct", "ReleaseMemoryOccupationReqInput"),
     "resume": ("sglang.srt.managers.io_struct", "ResumeMemoryOccupationReqInput"),
+    "load_lora_adapter_from_tensors": ("sglang.srt.managers.io_struct",
+                                       "LoadLoRAAdapterFromTensorsReqInput"),
+    "unload_lora_adapter": ("sglang.srt.managers.io_struct", "UnloadLoRAAdapterReqInput"),
 }
 
 
@@ -110,12 +113,13 @@ def json_grammar(schema: dict) -> str:
 
 
 def generate_body(rid: str, prompt: list[int], s: SamplingParams,
-                  image_data: list | None = None) -> dict:
+                  image_data: list | None = None, lora: str | None = None) -> dict:
     """One sample of one request, streamed. `n` samples are `n` bodies with their own rids
     (SGLang's own `n` replaces the rids), so that one can be aborted alone. `image_data`:
-    one image per placeholder of `prompt`, in order (SGLang expands each placeholder)."""
+    one image per placeholder of `prompt`, in order (SGLang expands each placeholder).
+    `lora`: the name of the LoRA adapter SGLang samples with (None: the base weights)."""
     body = {"rid": rid, "input_ids": prompt, "sampling_params": sampling_body(s),
-            "stream": True}
+            "stream": True, "lora_path": lora}
     if image_data:
         body["image_data"] = image_data
     if penalized(s):
@@ -141,7 +145,8 @@ def reshapes_logprobs(s: SamplingParams) -> bool:
 
 
 def score_body(rid: str, prompt: list[int], tokens: list[int], logprobs: int,
-               image_data: list | None = None, expanded: int | None = None) -> dict:
+               image_data: list | None = None, expanded: int | None = None,
+               lora: str | None = None) -> dict:
     """A prefill of prompt + sample that generates nothing and returns the sample's raw
     logprobs as input logprobs (the logits processor's, with no penalty, bias or
     temperature). It starts one token early: SGLang gives the first position None. With
@@ -153,19 +158,20 @@ def score_body(rid: str, prompt: list[int], tokens: list[int], logprobs: int,
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
             "return_logprob": True,
             "logprob_start_len": (expanded if image_data else len(prompt)) - 1,
-            "top_logprobs_num": logprobs, "stream": False}
+            "top_logprobs_num": logprobs, "stream": False, "lora_path": lora}
     if image_data:
         body["image_data"] = image_data
     return body
 
 
-def prompt_score_body(rid: str, prompt: list[int], logprobs: int) -> dict:
+def prompt_score_body(rid: str, prompt: list[int], logprobs: int,
+                      lora: str | None = None) -> dict:
     """A prefill of the prompt alone that generates nothing and returns the raw logprob of
     every prompt token (`sampling.prompt_logprobs`), with the top `logprobs` per position."""
     return {"rid": rid, "input_ids": list(prompt),
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
             "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": logprobs,
-            "stream": False}
+            "stream": False, "lora_path": lora}
 
 
 def parse_prompt_scores(out: dict, prompt: int, logprobs: int) -> dict:
@@ -216,6 +222,14 @@ def update_tensor_body(payload) -> dict:
 
 def update_disk_body(path: str) -> dict:
     return {"model_path": path, "flush_cache": False}
+
+
+def adapter_body(name: str, rank: int, scale: float, modules: list[str], payload) -> dict:
+    """Load LoRA adapter `name` from a tensor payload of PEFT's names. SGLang scales by
+    lora_alpha / r and reads no rsLoRA flag: the alpha sent is the one that gives `scale`."""
+    return {"lora_name": name, "serialized_named_tensors": [payload],
+            "config_dict": {"peft_type": "LORA", "r": rank, "lora_alpha": scale * rank,
+                            "target_modules": modules}}
 
 
 def init_group_body(host: str, port: int, group_name: str, backend: str) -> dict:

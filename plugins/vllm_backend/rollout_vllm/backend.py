@@ -14,7 +14,7 @@ from rollout import Capabilities, EngineDeadError, InvalidRequestError, RolloutE
 from rollout.kit import options
 from rollout.kit.aio import engine_loop
 from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, iter_unpacked
-from rollout.weights.lora import no_such_adapter, read_adapter
+from rollout.weights.lora import linear_modules, no_such_adapter, read_adapter
 from rollout.weights.checkpoint import checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
 from rollout.contract.schemas import PROMPT_LOGPROBS_MAX, SamplingParams, StructuredOutputs
@@ -258,7 +258,7 @@ class VLLMBackend:
 
     @rollout.hookimpl
     def load_adapter(self, name, config, buckets):
-        adapter = read_adapter(config, iter_unpacked(buckets), self._linears(),
+        adapter = read_adapter(config, iter_unpacked(buckets), linear_modules(self.shapes),
                                self.max_lora_rank)
         tensors = {f"base_model.model.{module}.lora_{which}.weight": t.contiguous()
                    for module, pair in adapter.weights.items() for which, t in zip("AB", pair)}
@@ -283,12 +283,6 @@ class VLLMBackend:
         lora = lora_request(name, self.lora_ids.pop(name))
         self.loop.run(self.engine.unload_adapter(lora, self.request_timeout),
                       self.request_timeout + 60, "vLLM adapter unload")
-
-    def _linears(self) -> dict[str, tuple[int, int]]:
-        """The checkpoint's linear layers that vLLM adapts (not embeddings, not the head)."""
-        return {name.removesuffix(".weight"): shape for name, shape in self.shapes.items()
-                if name.endswith(".weight") and len(shape) == 2
-                and not name.endswith(("embed_tokens.weight", "lm_head.weight"))}
 
     @rollout.hookimpl
     def release(self, tags):

@@ -12,9 +12,15 @@ every module that imports it: SGLang's Qwen-VL multimodal processor among them (
 registered for architecture: ['Qwen2VLForConditionalGeneration']"). Those few names resolve
 to placeholders that raise if ever called; Qwen2-VL (the tiny vision model of the tests)
 never calls them. Only names the kernel library lacks, and only these.
+
+3. Pinned host memory as plain host memory. SGLang's LoRA layers and memory pool pin
+their host buffers (`pin_memory=True`, `.pin_memory()`), which needs CUDA; pinning only
+speeds up copies to a GPU, so without one an unpinned tensor holds the same values.
+`rollout-sglang` itself refuses enable_lora where pinning fails (a CPU-only torch).
 """
 import importlib.abc
 import sys
+import types
 
 # Looked up when sglang/srt/models/qwen3_5.py is imported on CPU (SGLang 0.5.23).
 PLACEHOLDER_OPS = frozenset({"fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu",
@@ -57,7 +63,61 @@ def _patch(torch):
         return placeholder
 
     namespace.__getattr__ = op_or_placeholder
+    if not torch.cuda.is_available():
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     torch._rollout_cpu_patch = True
+
+
+# The factories SGLang's LoRA code (0.5.23) calls with pin_memory=True.
+PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "arange")
+LORA_PACKAGE = "sglang.srt.lora"
+
+
+class _UnpinnedTorch(types.ModuleType):
+    """torch as SGLang's LoRA modules see it: the factories take pin_memory=True and make
+    plain tensors. Only there: wrapping torch.tensor everywhere changed what transformers
+    computes in the same process."""
+
+    def __init__(self, torch):
+        super().__init__("torch")
+        self._torch = torch
+        for name in PINNING_FACTORIES:
+            setattr(self, name, self._unpinned(getattr(torch, name)))
+
+    @staticmethod
+    def _unpinned(factory):
+        def unpinned(*args, pin_memory=False, **kwargs):
+            return factory(*args, **kwargs)
+
+        return unpinned
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+class _LoRAHook(importlib.abc.MetaPathFinder):
+    """Gives each module of SGLang's LoRA package the unpinned torch, once it is loaded,
+    where CUDA is unavailable."""
+
+    def find_spec(self, name, path=None, target=None):
+        if not name.startswith(LORA_PACKAGE + ".") and name != LORA_PACKAGE:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        orig_exec = loader.exec_module
+
+        def exec_module(module):
+            orig_exec(module)
+            torch = sys.modules.get("torch")
+            if getattr(module, "torch", None) is torch and not torch.cuda.is_available():
+                module.torch = _UnpinnedTorch(torch)
+
+        loader.exec_module = exec_module
+        return spec
 
 
 class _TorchHook(importlib.abc.MetaPathFinder):
@@ -84,3 +144,4 @@ if "torch" in sys.modules:
     _patch(sys.modules["torch"])
 else:
     sys.meta_path.insert(0, _TorchHook())
+sys.meta_path.insert(0, _LoRAHook())
