@@ -8,7 +8,7 @@
   one adapter, and with four adapters mixed in one batch (each prompt its own). Targets:
   one adapter at least 0.8 of the base's tokens per second; four mixed at least 0.8 of one.
 
-Run in the backend's environment (scripts/env.sh vllm, or hf):
+Run in the backend's environment (scripts/env.sh vllm, sglang or hf):
     python bench/bench_lora.py --backend vllm [--model smollm2] [--rank 16] [--rounds 3]
 """
 
@@ -29,6 +29,10 @@ def load(backend: str, model: str, rank: int):
         return rollout.load_backend("vllm", model=model, mode="engine", dtype="float32",
                                     engine_args={"enable_lora": True, "max_lora_rank": rank,
                                                  "max_loras": ADAPTERS})
+    if backend == "sglang":
+        return rollout.load_backend("sglang", model=model, mode="engine", dtype="float32",
+                                    engine_args={"enable_lora": True, "max_lora_rank": rank,
+                                                 "max_loras_per_batch": ADAPTERS})
     return rollout.load_backend(backend, model=model, dtype="float32")
 
 
@@ -38,16 +42,17 @@ def nbytes(tensors) -> int:
 
 def generate(ro, texts: list[str], tokens: int, adapters: list[str | None]) -> float:
     """Tokens per second over the batch, each prompt with the adapter at its place."""
+    seeded = ro.capabilities.supports("seed")  # not SGLang's on CPU
     requests = [{"prompt": t, "adapter": adapters[i % len(adapters)], "sampling": {
-        "temperature": 1.0, "seed": i, "max_tokens": tokens, "ignore_eos": True}}
-        for i, t in enumerate(texts)]
+        "temperature": 1.0, "max_tokens": tokens, "ignore_eos": True,
+        **({"seed": i} if seeded else {})}} for i, t in enumerate(texts)]
     seconds = timed(lambda: [c.unwrap() for c in ro.generate(requests)])
     return len(texts) * tokens / seconds
 
 
 def main() -> None:
     parser = workload_parser(model=True)
-    parser.add_argument("--backend", choices=("hf", "vllm"), default="vllm")
+    parser.add_argument("--backend", choices=("hf", "vllm", "sglang"), default="vllm")
     parser.add_argument("--rank", type=int, default=16)
     parser.set_defaults(model="smollm2", prompts=64, tokens=32)
     args = parser.parse_args()

@@ -87,3 +87,11 @@ def test_without_the_flag_a_server_is_not_tied_to_its_starting_thread(tmp_path):
         assert not gone(started[0].proc.pid, within=1.0)
     finally:
         started[0].stop(grace=5)
+
+
+def test_engine_arguments_become_the_servers_flags():
+    from rollout.kit.process import cli_flags
+
+    assert cli_flags({"enable_lora": True, "max_lora_rank": 8, "quiet": False, "seed": None,
+                      "lora_target_modules": ["q_proj", "v_proj"]}) == [
+        "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"]

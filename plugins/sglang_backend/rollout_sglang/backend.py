@@ -360,14 +360,10 @@ class SGLangBackend:
         """Loaded under a new SGLang name, then the one it replaces unloaded: a load that
         fails leaves the old one serving, and no cached prefix of the old weights (SGLang's
         radix cache keys on the adapter) is reused."""
-        import torch
-
         adapter = read_adapter(config, iter_unpacked(buckets), linear_modules(self.shapes),
                                self.max_lora_rank)
-        # Copies: SGLang keeps the tensors it is sent, and these may be views of buckets
-        # the caller reuses.
-        tensors = {f"base_model.model.{module}.lora_{which}.weight":
-                   t.clone(memory_format=torch.contiguous_format)
+        # (Views of the caller's buckets: the engine sends SGLang a copy.)
+        tensors = {f"base_model.model.{module}.lora_{which}.weight": t
                    for module, pair in adapter.weights.items() for which, t in zip("AB", pair)}
         modules = sorted({module.rsplit(".", 1)[-1] for module in adapter.weights})
         sglang_name = f"{name}#{next(self._new_lora)}"

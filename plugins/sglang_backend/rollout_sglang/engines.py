@@ -266,11 +266,11 @@ class InProcessEngine:
 
     async def load_adapter(self, name: str, rank: int, scale: float, modules: list[str],
                            tensors: dict) -> None:
-        from rollout_sglang.weights import serialize
+        from rollout_sglang.weights import flattened, serialize
 
-        # The scheduler is this process's child: tensors travel as file descriptors.
+        # The scheduler is this process's child: the buffer travels as a file descriptor.
         body = protocol.adapter_body(name, rank, scale, modules,
-                                     serialize(tensors, as_text=False))
+                                     serialize(flattened(tensors), as_text=False))
         await self._lora_call("load_lora_adapter_from_tensors", body)
 
     async def unload_adapter(self, name: str) -> None:
@@ -458,11 +458,11 @@ class ServerEngine:
                            tensors: dict) -> None:
         import torch.multiprocessing
 
-        from rollout_sglang.weights import serialize
+        from rollout_sglang.weights import flattened, serialize
 
         torch.multiprocessing.set_sharing_strategy("file_system")  # as update_tensors
         await self._call("/load_lora_adapter_from_tensors", protocol.adapter_body(
-            name, rank, scale, modules, serialize(tensors, as_text=True)))
+            name, rank, scale, modules, serialize(flattened(tensors), as_text=True)))
 
     async def unload_adapter(self, name: str) -> None:
         await self._call("/unload_lora_adapter", {"lora_name": name})

@@ -225,9 +225,11 @@ def update_disk_body(path: str) -> dict:
 
 
 def adapter_body(name: str, rank: int, scale: float, modules: list[str], payload) -> dict:
-    """Load LoRA adapter `name` from a tensor payload of PEFT's names. SGLang scales by
-    lora_alpha / r and reads no rsLoRA flag: the alpha sent is the one that gives `scale`."""
+    """Load LoRA adapter `name` from the payload of a flattened bucket of PEFT's names.
+    SGLang scales by lora_alpha / r and reads no rsLoRA flag: the alpha sent is the one
+    that gives `scale`."""
     return {"lora_name": name, "serialized_named_tensors": [payload],
+            "load_format": "flattened_bucket",
             "config_dict": {"peft_type": "LORA", "r": rank, "lora_alpha": scale * rank,
                             "target_modules": modules}}
 

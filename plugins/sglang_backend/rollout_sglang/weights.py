@@ -31,3 +31,15 @@ def serialize(group: list, as_text: bool):
     from sglang.srt.utils import MultiprocessingSerializer
 
     return MultiprocessingSerializer.serialize(group, output_str=as_text)
+
+
+def flattened(tensors: dict) -> dict:
+    """Tensors as SGLang's flattened bucket (load_format "flattened_bucket"): one new
+    buffer of their bytes, and where each lies in it. One tensor to share with the
+    scheduler instead of one per tensor (an adapter has hundreds), and a copy of the
+    caller's tensors, which SGLang keeps."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    bucket = FlattenedTensorBucket(named_tensors=list(tensors.items()))
+    return {"flattened_tensor": bucket.get_flattened_tensor(),
+            "metadata": bucket.get_metadata()}

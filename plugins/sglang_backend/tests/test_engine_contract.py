@@ -7,14 +7,19 @@ import rollout
 from rollout.testing import BackendContract
 
 
+# Adapters on (with SGLang's LoRA layers in the model), so that the suite's adapter tests
+# run here; test_lora runs the server mode's.
+LORA = {"enable_lora": True, "max_lora_rank": 8}
+
+
 class TestSGLangEngine(BackendContract):
-    reference_key = "sglang"  # one engine configuration (conftest.ENGINE) in every mode
+    reference_key = "sglang-lora"
 
     @pytest.fixture(scope="class")
     @classmethod
     def make_backend(cls):
         return lambda model: rollout.load_backend("sglang", model=str(model), mode="engine",
-                                                  **ENGINE)
+                                                  engine_args=LORA, **ENGINE)
 
     def test_raw_logprobs_it_cannot_give_are_refused(self, harness):
         # SGLang's logprobs come after penalties; their raw values are recomputed by a
