@@ -47,9 +47,8 @@ ENGINE_DEFAULTS = {"grammar_backend": "xgrammar",
                    # to date when they run: the overlap scheduler hands it one token late.
                    "enable_custom_logit_processor": True,
                    "disable_overlap_schedule": True,
-                   # Tokens per stream output: 1 gives each token to the caller as soon as
-                   # SGLang makes it. A larger value saves SGLang's per-output work (with
-                   # the tiny model on CPU, 256 x 64 tokens: about a fifth of all CPU time).
+                   # Tokens per stream output, where a request does not say (each does:
+                   # see SGLangBackend.stream_interval).
                    "stream_interval": 1}
 
 
@@ -112,9 +111,13 @@ class SGLangBackend:
                  engine_args: dict | None = None, startup_timeout: float = 600.0,
                  request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES,
                  weight_transport: str | None = None, weight_group_timeout: float = 600.0,
-                 image_cache_mb: int = 256):
+                 image_cache_mb: int = 256, stream_interval: int = 16):
         if mode not in MODES:
             raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) \
+                or stream_interval < 1:
+            raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
+                                      "an integer >= 1")
         # SGLang's mm_preprocess_cache_size_mb: whole MiB
         if isinstance(image_cache_mb, bool) or not isinstance(image_cache_mb, int) \
                 or image_cache_mb < 0:
@@ -155,6 +158,11 @@ class SGLangBackend:
         self.shapes = checkpoint_shapes(model)
         self.weight_group_bytes = weight_group_bytes
         self.request_timeout = request_timeout
+        # Tokens per SGLang stream output for a caller that does not stream: each output
+        # costs SGLang's scheduler and tokenizer manager work (with the tiny model on CPU,
+        # 256 x 64 tokens one by one: about a fifth of all CPU time). A caller that
+        # streams gets every token as SGLang makes it.
+        self.stream_interval = stream_interval
         args = {**lora_args(device, self.shapes, engine_args),
                 "model_path": model, "device": device, "dtype": dtype,
                 "max_total_tokens": max_total_tokens, "random_seed": random_seed,
@@ -213,7 +221,7 @@ class SGLangBackend:
     # --- generation ---------------------------------------------------------------------
 
     @rollout.hookimpl
-    async def generate(self, request, prompt_token_ids, images):
+    async def generate(self, request, prompt_token_ids, streaming, images):
         s = request.sampling
         self._check_sampling(s)
         lora = None if request.adapter is None else self._lora_name(request.adapter)
@@ -231,8 +239,12 @@ class SGLangBackend:
         # encoded off the event loop).
         image_data = await asyncio.to_thread(self.engine.image_data, images) if images else None
         # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
+        # One token an output also where the sample is cut here, not in SGLang, which
+        # would otherwise run on to the end of the output.
+        cut_here = (s.ignore_eos and s.stop_token_ids) or (s.min_tokens and s.stop)
+        interval = 1 if streaming or cut_here else self.stream_interval
         samples = [self._sample(i, protocol.generate_body(uuid.uuid4().hex, prompt_token_ids,
-                                                          sent, image_data, lora),
+                                                          sent, image_data, lora, interval),
                                 s, prompt_token_ids, rescored, image_data)
                    for i in range(s.n)]
         # One sample is read on the request's own task; several, on a task each.

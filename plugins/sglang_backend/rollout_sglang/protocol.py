@@ -113,12 +113,15 @@ def json_grammar(schema: dict) -> str:
 
 
 def generate_body(rid: str, prompt: list[int], s: SamplingParams,
-                  image_data: list | None = None, lora: str | None = None) -> dict:
+                  image_data: list | None = None, lora: str | None = None,
+                  stream_interval: int = 1) -> dict:
     """One sample of one request, streamed. `n` samples are `n` bodies with their own rids
     (SGLang's own `n` replaces the rids), so that one can be aborted alone. `image_data`:
     one image per placeholder of `prompt`, in order (SGLang expands each placeholder).
-    `lora`: the name of the LoRA adapter SGLang samples with (None: the base weights)."""
-    body = {"rid": rid, "input_ids": prompt, "sampling_params": sampling_body(s),
+    `lora`: the name of the LoRA adapter SGLang samples with (None: the base weights).
+    `stream_interval`: tokens per stream output (the last may hold fewer)."""
+    body = {"rid": rid, "input_ids": prompt,
+            "sampling_params": {**sampling_body(s), "stream_interval": stream_interval},
             "stream": True, "lora_path": lora}
     if image_data:
         body["image_data"] = image_data

@@ -15,6 +15,8 @@ import rollout
     ({"image_cache_mb": 1.5}, "image_cache_mb"),
     ({"image_cache_mb": True}, "image_cache_mb"),
     ({"engine_args": "{context_length: 2048}"}, "engine_args"),  # YAML, where -o takes JSON
+    ({"stream_interval": 0}, "stream_interval"),
+    ({"stream_interval": "8"}, "stream_interval"),
 ])
 def test_a_bad_option_is_refused_naming_it(tiny_model, options, field):
     with pytest.raises(rollout.InvalidRequestError) as caught:
