@@ -27,7 +27,10 @@ class Adapters:
                         if isinstance(m, torch.nn.Linear)}
         self.loaded: dict[str, Adapter] = {}
         self._hooks: dict[str, object] = {}
-        self._rows: list[str | None] | None = None  # set by `active` on the engine thread
+        # The rows of each adapter in the forward pass running now (None: every row), set
+        # by `active` on the engine thread; None without an adapter.
+        self._groups: dict[str, torch.Tensor | None] | None = None
+        self._device = next(model.parameters()).device
 
     def load(self, name: str, config: dict, tensors: Iterable) -> None:
         """Load (or replace) adapter `name`; checks everything before changing anything."""
@@ -49,27 +52,38 @@ class Adapters:
     @contextmanager
     def active(self, rows: list[str | None]):
         """Each row of the forward passes inside takes the adapter named at its place."""
-        self._rows = rows if any(rows) else None
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(rows):
+            if name is not None:
+                groups.setdefault(name, []).append(i)
+        # Made once a pass, not once per hooked layer; a batch of one adapter (an RL
+        # policy's) gathers and scatters no row.
+        self._groups = {name: None if len(index) == len(rows)
+                        else torch.tensor(index, device=self._device)
+                        for name, index in groups.items()} or None
         try:
             yield
         finally:
-            self._rows = None
+            self._groups = None
 
     def _hook(self, module: str):
         def add_deltas(linear, args, output):
-            rows = self._rows
-            if rows is None:
+            groups = self._groups
+            if groups is None:
                 return output
             x = args[0]
-            for name in set(rows) - {None}:
-                weights = self.loaded[name].weights.get(module)
+            for name, index in groups.items():
+                adapter = self.loaded[name]
+                weights = adapter.weights.get(module)
                 if weights is None:
                     continue
                 a, b = weights
-                index = torch.tensor([i for i, r in enumerate(rows) if r == name],
-                                     device=x.device)
-                delta = (x.index_select(0, index) @ a.T) @ b.T
-                output.index_add_(0, index, delta, alpha=self.loaded[name].scale)
+                if index is None:  # in place, into the rows as one matrix
+                    output.view(-1, output.shape[-1]).addmm_(
+                        x.reshape(-1, x.shape[-1]) @ a.T, b.T, alpha=adapter.scale)
+                else:
+                    delta = (x.index_select(0, index) @ a.T) @ b.T
+                    output.index_add_(0, index, delta, alpha=adapter.scale)
             return output
         return add_deltas
 
