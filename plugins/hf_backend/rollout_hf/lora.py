@@ -32,7 +32,6 @@ class Adapters:
         # by `active` on the engine thread; None without an adapter.
         self._groups: dict[str, torch.Tensor | None] | None = None
         self._weight = next(model.parameters())  # the model's device and dtype
-        self._device = self._weight.device
 
     def load(self, name: str, config: dict, tensors: Iterable) -> None:
         """Load (or replace) adapter `name`; checks everything before changing anything."""
@@ -61,7 +60,7 @@ class Adapters:
         # Made once a pass, not once per hooked layer; a batch of one adapter (an RL
         # policy's) gathers and scatters no row.
         self._groups = {name: None if len(index) == len(rows)
-                        else torch.tensor(index, device=self._device)
+                        else torch.tensor(index, device=self._weight.device)
                         for name, index in groups.items()} or None
         try:
             yield

@@ -238,11 +238,11 @@ class SGLangBackend:
         # expands; the images as the engine takes them (PIL in process, data: URLs by HTTP,
         # encoded off the event loop).
         image_data = await asyncio.to_thread(self.engine.image_data, images) if images else None
-        # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
         # One token an output also where the sample is cut here, not in SGLang, which
         # would otherwise run on to the end of the output.
         cut_here = (s.ignore_eos and s.stop_token_ids) or (s.min_tokens and s.stop)
         interval = 1 if streaming or cut_here else self.stream_interval
+        # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
         samples = [self._sample(i, protocol.generate_body(uuid.uuid4().hex, prompt_token_ids,
                                                           sent, image_data, lora, interval),
                                 s, prompt_token_ids, rescored, image_data)
