@@ -8,12 +8,13 @@ from rollout.testing import BackendContract
 
 
 # Adapters on (with SGLang's LoRA layers in the model), so that the suite's adapter tests
-# run here; test_lora runs the server mode's.
+# run here; test_lora runs the server mode's. Base rows compute what they do without
+# LoRA (a row without an adapter gets no delta), so the references are shared.
 LORA = {"enable_lora": True, "max_lora_rank": 8}
 
 
 class TestSGLangEngine(BackendContract):
-    reference_key = "sglang-lora"
+    reference_key = "sglang"  # one engine configuration (conftest.ENGINE) in every mode
 
     @pytest.fixture(scope="class")
     @classmethod
