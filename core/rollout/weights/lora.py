@@ -61,6 +61,12 @@ class Adapter:
     scale: float  # lora_alpha / r (or / sqrt(r) with rsLoRA)
     weights: dict  # module name -> (A [r, in], B [out, r]), the tensors as given
 
+    def peft_tensors(self) -> dict:
+        """The tensors under PEFT's names (`base_model.model.<module>.lora_A.weight`, ...),
+        contiguous, as engines load them."""
+        return {f"base_model.model.{module}.lora_{which}.weight": t.contiguous()
+                for module, pair in self.weights.items() for which, t in zip("AB", pair)}
+
 
 def read_adapter(config: Mapping, tensors: Iterable,
                  linears: Mapping[str, tuple[int, int]], max_rank: int | None = None) -> Adapter:

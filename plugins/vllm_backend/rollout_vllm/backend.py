@@ -260,8 +260,7 @@ class VLLMBackend:
     def load_adapter(self, name, config, buckets):
         adapter = read_adapter(config, iter_unpacked(buckets), linear_modules(self.shapes),
                                self.max_lora_rank)
-        tensors = {f"base_model.model.{module}.lora_{which}.weight": t.contiguous()
-                   for module, pair in adapter.weights.items() for which, t in zip("AB", pair)}
+        tensors = adapter.peft_tensors()
         # What vLLM's PEFTHelper reads (the core passed a plain config: JSON's types).
         peft_config = {"r": adapter.rank, "lora_alpha": config.get("lora_alpha", adapter.rank),
                        "use_rslora": bool(config.get("use_rslora")),
