@@ -104,20 +104,27 @@ class _LoRAHook(importlib.abc.MetaPathFinder):
             return None
         import importlib.machinery
 
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        orig_exec = loader.exec_module
+        return _after_exec(importlib.machinery.PathFinder.find_spec(name, path), _unpin)
 
-        def exec_module(module):
-            orig_exec(module)
-            torch = sys.modules.get("torch")
-            if getattr(module, "torch", None) is torch and not torch.cuda.is_available():
-                module.torch = _UnpinnedTorch(torch)
 
-        loader.exec_module = exec_module
+def _unpin(module):
+    torch = sys.modules.get("torch")
+    if getattr(module, "torch", None) is torch and not torch.cuda.is_available():
+        module.torch = _UnpinnedTorch(torch)
+
+
+def _after_exec(spec, patch):
+    """`spec`, its module patched by `patch` once the module has run."""
+    if spec is None or spec.loader is None:
         return spec
+    orig_exec = spec.loader.exec_module
+
+    def exec_module(module):
+        orig_exec(module)
+        patch(module)
+
+    spec.loader.exec_module = exec_module
+    return spec
 
 
 class _TorchHook(importlib.abc.MetaPathFinder):
@@ -126,18 +133,7 @@ class _TorchHook(importlib.abc.MetaPathFinder):
             return None
         sys.meta_path.remove(self)  # let the regular finders locate torch
         import importlib.util
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        orig_exec = loader.exec_module
-
-        def exec_module(module):
-            orig_exec(module)
-            _patch(module)
-
-        loader.exec_module = exec_module
-        return spec
+        return _after_exec(importlib.util.find_spec("torch"), _patch)
 
 
 if "torch" in sys.modules:
