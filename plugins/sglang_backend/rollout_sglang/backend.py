@@ -374,9 +374,7 @@ class SGLangBackend:
         radix cache keys on the adapter) is reused."""
         adapter = read_adapter(config, iter_unpacked(buckets), linear_modules(self.shapes),
                                self.max_lora_rank)
-        # (Views of the caller's buckets: the engine sends SGLang a copy.)
-        tensors = {f"base_model.model.{module}.lora_{which}.weight": t
-                   for module, pair in adapter.weights.items() for which, t in zip("AB", pair)}
+        tensors = adapter.peft_tensors()  # the caller's: the engine sends SGLang a copy
         modules = sorted({module.rsplit(".", 1)[-1] for module in adapter.weights})
         sglang_name = f"{name}#{next(self._new_lora)}"
         self.engine.run(self.engine.load_adapter(sglang_name, adapter.rank, adapter.scale,
