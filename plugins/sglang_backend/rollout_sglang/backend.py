@@ -139,6 +139,10 @@ class SGLangBackend:
                 raise InvalidRequestError(
                     f"engine_args.{name}", f"got {engine_args[name]!r}: the backend reads "
                     "SGLang's stream outputs as new tokens only", f"{value!r}, or leave it out")
+        if "stream_interval" in engine_args:  # SGLang's default, which no request takes
+            raise InvalidRequestError(
+                "engine_args.stream_interval", "every request gives its own (1 to a caller "
+                "that streams)", "the backend option stream_interval")
         from transformers import AutoConfig, AutoTokenizer
 
         if device is None:

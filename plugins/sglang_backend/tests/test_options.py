@@ -17,6 +17,7 @@ import rollout
     ({"engine_args": "{context_length: 2048}"}, "engine_args"),  # YAML, where -o takes JSON
     ({"stream_interval": 0}, "stream_interval"),
     ({"stream_interval": "8"}, "stream_interval"),
+    ({"engine_args": {"stream_interval": 16}}, "engine_args.stream_interval"),
 ])
 def test_a_bad_option_is_refused_naming_it(tiny_model, options, field):
     with pytest.raises(rollout.InvalidRequestError) as caught:
