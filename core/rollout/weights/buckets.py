@@ -34,7 +34,7 @@ class Bucket:
     process (`Bucket.of`) keeps its tensors and packs the buffer only when something reads
     `data` (a transport): a backend that loads tensors gets them without a copy."""
 
-    tensors: tuple[TensorMeta, ...]
+    _tensors: tuple[TensorMeta, ...] | None  # None: laid out when first asked
     _data: torch.Tensor | None = None  # 1-D uint8
     _named: list[tuple[str, torch.Tensor]] | None = None  # the tensors, until packed
 
@@ -42,7 +42,16 @@ class Bucket:
     def of(cls, named: list[tuple[str, torch.Tensor]]) -> Bucket:
         # Detached (a trainer's parameters carry gradients) and contiguous, as if packed.
         named = [(n, t.detach().contiguous()) for n, t in named]
-        return cls(packed_layout(named)[0], None, named)
+        return cls(None, None, named)
+
+    @property
+    def tensors(self) -> tuple[TensorMeta, ...]:
+        """Each tensor's name, dtype, shape and place in the buffer; laid out only when a
+        transport asks, so that a backend in this process that takes the tensors as they
+        are pays nothing per tensor (an adapter has hundreds)."""
+        if self._tensors is None:
+            self._tensors = packed_layout(self._named)[0]
+        return self._tensors
 
     @property
     def data(self) -> torch.Tensor:
@@ -87,7 +96,7 @@ def iter_groups(
     pending: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
-        need = _aligned(tensor.numel() * tensor.element_size())
+        need = _aligned(tensor.nbytes)
         if pending and size + need > max_bytes:
             yield pending
             pending, size = [], 0

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import attrs
 import torch
 
-from rollout.weights.buckets import Bucket, unpack
+from rollout.weights.buckets import copy_tensor
 from rollout.weights.lora import Adapter, no_such_adapter, read_adapter
 
 
@@ -28,15 +28,21 @@ class Adapters:
                         if isinstance(m, torch.nn.Linear)}
         self.loaded: dict[str, Adapter] = {}
         self._hooks: dict[str, object] = {}
-        # The rows of each adapter in the forward pass running now (None: every row), set
-        # by `active` on the engine thread; None without an adapter.
-        self._groups: dict[str, torch.Tensor | None] | None = None
+        # What the forward pass running now adds, set by `active` on the engine thread.
+        self._pass: _Pass | None = None
+        # Each module's A and B of the adapters of a mixed batch, side by side, for the
+        # adapters named by `_stacked_for` (a run's batches mostly name the same ones).
+        self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._stacked_for: tuple[str, ...] = ()
         self._weight = next(model.parameters())  # the model's device and dtype
 
     def load(self, name: str, config: dict, tensors: Iterable) -> None:
         """Load (or replace) adapter `name`; checks everything before changing anything."""
-        adapter = self._read(config, tensors)
+        adapter = read_adapter(config, tensors, {name: (m.out_features, m.in_features)
+                                                 for name, m in self.linears.items()})
+        adapter = self._copied(adapter, self.loaded.get(name))
         self.loaded[name] = adapter
+        self._stacked_for = ()
         for module in adapter.weights:
             if module not in self._hooks:
                 self._hooks[module] = self.linears[module].register_forward_hook(
@@ -46,6 +52,7 @@ class Adapters:
         if name not in self.loaded:
             raise no_such_adapter(name, self.loaded)
         del self.loaded[name]
+        self._stacked_for = ()
         used = {m for a in self.loaded.values() for m in a.weights}
         for module in set(self._hooks) - used:
             self._hooks.pop(module).remove()
@@ -53,50 +60,104 @@ class Adapters:
     @contextmanager
     def active(self, rows: list[str | None]):
         """Each row of the forward passes inside takes the adapter named at its place."""
-        groups: dict[str, list[int]] = {}
-        for i, name in enumerate(rows):
-            if name is not None:
-                groups.setdefault(name, []).append(i)
-        # Made once a pass, not once per hooked layer; a batch of one adapter (an RL
-        # policy's) gathers and scatters no row.
-        self._groups = {name: None if len(index) == len(rows)
-                        else torch.tensor(index, device=self._weight.device)
-                        for name, index in groups.items()} or None
+        self._pass = self._plan(rows)
         try:
             yield
         finally:
-            self._groups = None
+            self._pass = None
+
+    def _plan(self, rows: list[str | None]) -> _Pass | None:
+        """Made once a pass, not once per hooked layer."""
+        names = tuple(dict.fromkeys(name for name in rows if name is not None))
+        if not names:
+            return None
+        if len(names) == 1 and None not in rows:  # an RL policy's batch
+            return _Pass(self.loaded[names[0]])
+        # Rows of several adapters (or of the base) run as one product with all their A
+        # and B side by side, each row masked to its adapter's columns and scaled: two
+        # matmuls a layer whatever the mix, where one per adapter cost a gather, two
+        # matmuls and a scatter each.
+        weight = self._weight
+        mask = torch.zeros(len(rows), sum(self.loaded[n].rank for n in names),
+                           dtype=weight.dtype, device=weight.device)
+        start = 0
+        for name in names:
+            adapter = self.loaded[name]
+            index = torch.tensor([i for i, row in enumerate(rows) if row == name])
+            mask[index.to(weight.device), start:start + adapter.rank] = adapter.scale
+            start += adapter.rank
+        return _Pass(None, names, mask)
+
+    def _side_by_side(self, names: tuple[str, ...], module: str):
+        """(A [sum of ranks, in], B [out, sum of ranks]) of the adapters `names` for
+        `module`, zeros for one that does not adapt it; None if none does."""
+        if self._stacked_for != names:
+            self._stacked, self._stacked_for = {}, names
+        if module not in self._stacked:
+            linear, a_parts, b_parts = self.linears[module], [], []
+            for name in names:
+                adapter = self.loaded[name]
+                a, b = adapter.weights.get(module) or (
+                    self._weight.new_zeros(adapter.rank, linear.in_features),
+                    self._weight.new_zeros(linear.out_features, adapter.rank))
+                a_parts.append(a)
+                b_parts.append(b)
+            self._stacked[module] = None if not any(
+                module in self.loaded[n].weights for n in names) else (
+                torch.cat(a_parts), torch.cat(b_parts, dim=1))
+        return self._stacked[module]
 
     def _hook(self, module: str):
         def add_deltas(linear, args, output):
-            groups = self._groups
-            if groups is None:
+            step = self._pass
+            if step is None:
                 return output
             x = args[0]
-            for name, index in groups.items():
-                adapter = self.loaded[name]
-                weights = adapter.weights.get(module)
-                if weights is None:
-                    continue
-                a, b = weights
-                if index is None:  # in place, into the rows as one matrix
-                    output.view(-1, output.shape[-1]).addmm_(
-                        x.reshape(-1, x.shape[-1]) @ a.T, b.T, alpha=adapter.scale)
-                else:
-                    delta = (x.index_select(0, index) @ a.T) @ b.T
-                    output.index_add_(0, index, delta, alpha=adapter.scale)
+            rows_out = output.view(-1, output.shape[-1])
+            if step.single is not None:  # in place, into the rows as one matrix
+                weights = step.single.weights.get(module)
+                if weights is not None:
+                    a, b = weights
+                    rows_out.addmm_(x.reshape(-1, x.shape[-1]) @ a.T, b.T,
+                                    alpha=step.single.scale)
+                return output
+            stacked = self._side_by_side(step.names, module)
+            if stacked is not None:
+                a, b = stacked
+                low = x @ a.T  # [rows, ..., sum of ranks]
+                low.mul_(step.mask.view(low.shape[0], *(1,) * (low.dim() - 2), -1))
+                rows_out.addmm_(low.view(-1, low.shape[-1]), b.T)
             return output
         return add_deltas
 
-    def _read(self, config: dict, tensors: Iterable) -> Adapter:
-        adapter = read_adapter(config, tensors, {name: (m.out_features, m.in_features)
-                                                 for name, m in self.linears.items()})
-        # Copies (the caller's tensors may be a trainer's parameters), all in one new buffer
-        # that the core's bucket packs with one memcpy each: hundreds of tensors cost less
-        # than one torch copy each.
+    def _copied(self, adapter: Adapter, replaced: Adapter | None) -> Adapter:
+        """The adapter with its own copies of the tensors (the caller's may be a trainer's
+        parameters). An adapter replaced by one of the same shapes (an RL policy's, each
+        step) is written over in place, as a weight update writes the parameters: no
+        request runs during a load, and a new buffer would cost a page fault per 4 KiB."""
         weight = self._weight
-        named = [(f"{module}:{which}", t.to(weight.device, weight.dtype))
-                 for module, pair in adapter.weights.items() for which, t in zip("AB", pair)]
-        copies = dict(unpack(Bucket.of(named)))
-        return attrs.evolve(adapter, weights={m: (copies[f"{m}:A"], copies[f"{m}:B"])
-                                              for m in adapter.weights})
+        given = [t.to(weight.device, weight.dtype) for pair in adapter.weights.values()
+                 for t in pair]
+        if (replaced is not None and replaced.rank == adapter.rank  # so the same shapes
+                and replaced.weights.keys() == adapter.weights.keys()):
+            targets = [t for module in adapter.weights for t in replaced.weights[module]]
+        else:  # one new buffer for all
+            parts = torch.empty(sum(t.numel() for t in given), dtype=weight.dtype,
+                                device=weight.device).split([t.numel() for t in given])
+            targets = [part.view(t.shape) for part, t in zip(parts, given)]
+        for target, t in zip(targets, given):  # one memcpy each, not a torch parallel copy
+            copy_tensor(target, t)
+        copies = iter(targets)
+        return attrs.evolve(adapter, weights={module: (next(copies), next(copies))
+                                              for module in adapter.weights})
+
+
+@attrs.frozen
+class _Pass:
+    """What the adapter hooks of one forward pass add: `single`'s delta to every row, or
+    each row's own adapter's among `names`, by `mask` ([rows, sum of their ranks]: a
+    row's adapter's scale at that adapter's columns, zeros elsewhere)."""
+
+    single: Adapter | None
+    names: tuple[str, ...] = ()
+    mask: torch.Tensor | None = None
