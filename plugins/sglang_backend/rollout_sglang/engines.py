@@ -33,6 +33,7 @@ from rollout.kit.images import EncodedImages
 from rollout.kit.process import HOST, ServerProcess, cli_flags
 
 from rollout_sglang import protocol
+from rollout_sglang.coalesce import coalesce_requests
 
 POLL_S = 0.25
 # Without it SGLang returns logprobs divided by the temperature; the contract wants raw ones.
@@ -145,6 +146,7 @@ class InProcessEngine:
                 asyncio.set_event_loop(self.loop)  # Engine.loop: not a loop of its own
                 before = {child.pid for child in psutil.Process().children()}
                 self.llm = sglang.Engine(**self.engine_args)
+                coalesce_requests(self.llm.tokenizer_manager, self.loop)
                 self._children = [child.pid for child in psutil.Process().children()
                                   if child.pid not in before]
             except BaseException as exc:  # noqa: BLE001 - handed to the starting thread

@@ -32,3 +32,36 @@ class TestSGLangEngine(BackendContract):
                                                  "max_tokens": 4}}])
         assert refused.error.field == "sampling.logprobs"
         assert len(fine.unwrap()[0].logprobs) == fine.unwrap()[0].completion_tokens
+
+    def test_the_requests_of_a_batch_reach_the_scheduler_in_one_message(self, harness):
+        """As `sglang.Engine.generate` sends a batch, so that SGLang's first prefill takes
+        them all (rollout_sglang.coalesce); the results are unchanged."""
+        from sglang.srt.managers.io_struct import (BatchTokenizedGenerateReqInput,
+                                                   TokenizedGenerateReqInput, msgpack_decode)
+
+        socket = harness.rollout._backend.engine.llm.tokenizer_manager.send_to_scheduler
+        real, sent = socket._socket, []
+
+        class Recording:
+            def send(self, data, *args, **kwargs):
+                sent.append(msgpack_decode(data))
+                return real.send(data, *args, **kwargs)
+
+            def send_pyobj(self, obj, *args, **kwargs):
+                sent.append(obj)
+                return real.send_pyobj(obj, *args, **kwargs)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        socket._socket = Recording()
+        try:
+            done = harness.rollout.generate(
+                [{"prompt": f"the ka lo {i}", "sampling": {"max_tokens": 2, "ignore_eos": True}}
+                 for i in range(8)])
+        finally:
+            socket._socket = real
+        assert all(c.unwrap()[0].completion_tokens == 2 for c in done)
+        generates = [m for m in sent
+                     if isinstance(m, BatchTokenizedGenerateReqInput | TokenizedGenerateReqInput)]
+        assert len(generates) == 1 and len(generates[0].batch) == 8, generates
