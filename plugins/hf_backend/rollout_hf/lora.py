@@ -15,7 +15,6 @@ from contextlib import contextmanager
 import attrs
 import torch
 
-from rollout.weights.buckets import copy_tensor
 from rollout.weights.lora import Adapter, no_such_adapter, read_adapter
 
 
@@ -27,6 +26,7 @@ class Adapters:
         self.linears = {name: m for name, m in model.named_modules()
                         if isinstance(m, torch.nn.Linear)}
         self.loaded: dict[str, Adapter] = {}
+        self._buffers: dict[str, torch.Tensor] = {}  # each adapter's tensors, in one
         self._hooks: dict[str, object] = {}
         # What the forward pass running now adds, set by `active` on the engine thread.
         self._pass: _Pass | None = None
@@ -40,7 +40,7 @@ class Adapters:
         """Load (or replace) adapter `name`; checks everything before changing anything."""
         adapter = read_adapter(config, tensors, {name: (m.out_features, m.in_features)
                                                  for name, m in self.linears.items()})
-        adapter = self._copied(adapter, self.loaded.get(name))
+        adapter = self._copied(name, adapter)
         self.loaded[name] = adapter
         self._stacked_for = ()
         for module in adapter.weights:
@@ -51,7 +51,7 @@ class Adapters:
     def unload(self, name: str) -> None:
         if name not in self.loaded:
             raise no_such_adapter(name, self.loaded)
-        del self.loaded[name]
+        del self.loaded[name], self._buffers[name]
         self._stacked_for = ()
         used = {m for a in self.loaded.values() for m in a.weights}
         for module in set(self._hooks) - used:
@@ -130,26 +130,25 @@ class Adapters:
             return output
         return add_deltas
 
-    def _copied(self, adapter: Adapter, replaced: Adapter | None) -> Adapter:
-        """The adapter with its own copies of the tensors (the caller's may be a trainer's
-        parameters). An adapter replaced by one of the same shapes (an RL policy's, each
-        step) is written over in place, as a weight update writes the parameters: no
-        request runs during a load, and a new buffer would cost a page fault per 4 KiB."""
-        weight = self._weight
-        given = [t.to(weight.device, weight.dtype) for pair in adapter.weights.values()
-                 for t in pair]
+    def _copied(self, name: str, adapter: Adapter) -> Adapter:
+        """The adapter with its own copy of the tensors (the caller's may be a trainer's
+        parameters, which its optimizer changes in place), in one buffer written by one
+        `cat`. An adapter replaced by one of the same layout (an RL policy's, each step) is
+        written over in place, as a weight update writes the parameters: no request runs
+        during a load, and a new buffer would cost a page fault per 4 KiB."""
+        weight, replaced = self._weight, self.loaded.get(name)
+        given = [t.to(weight.device, weight.dtype).reshape(-1)
+                 for pair in adapter.weights.values() for t in pair]
         if (replaced is not None and replaced.rank == adapter.rank  # so the same shapes
-                and replaced.weights.keys() == adapter.weights.keys()):
-            targets = [t for module in adapter.weights for t in replaced.weights[module]]
-        else:  # one new buffer for all
-            parts = torch.empty(sum(t.numel() for t in given), dtype=weight.dtype,
-                                device=weight.device).split([t.numel() for t in given])
-            targets = [part.view(t.shape) for part, t in zip(parts, given)]
-        for target, t in zip(targets, given):  # one memcpy each, not a torch parallel copy
-            copy_tensor(target, t)
-        copies = iter(targets)
-        return attrs.evolve(adapter, weights={module: (next(copies), next(copies))
-                                              for module in adapter.weights})
+                and list(replaced.weights) == list(adapter.weights)):
+            torch.cat(given, out=self._buffers[name])
+            return attrs.evolve(adapter, weights=replaced.weights)
+        buffer = torch.cat(given)
+        parts = iter(buffer.split([t.numel() for t in given]))
+        self._buffers[name] = buffer
+        return attrs.evolve(adapter, weights={
+            module: tuple(next(parts).view(t.shape) for t in pair)
+            for module, pair in adapter.weights.items()})
 
 
 @attrs.frozen

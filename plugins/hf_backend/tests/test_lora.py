@@ -20,7 +20,9 @@ def greedy(ro, adapter=None, prompts=PROMPTS):
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model):
-    return {"a": lora_adapter(tiny_model, seed=1), "b": lora_adapter(tiny_model, rank=4, seed=2)}
+    # "a2" has a's layout (written over it in place), "b" another rank (a new buffer).
+    return {"a": lora_adapter(tiny_model, seed=1), "b": lora_adapter(tiny_model, rank=4, seed=2),
+            "a2": lora_adapter(tiny_model, seed=3)}
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +81,13 @@ def test_replace_and_unload(tiny_model, adapters, merged):
         tensors, config = adapters["a"]
         ro.load_adapter("p", tensors.items(), config, version=3)
         assert [r.token_ids for r in greedy(ro, "p")] == merged["a"]
-        tensors, config = adapters["b"]
-        ro.load_adapter("p", tensors.items(), config, version=4)  # replaced in place
-        results = greedy(ro, "p")
-        assert [r.token_ids for r in results] == merged["b"]
-        assert {r.adapter_version for r in results} == {4}
+        assert merged["a2"] != merged["a"]
+        for name, version in (("a2", 4), ("b", 5), ("a", 6)):  # same layout, other rank, back
+            tensors, config = adapters[name]
+            ro.load_adapter("p", tensors.items(), config, version=version)
+            results = greedy(ro, "p")
+            assert [r.token_ids for r in results] == merged[name]
+            assert {r.adapter_version for r in results} == {version}
         ro.unload_adapter("p")
         (refused,) = ro.generate([{"prompt": "x", "adapter": "p"}])
         assert refused.error.field == "adapter" and refused.error.allowed == "none loaded"
