@@ -8,6 +8,10 @@ prefilling the first few while the rest are being made: more and smaller prefill
 requests dispatched in one turn of the loop are held and sent at the start of the next,
 together, as the batch message SGLang's own batch path sends. Any other message (an abort
 above all) first sends what is held: the scheduler sees everything in the order it was made.
+
+The held requests go grouped by LoRA adapter (in their order otherwise): SGLang batches
+them in that order, and its LoRA runs one product per run of neighbouring rows of one
+adapter, so that a mixed batch's rows interleaved would cost one product per row.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ def coalesce_requests(tokenizer_manager, loop: asyncio.AbstractEventLoop) -> Non
     held: list = []
 
     def flush() -> None:
-        batch = held[:]
+        batch = sorted(held, key=lambda request: request.lora_id or "")  # stable
         held.clear()
         if len(batch) == 1:
             send(batch[0])

@@ -5,6 +5,8 @@ from conftest import ENGINE
 
 import rollout
 from rollout.testing import BackendContract
+from rollout.testing.adapters import lora_adapter
+from rollout.testing.contract import ADAPTER, PROBE_PROMPTS, PROBE_TOKENS
 
 
 # Adapters on (with SGLang's LoRA layers in the model), so that the suite's adapter tests
@@ -35,11 +37,13 @@ class TestSGLangEngine(BackendContract):
 
     def test_the_requests_of_a_batch_reach_the_scheduler_in_one_message(self, harness):
         """As `sglang.Engine.generate` sends a batch, so that SGLang's first prefill takes
-        them all (rollout_sglang.coalesce); the results are unchanged."""
+        them all, grouped by adapter, so that its LoRA runs one product per adapter, not
+        one per row (rollout_sglang.coalesce); the results are unchanged."""
         from sglang.srt.managers.io_struct import (BatchTokenizedGenerateReqInput,
                                                    TokenizedGenerateReqInput, msgpack_decode)
 
-        socket = harness.rollout._backend.engine.llm.tokenizer_manager.send_to_scheduler
+        ro = harness.rollout
+        socket = ro._backend.engine.llm.tokenizer_manager.send_to_scheduler
         real, sent = socket._socket, []
 
         class Recording:
@@ -54,14 +58,24 @@ class TestSGLangEngine(BackendContract):
             def __getattr__(self, name):
                 return getattr(real, name)
 
+        tensors, config = lora_adapter(harness.model_dir, **ADAPTER)
+        ro.load_adapter("grouped", tensors.items(), config)
         socket._socket = Recording()
         try:
-            done = harness.rollout.generate(
-                [{"prompt": f"the ka lo {i}", "sampling": {"max_tokens": 2, "ignore_eos": True}}
-                 for i in range(8)])
+            # Base rows and adapter rows interleaved, as the probe prompts twice over.
+            requests = [{"prompt": p, "adapter": adapter,
+                         "sampling": {"temperature": 0.0, "max_tokens": PROBE_TOKENS,
+                                      "ignore_eos": True}}
+                        for p in PROBE_PROMPTS for adapter in (None, "grouped")]
+            done = [c.unwrap()[0].token_ids for c in ro.generate(requests)]
         finally:
             socket._socket = real
-        assert all(c.unwrap()[0].completion_tokens == 2 for c in done)
+            ro.unload_adapter("grouped")
+        assert tuple(done[0::2]) == harness.baseline and tuple(done[1::2]) == harness.adapted
         generates = [m for m in sent
                      if isinstance(m, BatchTokenizedGenerateReqInput | TokenizedGenerateReqInput)]
-        assert len(generates) == 1 and len(generates[0].batch) == 8, generates
+        assert len(generates) == 1, generates
+        adapters = [r.lora_id for r in generates[0].batch]
+        assert len(adapters) == len(requests)
+        runs = [a for i, a in enumerate(adapters) if i == 0 or a != adapters[i - 1]]
+        assert len(runs) == 2, adapters
