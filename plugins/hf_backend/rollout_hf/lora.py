@@ -26,7 +26,7 @@ class Adapters:
         self.linears = {name: m for name, m in model.named_modules()
                         if isinstance(m, torch.nn.Linear)}
         self.loaded: dict[str, Adapter] = {}
-        self._buffers: dict[str, torch.Tensor] = {}  # each adapter's tensors, in one
+        self._buffers: dict[str, torch.Tensor] = {}  # each adapter's tensors, as one
         self._hooks: dict[str, object] = {}
         # What the forward pass running now adds, set by `active` on the engine thread.
         self._pass: _Pass | None = None
