@@ -17,7 +17,7 @@ from rollout import load_backend
 from rollout.apps.serving.app import ServerThread
 from rollout.service.served import ServedRollout
 from rollout.service.service import LocalService
-from rollout.testing.adapters import lora_adapter, merged_copy, peft_folder
+from rollout.testing.adapters import lora_adapter, merged_references, peft_folder
 from rollout.testing.contract import probe_requests
 from rollout.testing.waiting import wait_for
 
@@ -33,14 +33,9 @@ def adapters(tiny_model):
 @pytest.fixture(scope="module")
 def expected(tiny_model, adapters, tmp_path_factory):
     """Greedy tokens of the probe prompts: the base model's, and each adapter's merged."""
-    folders = {None: tiny_model, **{name: merged_copy(
-        tiny_model, tmp_path_factory.mktemp(f"merged-{name}"), *adapters[name])
-        for name in adapters}}
-    out = {}
-    for name, folder in folders.items():
-        with load_backend("hf", str(folder), dtype="float32") as engine:
-            out[name] = [c.unwrap()[0].token_ids for c in engine.generate(probe_requests())]
-    return out
+    return merged_references(
+        tiny_model, adapters, lambda name: tmp_path_factory.mktemp(f"merged-{name}"),
+        lambda hf: [c.unwrap()[0].token_ids for c in hf.generate(probe_requests())])
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ backend's output with the adapter equals the merged model's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from rollout.testing.model_folders import WEIGHTS_FILE, load_weights
@@ -54,6 +55,23 @@ def merged_copy(model_dir: str | Path, out_dir: str | Path, tensors: dict,
         if a is not None:
             weights[name] = weights[name] + scale * (b @ a)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
+    return out
+
+
+def merged_references(model_dir: str | Path, adapters: dict, folder: Callable[[str], Path],
+                      run: Callable) -> dict:
+    """What `run(backend)` gives on the HF backend (float32) with the base model (under
+    None) and with each adapter of `adapters` (name -> (tensors, config)) merged into the
+    weights, in the folder `folder(name)` gives: the references of adapter tests."""
+    import rollout
+
+    folders = {None: Path(model_dir)}
+    for name, (tensors, config) in adapters.items():
+        folders[name] = merged_copy(model_dir, folder(name), tensors, config)
+    out = {}
+    for name, path in folders.items():
+        with rollout.load_backend("hf", model=str(path), dtype="float32") as hf:
+            out[name] = run(hf)
     return out
 
 

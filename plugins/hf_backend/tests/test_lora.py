@@ -7,7 +7,7 @@ import pytest
 
 import rollout
 from rollout import InvalidRequestError
-from rollout.testing.adapters import lora_adapter, merged_copy
+from rollout.testing.adapters import lora_adapter, merged_references
 
 PROMPTS = ("the ka lo", "def x", "1 2 3 +", "mi ne su ta ri po")
 
@@ -35,14 +35,10 @@ def ro(tiny_model, adapters):
 
 @pytest.fixture(scope="module")
 def merged(tiny_model, adapters, tmp_path_factory):
-    """Greedy tokens of each adapter merged into the model's weights."""
-    out = {}
-    for name, (tensors, config) in adapters.items():
-        folder = merged_copy(tiny_model, tmp_path_factory.mktemp(f"merged-{name}"), tensors,
-                             config)
-        with rollout.load_backend("hf", model=str(folder), dtype="float32") as backend:
-            out[name] = [r.token_ids for r in greedy(backend)]
-    return out
+    """Greedy tokens of each adapter merged into the model's weights (and of the base)."""
+    return merged_references(tiny_model, adapters,
+                             lambda name: tmp_path_factory.mktemp(f"merged-{name}"),
+                             lambda hf: [r.token_ids for r in greedy(hf)])
 
 
 def test_an_adapter_samples_what_the_merged_model_does(ro, merged):
@@ -56,15 +52,13 @@ def test_an_adapter_samples_what_the_merged_model_does(ro, merged):
 
 
 def test_rows_of_several_adapters_and_the_base_share_a_batch(ro, merged):
-    base = [r.token_ids for r in greedy(ro)]
     names = [None, "a", "b", "a", None, "b"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
     done = ro.generate([{"prompt": p, "adapter": n, "sampling": {
         "temperature": 0.0, "max_tokens": 12, "ignore_eos": True}}
         for p, n in zip(prompts, names)])
     for i, (name, completion) in enumerate(zip(names, done)):
-        expected = base if name is None else merged[name]
-        assert completion.unwrap()[0].token_ids == expected[i % len(PROMPTS)], (i, name)
+        assert completion.unwrap()[0].token_ids == merged[name][i % len(PROMPTS)], (i, name)
 
 
 def test_a_config_that_is_no_plain_lora_is_refused(ro, adapters):

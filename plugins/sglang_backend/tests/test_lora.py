@@ -9,7 +9,7 @@ import pytest
 from conftest import ENGINE
 
 import rollout
-from rollout.testing.adapters import lora_adapter, merged_copy
+from rollout.testing.adapters import lora_adapter, merged_references
 from rollout.testing.agreement import check_greedy_tokens
 from rollout_sglang.backend import lora_args
 
@@ -46,16 +46,9 @@ def expected(tiny_model, adapters, tmp_path_factory):
     """HF's greedy results per prompt: of the base model, of each adapter merged into it,
     and of adapter "b" as rsLoRA."""
     tensors, _, plain = rslora(*adapters["b"])
-    merges = {**adapters, "b-rs": (tensors, plain)}
-    folders = {None: tiny_model}
-    for name, (tensors, config) in merges.items():
-        folders[name] = merged_copy(tiny_model, tmp_path_factory.mktemp(f"merged-{name}"),
-                                    tensors, config)
-    out = {}
-    for name, folder in folders.items():
-        with rollout.load_backend("hf", model=str(folder), dtype="float32") as hf:
-            out[name] = results(hf, [None] * len(PROMPTS))
-    return out
+    return merged_references(tiny_model, {**adapters, "b-rs": (tensors, plain)},
+                             lambda name: tmp_path_factory.mktemp(f"merged-{name}"),
+                             lambda hf: results(hf, [None] * len(PROMPTS)))
 
 
 @pytest.fixture(scope="module")

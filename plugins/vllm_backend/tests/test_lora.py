@@ -9,7 +9,7 @@ import pytest
 from conftest import ENGINE
 
 import rollout
-from rollout.testing.adapters import lora_adapter, merged_copy
+from rollout.testing.adapters import lora_adapter, merged_references
 
 PROMPTS = ("the ka lo", "def x", "1 2 3 +", "mi ne su ta ri po")
 # Two adapters in a step, two kept in the worker's cache: a third evicts one.
@@ -35,15 +35,9 @@ def adapters(tiny_model):
 @pytest.fixture(scope="module")
 def expected(tiny_model, adapters, tmp_path_factory):
     """Greedy tokens per prompt: of the base model, and of each adapter merged into it."""
-    folders = {None: tiny_model}
-    for name, (tensors, config) in adapters.items():
-        folders[name] = merged_copy(tiny_model, tmp_path_factory.mktemp(f"merged-{name}"),
-                                    tensors, config)
-    out = {}
-    for name, folder in folders.items():
-        with rollout.load_backend("hf", model=str(folder), dtype="float32") as hf:
-            out[name] = tokens(hf, [None] * len(PROMPTS))
-    return out
+    return merged_references(tiny_model, adapters,
+                             lambda name: tmp_path_factory.mktemp(f"merged-{name}"),
+                             lambda hf: tokens(hf, [None] * len(PROMPTS)))
 
 
 @pytest.fixture(scope="module", params=["engine", "server"])
