@@ -25,6 +25,8 @@ class Adapters:
         self.model = model
         self.linears = {name: m for name, m in model.named_modules()
                         if isinstance(m, torch.nn.Linear)}
+        self._shapes = {name: (m.out_features, m.in_features)  # what read_adapter checks
+                        for name, m in self.linears.items()}
         self.loaded: dict[str, Adapter] = {}
         self._buffers: dict[str, torch.Tensor] = {}  # each adapter's tensors, as one
         self._hooks: dict[str, object] = {}
@@ -38,9 +40,7 @@ class Adapters:
 
     def load(self, name: str, config: dict, tensors: Iterable) -> None:
         """Load (or replace) adapter `name`; checks everything before changing anything."""
-        adapter = read_adapter(config, tensors, {name: (m.out_features, m.in_features)
-                                                 for name, m in self.linears.items()})
-        adapter = self._copied(name, adapter)
+        adapter = self._copied(name, read_adapter(config, tensors, self._shapes))
         self.loaded[name] = adapter
         self._stacked_for = ()
         for module in adapter.weights:
@@ -94,17 +94,15 @@ class Adapters:
         if self._stacked_for != names:
             self._stacked, self._stacked_for = {}, names
         if module not in self._stacked:
-            linear, a_parts, b_parts = self.linears[module], [], []
-            for name in names:
-                adapter = self.loaded[name]
-                a, b = adapter.weights.get(module) or (
-                    self._weight.new_zeros(adapter.rank, linear.in_features),
-                    self._weight.new_zeros(linear.out_features, adapter.rank))
-                a_parts.append(a)
-                b_parts.append(b)
-            self._stacked[module] = None if not any(
-                module in self.loaded[n].weights for n in names) else (
-                torch.cat(a_parts), torch.cat(b_parts, dim=1))
+            given = [(self.loaded[n], self.loaded[n].weights.get(module)) for n in names]
+            if all(pair is None for _, pair in given):
+                self._stacked[module] = None
+            else:
+                (out_features, in_features), zeros = self._shapes[module], self._weight.new_zeros
+                pairs = [pair or (zeros(adapter.rank, in_features),
+                                  zeros(out_features, adapter.rank)) for adapter, pair in given]
+                self._stacked[module] = (torch.cat([a for a, _ in pairs]),
+                                         torch.cat([b for _, b in pairs], dim=1))
         return self._stacked[module]
 
     def _hook(self, module: str):

@@ -87,3 +87,25 @@ def test_replace_and_unload(tiny_model, adapters, merged):
         assert refused.error.field == "adapter" and refused.error.allowed == "none loaded"
         with pytest.raises(InvalidRequestError):
             ro.unload_adapter("p")
+
+
+def test_a_mixed_batch_of_adapters_of_different_modules(tiny_model, tmp_path):
+    """A module that one adapter of the batch adapts and another does not: the other's
+    rows get no delta there (its columns are zeros in the side-by-side product)."""
+    full, full_config = lora_adapter(tiny_model, seed=1)
+    tensors, config = lora_adapter(tiny_model, rank=4, seed=2)
+    q_only = {k: v for k, v in tensors.items() if ".q_proj." in k}
+    merged = merged_references(tiny_model, {"full": (full, full_config), "q": (q_only, config)},
+                               lambda name: tmp_path / name,
+                               lambda hf: [r.token_ids for r in greedy(hf)])
+    assert merged["q"] != merged[None]
+    names = ["q", None, "full", "q", "full", None]
+    with rollout.load_backend("hf", model=str(tiny_model), dtype="float32") as ro:
+        ro.load_adapter("full", full.items(), full_config)
+        ro.load_adapter("q", q_only.items(), config)
+        done = ro.generate([{"prompt": PROMPTS[i % len(PROMPTS)], "adapter": name,
+                             "sampling": {"temperature": 0.0, "max_tokens": 12,
+                                          "ignore_eos": True}}
+                            for i, name in enumerate(names)])
+    for i, (name, completion) in enumerate(zip(names, done)):
+        assert completion.unwrap()[0].token_ids == merged[name][i % len(PROMPTS)], (i, name)
