@@ -61,6 +61,10 @@ class Adapter:
     scale: float  # lora_alpha / r (or / sqrt(r) with rsLoRA)
     weights: dict  # module name -> (A [r, in], B [out, r]), the tensors as given
 
+    def target_modules(self) -> list[str]:
+        """The adapted modules' own names (`q_proj`, ...), as PEFT's `target_modules`."""
+        return sorted({module.rsplit(".", 1)[-1] for module in self.weights})
+
     def peft_tensors(self) -> dict:
         """The tensors under PEFT's names (`base_model.model.<module>.lora_A.weight`, ...),
         contiguous, as engines load them."""

@@ -379,7 +379,7 @@ class SGLangBackend:
         adapter = read_adapter(config, iter_unpacked(buckets), linear_modules(self.shapes),
                                self.max_lora_rank)
         tensors = adapter.peft_tensors()  # the caller's: the engine sends SGLang a copy
-        modules = sorted({module.rsplit(".", 1)[-1] for module in adapter.weights})
+        modules = adapter.target_modules()
         sglang_name = f"{name}#{next(self._new_lora)}"
         self.engine.run(self.engine.load_adapter(sglang_name, adapter.rank, adapter.scale,
                                                  modules, tensors),

@@ -264,8 +264,7 @@ class VLLMBackend:
         # What vLLM's PEFTHelper reads (the core passed a plain config: JSON's types).
         peft_config = {"r": adapter.rank, "lora_alpha": config.get("lora_alpha", adapter.rank),
                        "use_rslora": bool(config.get("use_rslora")),
-                       "target_modules": sorted({m.rsplit(".", 1)[-1]
-                                                 for m in adapter.weights})}
+                       "target_modules": adapter.target_modules()}
         engine: AdapterEngine = self.engine
         lora_id = next(self._new_lora_id)
         self.loop.run(engine.load_adapter(lora_request(name, lora_id), peft_config,
