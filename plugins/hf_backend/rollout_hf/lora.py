@@ -135,12 +135,15 @@ class Adapters:
         written over in place, as a weight update writes the parameters: no request runs
         during a load, and a new buffer would cost a page fault per 4 KiB."""
         weight, replaced = self._weight, self.loaded.get(name)
-        given = [t.to(weight.device, weight.dtype).reshape(-1)
-                 for pair in adapter.weights.values() for t in pair]
         if (replaced is not None and replaced.rank == adapter.rank  # so the same shapes
                 and list(replaced.weights) == list(adapter.weights)):
-            torch.cat(given, out=self._buffers[name])
+            # One call for all the tensors (its dtype and device conversions included);
+            # a copy per tensor from Python cost about 1 us each of 420 (SmolLM2's).
+            torch._foreach_copy_([t for pair in replaced.weights.values() for t in pair],
+                                 [t for pair in adapter.weights.values() for t in pair])
             return attrs.evolve(adapter, weights=replaced.weights)
+        given = [t.to(weight.device, weight.dtype).reshape(-1)
+                 for pair in adapter.weights.values() for t in pair]
         buffer = torch.cat(given)
         parts = iter(buffer.split([t.numel() for t in given]))
         self._buffers[name] = buffer
