@@ -1,7 +1,9 @@
 """Servers compared under vLLM's own serving benchmark (`vllm.benchmarks.serve`): random
 dataset, 32 tokens in and 32 out, 64 requests at once, streamed, on /v1/completions. Each
 server runs alone (two engines on a small machine would slow each other), alternating for
-`rounds` rounds after a warm-up round each; the medians are compared with the baseline's.
+`rounds` rounds after a warm-up round each, each round in the order of the one before reversed
+(so that neither always runs right after the other); the medians are compared with the
+baseline's.
 The benchmark sends `repetition_penalty`, which rollout honours."""
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ def compare(contenders: Mapping[str, Sequence[str]], baseline: str, port: int, m
     """Every contender, round after round; prints each round, the medians and each one's
     ratios to `baseline` (throughput: higher is better; TTFT: lower is better)."""
     results: dict[str, list[dict]] = {name: [] for name in contenders}
+    order = list(contenders)
     for round_ in range(rounds + 1):
-        for name, argv in contenders.items():
-            result = measure(name, argv, port, model, served, prompts, bench_python)
+        for name in order:
+            result = measure(name, contenders[name], port, model, served, prompts,
+                             bench_python)
             if round_:  # the first round warms caches up
                 results[name].append(result)
             print(f"round {round_} {name}: {result['output_throughput']:.1f} tokens/s, "
                   f"TTFT p50 {result['median_ttft_ms']:.1f} ms", flush=True)
+        order.reverse()
     median = {name: {key: statistics.median(r[key] for r in rs) for key in KEYS}
               for name, rs in results.items()}
     print(f"model {label}: {prompts} prompts, 32 in / 32 out, concurrency 64, "
