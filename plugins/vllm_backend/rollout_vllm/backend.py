@@ -21,6 +21,7 @@ from rollout.contract.schemas import PROMPT_LOGPROBS_MAX, SamplingParams, Struct
 from rollout.kit.structured import constraint_error, structural_tag_grammar
 
 from rollout_vllm.async_engine import AsyncEngine
+from rollout_vllm.common import private_socket_folder
 from rollout_vllm.cpu import cpu_engine_args
 from rollout_vllm.engine import AdapterEngine, Engine, WeightPath
 from rollout_vllm.in_process import InProcessEngine
@@ -149,6 +150,7 @@ class VLLMBackend:
                 **cpu_engine_args(engine_args)}
         self.request_timeout = request_timeout
         self.stream_interval = stream_interval
+        private_socket_folder()
         self.engine: Engine = (
             InProcessEngine(args, stream_interval) if mode == "engine" else
             AsyncEngine(args, stream_interval) if mode == "async" else

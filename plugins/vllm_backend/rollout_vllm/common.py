@@ -1,15 +1,29 @@
 """What the vLLM engines share: a request's sampling as vLLM's SamplingParams, vLLM's delta
 outputs as chunks, its refusals as our typed errors, the prefix-cache reset's check, and the
-counts of its multimodal processor cache in this process."""
+counts of its multimodal processor cache in this process, and where its sockets go."""
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 import threading
 from contextlib import contextmanager
 
 from rollout import Chunk, GenerationError, InvalidRequestError, RolloutError, TokenLogprob
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+def private_socket_folder() -> None:
+    """vLLM names its ZMQ sockets `/tmp/<uuid>`, and an engine ended by a signal (as a server
+    is stopped) leaves them there, seven an engine. Unless the user chose their place
+    (VLLM_RPC_BASE_PATH), they go in a folder of this process's, removed when it exits."""
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="rollout-vllm-sockets-")
+        os.environ["VLLM_RPC_BASE_PATH"] = folder
+        atexit.register(shutil.rmtree, folder, True)
 
 
 def request_error(message: str, parameter: str | None = None) -> RolloutError:

@@ -1,5 +1,5 @@
 """Async mode: vLLM's engine core runs in child processes, and none outlives its owner,
-whether the backend is closed or the process that owns it is killed."""
+whether the backend is closed or the process that owns it is killed; nor do its sockets."""
 
 import os
 import signal
@@ -19,6 +19,14 @@ backend = rollout.load_backend("vllm", model=sys.argv[1], mode="async", **eval(s
 core = backend._backend.engine.engine.engine_core.resources.engine_manager.processes[0]
 pathlib.Path(sys.argv[3]).write_text(str(core.pid))
 time.sleep(600)
+"""
+
+CLOSER = """
+import os, sys, rollout
+backend = rollout.load_backend("vllm", model=sys.argv[1], mode="async", **eval(sys.argv[2]))
+folder = os.environ["VLLM_RPC_BASE_PATH"]
+print("sockets in", folder, len(os.listdir(folder)), flush=True)
+backend.close()
 """
 
 
@@ -62,3 +70,13 @@ def test_a_killed_owner_leaves_no_engine_core(tiny_model, tmp_path):
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_the_engines_sockets_go_with_their_owner(tiny_model):
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    out = subprocess.run([sys.executable, "-c", CLOSER, str(tiny_model), repr(ENGINE)], env=env,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    (line,) = [x for x in out.splitlines() if x.startswith("sockets in ")]
+    folder, sockets = line.split()[2:]
+    assert Path(folder).name.startswith("rollout-vllm-sockets-") and int(sockets) > 0
+    assert not Path(folder).exists()  # removed, with what the engine left there
