@@ -40,8 +40,10 @@ class Bucket:
 
     @classmethod
     def of(cls, named: list[tuple[str, torch.Tensor]]) -> Bucket:
-        # Detached (a trainer's parameters carry gradients) and contiguous, as if packed.
-        named = [(n, t.detach().contiguous()) for n, t in named]
+        # Detached (a trainer's parameters carry gradients) and contiguous, as if packed;
+        # a state dict's tensors mostly are already, and a new tensor each costs a us.
+        named = [(n, t if not t.requires_grad and t.is_contiguous() else t.detach().contiguous())
+                 for n, t in named]
         return cls(None, None, named)
 
     @property
