@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import uuid
 from contextlib import aclosing
 
 import rollout
@@ -150,6 +149,7 @@ class VLLMBackend:
                 **cpu_engine_args(engine_args)}
         self.request_timeout = request_timeout
         self.stream_interval = stream_interval
+        self.calls = itertools.count()  # numbers each engine call's id
         private_socket_folder()
         self.engine: Engine = (
             InProcessEngine(args, stream_interval) if mode == "engine" else
@@ -224,7 +224,7 @@ class VLLMBackend:
     async def generate(self, request, prompt_token_ids, streaming, images):
         s = request.sampling
         # Unique per call: two calls may share our id, and vLLM takes a duplicate silently.
-        rid = f"{request.id}-{uuid.uuid4().hex[:12]}"
+        rid = f"{request.id}-{next(self.calls)}"
         try:
             # Token by token for a caller that streams; else `stream_interval` tokens a piece,
             # which costs vLLM less per token.
