@@ -1,5 +1,5 @@
 """What the vLLM engines share: a request's sampling as vLLM's SamplingParams, vLLM's delta
-outputs as chunks, its refusals as our typed errors, the prefix-cache reset's check, and the
+outputs as chunks, its refusals as our typed errors, the prefix-cache reset's check, the
 counts of its multimodal processor cache in this process, and where its sockets go."""
 
 from __future__ import annotations
