@@ -7,6 +7,7 @@ so that a bad adapter never reaches an engine (vLLM's dies on some)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -72,6 +73,14 @@ class Adapter:
                 for module, pair in self.weights.items() for which, t in zip("AB", pair)}
 
 
+@functools.lru_cache(maxsize=8192)
+def peft_name(tensor_name: str) -> tuple[str, str] | None:
+    """(module, "A" or "B") of a PEFT tensor name, or None. Cached: a policy's adapter
+    comes again each step under the same names, and a match per tensor cost a us."""
+    match = PEFT_NAME.match(tensor_name)
+    return None if match is None else match.groups()
+
+
 def read_adapter(config: Mapping, tensors: Iterable,
                  linears: Mapping[str, tuple[int, int]], max_rank: int | None = None) -> Adapter:
     """The adapter of `config` and (name, tensor) pairs `tensors`, for a model whose
@@ -92,12 +101,12 @@ def read_adapter(config: Mapping, tensors: Iterable,
     scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     parts: dict[str, dict] = {}
     for tensor_name, tensor in tensors:
-        match = PEFT_NAME.match(tensor_name)
-        if match is None:
+        parsed = peft_name(tensor_name)
+        if parsed is None:
             raise InvalidRequestError("tensors", f"{tensor_name!r} is no LoRA weight",
                                       "PEFT names: base_model.model.<module>.lora_A.weight "
                                       "and .lora_B.weight")
-        module, which = match.groups()
+        module, which = parsed
         if module not in linears:
             raise InvalidRequestError("tensors", f"{tensor_name!r}: the model has no "
                                       f"adaptable linear module {module!r}",
@@ -113,7 +122,7 @@ def read_adapter(config: Mapping, tensors: Iterable,
             if got is None:
                 raise InvalidRequestError("tensors", f"{module!r} has no lora_{which}",
                                           "both lora_A and lora_B of each module")
-            if tuple(got.shape) != shape:
+            if got.shape != shape:  # torch.Size is a tuple
                 raise InvalidRequestError(
                     "tensors", f"{module}.lora_{which} has shape {tuple(got.shape)}",
                     f"shape {shape} (r={rank})")
