@@ -32,12 +32,12 @@ from rollout.testing.waiting import wait_for
 KEY = "ops-key"
 
 
-def serve(tiny_model, *args) -> tuple[ServerProcess, str]:
+def serve(tiny_model, *args, keep_log: bool = False) -> tuple[ServerProcess, str]:
     port = free_port()
     server = ServerProcess("serve", [sys.executable, "-m", "rollout", "serve", "--backend", "hf",
                                      "--model", str(tiny_model), "--port", str(port),
                                      "--served-model-name", "tiny", *args],
-                           env={"ROLLOUT_API_KEY": KEY})
+                           env={"ROLLOUT_API_KEY": KEY}, keep_log=keep_log)
     url = f"http://{HOST}:{port}"
     try:
         server.wait_healthy(f"{url}/health", 300, {"Authorization": f"Bearer {KEY}"})
@@ -165,7 +165,7 @@ def test_json_logs_carry_request_and_session_but_no_prompt(tiny_model):
     secret = "the secret prompt text"
     for with_prompts in (False, True):
         server, url = serve(tiny_model, "--log-format", "json", "--log-level", "debug",
-                            *(["--log-prompts"] if with_prompts else []))
+                            *(["--log-prompts"] if with_prompts else []), keep_log=True)
         try:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
             client.completions.create(model="tiny", prompt=secret, max_tokens=3,
@@ -177,12 +177,13 @@ def test_json_logs_carry_request_and_session_but_no_prompt(tiny_model):
                 urllib.request.urlopen(request, timeout=60).close()
         finally:
             server.stop()
-        lines = [json.loads(line) for line in server.log_path.read_text().splitlines()
-                 if line.startswith("{")]
+        log = server.log_path.read_text()
+        server.log_path.unlink()
+        lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
         finished = [x for x in lines if x["message"] == "request finished"]
         assert len(finished) == 1 and finished[0]["level"] == "debug"
         assert finished[0]["session_id"] == "session-7" and finished[0]["request_id"]
         assert finished[0]["completion_tokens"] and finished[0]["latency_s"] > 0
         messages = {x["message"] for x in lines if x["level"] == "info"}
         assert {"released everything", "resumed everything"} <= messages
-        assert (secret in server.log_path.read_text()) is with_prompts
+        assert (secret in log) is with_prompts

@@ -95,3 +95,23 @@ def test_engine_arguments_become_the_servers_flags():
     assert cli_flags({"enable_lora": True, "max_lora_rank": 8, "quiet": False, "seed": None,
                       "lora_target_modules": ["q_proj", "v_proj"]}) == [
         "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"]
+
+
+def test_the_log_goes_with_a_clean_stop_and_stays_otherwise():
+    """/tmp does not fill with the logs of servers stopped by their owners; a replica's
+    (asked to be kept) and the log of a server that died on its own stay."""
+    sleeper = [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(600)"]
+    stopped = ServerProcess("test", sleeper)
+    kept = ServerProcess("test", sleeper, keep_log=True)
+    died = ServerProcess("test", [sys.executable, "-c", "print('failing'); raise SystemExit(3)"])
+    try:
+        died.proc.wait(30)
+        assert first_line(stopped.log_path) == first_line(kept.log_path) == "up"
+    finally:
+        for server in (stopped, kept, died):
+            server.stop(grace=5)
+    assert not stopped.log_path.exists()
+    assert kept.log_path.read_text() == "up\n"
+    assert died.log_path.read_text() == "failing\n"
+    for server in (kept, died):
+        server.log_path.unlink()

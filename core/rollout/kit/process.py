@@ -2,7 +2,9 @@
 
 Its output goes to a log file; waiting for it to become healthy has a timeout; if it dies,
 `check()` raises EngineDeadError carrying the end of its log, so callers fail in seconds
-instead of hanging.
+instead of hanging. The log goes when its owner stops a running server, unless asked to be
+kept (replicas', which operators read); a server that died on its own, or did not start in
+time, keeps it.
 """
 
 from __future__ import annotations
@@ -84,11 +86,14 @@ def _before_exec(hook, cpus: Collection[int] | None):
 
 class ServerProcess:
     """`die_with_parent`: for a server owned by a thread that lives as long as it is used
-    (an engine's event loop); the signal comes when that thread ends."""
+    (an engine's event loop); the signal comes when that thread ends. `keep_log`: the log
+    stays after `stop()` (it always does for a server that exited by itself)."""
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                 die_with_parent: bool = False, cpus: Collection[int] | None = None):
+                 die_with_parent: bool = False, cpus: Collection[int] | None = None,
+                 keep_log: bool = False):
         self.name = name
+        self.keep_log = keep_log
         handle, path = tempfile.mkstemp(prefix=f"rollout-{name}-", suffix=".log")
         self.log_path = Path(path)
         self._log = os.fdopen(handle, "wb")
@@ -130,6 +135,7 @@ class ServerProcess:
             except OSError:
                 pass
             time.sleep(0.5)
+        self.keep_log = True  # a failed start's whole log may be wanted
         self.stop()
         raise RolloutTimeoutError(
             f"{self.name} server did not become healthy at {url} within {timeout:.0f} s; "
@@ -137,7 +143,8 @@ class ServerProcess:
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM the whole process group, then SIGKILL what is left after `grace` s."""
-        if self.alive():
+        stopped_running = self.alive()
+        if stopped_running:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(grace)
@@ -155,6 +162,8 @@ class ServerProcess:
         if self.alive():
             self.proc.wait(10)
         self._log.close()
+        if stopped_running and not self.keep_log:
+            self.log_path.unlink(missing_ok=True)
 
 
 def _group_alive(pgid: int) -> bool:

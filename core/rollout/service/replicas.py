@@ -111,7 +111,8 @@ def _start_local(name: str, backend: str, model: str, options: Mapping, env: dic
     port = free_port()
     threads = {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
     process = ServerProcess(name, replica_argv(backend, model, options, HOST, port),
-                            env={**env, **threads, REPLICA_VARIABLE: name}, cpus=cpus)
+                            env={**env, **threads, REPLICA_VARIABLE: name}, cpus=cpus,
+                            keep_log=True)  # its request lines, for operators
     url = f"http://{HOST}:{port}"
     process.wait_healthy(f"{url}/health", timeout,
                          {"Authorization": f"Bearer {env[KEY_VARIABLE]}"})
@@ -141,7 +142,7 @@ class ReplicaHost:
         port = free_port()
         self.process = ServerProcess("replica", replica_argv(backend, model, options, host, port),
                                      env={KEY_VARIABLE: key, NODE_VARIABLE: this_node(),
-                                          **(env or {})})
+                                          **(env or {})}, keep_log=True)
         url = f"http://{host}:{port}"
         self.process.wait_healthy(f"{url}/health", timeout, {"Authorization": f"Bearer {key}"})
         return url
