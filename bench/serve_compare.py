@@ -3,7 +3,10 @@ dataset, 32 tokens in and 32 out, 64 requests at once, streamed, on /v1/completi
 server runs alone (two engines on a small machine would slow each other), alternating for
 `rounds` rounds after a warm-up round each, each round in the order of the one before reversed
 (so that neither always runs right after the other); the medians are compared with the
-baseline's.
+baseline's. Each server is started afresh for its turn and sent one batch of the load (64
+requests) before the measured run, so that a run measures the server at work, not its first
+batch's one-off costs (kernels and buffers made for new shapes), which stalled single runs
+of the tiny model by up to a second.
 The benchmark sends `repetition_penalty`, which rollout honours."""
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import statistics
 import sys
 from collections.abc import Mapping, Sequence
 
-LOAD = ("--random-input-len", "32", "--random-output-len", "32", "--max-concurrency", "64",
-        "--ignore-eos")
+CONCURRENCY = 64
+LOAD = ("--random-input-len", "32", "--random-output-len", "32", "--max-concurrency",
+        str(CONCURRENCY), "--ignore-eos")
 KEYS = ("output_throughput", "median_ttft_ms")
 
 
@@ -27,13 +31,16 @@ def rollout_serve(backend: str, model: str, served: str, port: int, mode: str,
 
 def measure(name: str, argv: Sequence[str], port: int, model: str, served: str, prompts: int,
             bench_python: str) -> dict:
-    """Start the server `argv` (listening on `port`), run the benchmark, stop it."""
+    """Start the server `argv` (listening on `port`), warm it with one batch, run the
+    benchmark, stop it."""
     from rollout.kit.process import ServerProcess
     from rollout.testing.vllm_bench import run_bench
 
     server = ServerProcess(name, argv, die_with_parent=True)
     try:
         server.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=600)
+        run_bench(bench_python, f"http://127.0.0.1:{port}", served, model, "openai",
+                  "/v1/completions", CONCURRENCY, extra=LOAD)
         result = run_bench(bench_python, f"http://127.0.0.1:{port}", served, model, "openai",
                            "/v1/completions", prompts, extra=LOAD)
         assert (result["completed"], result["failed"]) == (prompts, 0), result
@@ -70,4 +77,13 @@ def compare(contenders: Mapping[str, Sequence[str]], baseline: str, port: int, m
             print(f"  {name}: output throughput ratio (rollout / {baseline}) "
                   f"{m['output_throughput'] / base['output_throughput']:.3f}, "
                   f"TTFT p50 ratio {m['median_ttft_ms'] / base['median_ttft_ms']:.3f}")
+            # Each round's own ratio too: the two ran minutes apart, so a machine that
+            # drifts over the run moves both alike.
+            paired = {key: [r[key] / b[key] for r, b in zip(results[name], results[baseline])]
+                      for key in KEYS}
+            print(f"  {name}: round by round, throughput "
+                  f"{' / '.join(f'{x:.2f}' for x in paired['output_throughput'])} "
+                  f"(median {statistics.median(paired['output_throughput']):.3f}), TTFT p50 "
+                  f"{' / '.join(f'{x:.2f}' for x in paired['median_ttft_ms'])} "
+                  f"(median {statistics.median(paired['median_ttft_ms']):.3f})")
     return median
