@@ -21,7 +21,7 @@ from rollout.kit.structured import constraint_error, structural_tag_grammar
 
 from rollout_vllm.async_engine import AsyncEngine
 from rollout_vllm.common import private_socket_folder
-from rollout_vllm.cpu import cpu_engine_args
+from rollout_vllm.cpu import cpu_engine_args, cpu_thread_binding
 from rollout_vllm.engine import AdapterEngine, Engine, WeightPath
 from rollout_vllm.in_process import InProcessEngine
 from rollout_vllm.lora import lora_request
@@ -151,6 +151,7 @@ class VLLMBackend:
         self.stream_interval = stream_interval
         self.calls = itertools.count()  # numbers each engine call's id
         private_socket_folder()
+        cpu_thread_binding()
         self.engine: Engine = (
             InProcessEngine(args, stream_interval) if mode == "engine" else
             AsyncEngine(args, stream_interval) if mode == "async" else

@@ -7,8 +7,14 @@
 - Chunked prefill is off unless the caller sets it: on CPU, a seeded request whose prompt
   is prefilled in chunks kills the engine ("CPU Generator does not use offset"), and with
   it every request in flight.
-Threads need nothing here: vLLM binds its OpenMP threads to the cores this process may
-use, so a replica started on a share of the cores (rollout.service.replicas) keeps to it.
+- Threads: vLLM's `auto` binding keeps one core for its engine core's busy loop and binds
+  the model's OpenMP threads to the others. On a machine of two cores that halves the
+  model's compute, and the worker's threads, all on one core, stall each other for seconds
+  at a time (docs/serve-profile.md). There the threads are left unbound (`nobind`): on
+  SmolLM2, 192-206 against 155-157 tokens/s and a TTFT p50 of 3.0-3.2 against 5.2 s
+  (`bench/serve_runs.py`). On more cores, or where the user chose
+  (VLLM_CPU_OMP_THREADS_BIND), vLLM's binding stays. Either way the threads keep to the
+  cores this process may use, so a replica started on a share of them keeps to it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,23 @@ def cpu_engine_args(engine_args: dict) -> dict:
     if not current_platform.is_cpu():
         return engine_args
     return kv_cache_args({"enable_chunked_prefill": False, **engine_args})
+
+
+SMALL_MACHINE_CORES = 2  # or fewer: vLLM's OpenMP threads left unbound
+
+
+def cpu_thread_binding() -> None:
+    """On a CPU machine of SMALL_MACHINE_CORES usable cores or fewer, unless the user chose
+    a binding, vLLM's OpenMP threads are left unbound (the module's docstring says why).
+    Set in this process's environment, which vLLM's engine processes inherit."""
+    from vllm.platforms import current_platform
+
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or not current_platform.is_cpu():
+        return
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(
+        os.cpu_count() or 1)
+    if len(usable) <= SMALL_MACHINE_CORES:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
 
 
 def kv_cache_args(engine_args: dict) -> dict:

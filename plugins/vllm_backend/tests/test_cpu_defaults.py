@@ -1,5 +1,8 @@
-"""vLLM's CPU build beside other work: the KV cache sized from the memory free now, and
-no chunked prefill (a seeded one kills the engine)."""
+"""vLLM's CPU build beside other work: the KV cache sized from the memory free now, no
+chunked prefill (a seeded one kills the engine), and on a machine of two cores the model's
+threads not bound to one of them."""
+
+import os
 
 import psutil
 import pytest
@@ -52,3 +55,41 @@ def test_seeded_prompts_too_long_for_one_step_together_leave_the_engine_up(tiny_
             assert completion.unwrap()[0].completion_tokens == 4
         [again] = ro.generate([{"prompt": "the ka lo", "sampling": {"max_tokens": 2}}])
         assert again.ok
+
+
+def engine_threads_affinities() -> dict[str, set]:
+    """Each thread of this process's children (vLLM's engine core and worker): its cores."""
+    seen = {}
+    for child in psutil.Process().children(recursive=True):
+        for thread in child.threads():
+            try:
+                seen[f"{child.name()} {thread.id}"] = os.sched_getaffinity(thread.id)
+            except OSError:  # ended meanwhile
+                pass
+    return seen
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) > cpu.SMALL_MACHINE_CORES,
+                    reason="vLLM's own binding is kept on a machine of more cores")
+def test_on_a_small_machine_no_thread_of_the_engine_is_kept_to_one_core(shared_vllm):
+    """vLLM's `auto` binding would keep the model's threads to one core of two, and the
+    other for its engine core's loop: half the compute, and stalls (docs/serve-profile.md)."""
+    with shared_vllm("engine") as ro:
+        assert ro.generate([{"prompt": "the ka lo", "sampling": {"max_tokens": 2}}])[0].ok
+        usable = os.sched_getaffinity(0)
+        affinities = engine_threads_affinities()
+        assert any("Worker" in name for name in affinities), affinities.keys()
+        assert {name: cores for name, cores in affinities.items() if cores != usable} == {}
+
+
+def test_a_binding_the_user_chose_is_kept_and_more_cores_keep_vllms(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    cpu.cpu_thread_binding()
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    cpu.cpu_thread_binding()
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    cpu.cpu_thread_binding()
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
