@@ -27,6 +27,11 @@ LOG_TAIL_LINES = 40
 GROUP_GRACE_S = 5.0
 
 
+def usable_cores() -> int:
+    """How many cores this process may run on (its affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 
+from rollout.kit.process import usable_cores
+
 log = logging.getLogger("rollout.vllm")
 
 KV_SHARE = 0.5  # of the memory available when the engine starts
@@ -49,9 +51,7 @@ def cpu_thread_binding() -> None:
 
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or not current_platform.is_cpu():
         return
-    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(
-        os.cpu_count() or 1)
-    if len(usable) <= SMALL_MACHINE_CORES:
+    if usable_cores() <= SMALL_MACHINE_CORES:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
 
 

@@ -3,7 +3,6 @@ concurrency, and turning outcomes into verdicts. A judge only says how to run on
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, TypeVar
@@ -32,10 +31,6 @@ def parse_options(options: dict[str, Any], cls: type[T]) -> T:
 def positive(instance, attribute, value) -> None:
     if value is not None and value <= 0:
         raise InvalidRequestError(attribute.name, f"got {value!r}", "a number > 0")
-
-
-def default_concurrency() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class Judge:

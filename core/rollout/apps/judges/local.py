@@ -23,8 +23,9 @@ import time
 
 import attrs
 
-from rollout.apps.judges.base import Judge, default_concurrency, parse_options, positive
+from rollout.apps.judges.base import Judge, parse_options, positive
 from rollout.apps.judges.harness import Limits, Outcome, Run
+from rollout.kit.process import usable_cores
 
 CASE_ENV = "ROLLOUT_JUDGE_CASE"  # set in every child: its folder, to find strays by
 FOLDER_PREFIX = "rollout-judge-"  # then the judging process's id: rollout-judge-PID-...
@@ -73,7 +74,7 @@ class LocalJudge(Judge):
         self.options = parse_options(options, LocalOptions)
         o = self.options
         self.limits = Limits(o.timeout, o.memory_mb, o.output_mb)
-        self.concurrency = o.concurrency or default_concurrency()
+        self.concurrency = o.concurrency or usable_cores()
         self.command = [o.python or sys.executable, "-I", "-B", *([] if o.site_packages else ["-S"])]
         self.prefix, self.isolation = isolation() if o.isolate else ((), "none: isolate=false")
         remove_folders_of_dead_runs(o.work_root or tempfile.gettempdir())
