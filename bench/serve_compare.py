@@ -3,10 +3,9 @@ dataset, 32 tokens in and 32 out, 64 requests at once, streamed, on /v1/completi
 server runs alone (two engines on a small machine would slow each other), alternating for
 `rounds` rounds after a warm-up round each, each round in the order of the one before reversed
 (so that neither always runs right after the other); the medians are compared with the
-baseline's. Each server is started afresh for its turn and sent one batch of the load (64
-requests) before the measured run, so that a run measures the server at work, not its first
-batch's one-off costs (kernels and buffers made for new shapes), which stalled single runs
-of the tiny model by up to a second.
+baseline's, and so is each round's own ratio. Each server is started afresh for its turn
+and sent one batch of the load (64 requests) before the measured run, so that a run
+measures the server at work, not its first batch's one-off costs.
 The benchmark sends `repetition_penalty`, which rollout honours."""
 
 from __future__ import annotations
@@ -36,13 +35,13 @@ def measure(name: str, argv: Sequence[str], port: int, model: str, served: str, 
     from rollout.kit.process import ServerProcess
     from rollout.testing.vllm_bench import run_bench
 
+    url = f"http://127.0.0.1:{port}"
     server = ServerProcess(name, argv, die_with_parent=True)
     try:
-        server.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=600)
-        run_bench(bench_python, f"http://127.0.0.1:{port}", served, model, "openai",
-                  "/v1/completions", CONCURRENCY, extra=LOAD)
-        result = run_bench(bench_python, f"http://127.0.0.1:{port}", served, model, "openai",
-                           "/v1/completions", prompts, extra=LOAD)
+        server.wait_healthy(f"{url}/health", timeout=600)
+        for count in (CONCURRENCY, prompts):  # the warm-up batch, then the measured run
+            result = run_bench(bench_python, url, served, model, "openai", "/v1/completions",
+                               count, extra=LOAD)
         assert (result["completed"], result["failed"]) == (prompts, 0), result
         return result
     finally:
@@ -79,11 +78,10 @@ def compare(contenders: Mapping[str, Sequence[str]], baseline: str, port: int, m
                   f"TTFT p50 ratio {m['median_ttft_ms'] / base['median_ttft_ms']:.3f}")
             # Each round's own ratio too: the two ran minutes apart, so a machine that
             # drifts over the run moves both alike.
-            paired = {key: [r[key] / b[key] for r, b in zip(results[name], results[baseline])]
-                      for key in KEYS}
-            print(f"  {name}: round by round, throughput "
-                  f"{' / '.join(f'{x:.2f}' for x in paired['output_throughput'])} "
-                  f"(median {statistics.median(paired['output_throughput']):.3f}), TTFT p50 "
-                  f"{' / '.join(f'{x:.2f}' for x in paired['median_ttft_ms'])} "
-                  f"(median {statistics.median(paired['median_ttft_ms']):.3f})")
+            parts = []
+            for key, label in zip(KEYS, ("throughput", "TTFT p50")):
+                paired = [r[key] / b[key] for r, b in zip(results[name], results[baseline])]
+                parts.append(f"{label} {' / '.join(f'{x:.2f}' for x in paired)} "
+                               f"(median {statistics.median(paired):.3f})")
+            print(f"  {name}: round by round, {', '.join(parts)}")
     return median

@@ -23,20 +23,9 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 def process_tree(root: int) -> list[int]:
     """`root` and every process below it."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    tree, grew = {root}, True
-    while grew:
-        below = {pid for pid, parent in parents.items() if parent in tree} - tree
-        tree |= below
-        grew = bool(below)
-    return sorted(tree)
+    from rollout.kit.process import children
+
+    return [root, *(pid for child in children(root) for pid in process_tree(child))]
 
 
 def cpu_seconds(root: int) -> dict[str, float]:
