@@ -21,7 +21,7 @@ from rollout.kit.structured import constraint_error, structural_tag_grammar
 
 from rollout_vllm.async_engine import AsyncEngine
 from rollout_vllm.common import private_socket_folder
-from rollout_vllm.cpu import cpu_engine_args, cpu_thread_binding
+from rollout_vllm.cpu import cpu_engine_args, cpu_thread_binding, engine_threads
 from rollout_vllm.engine import AdapterEngine, Engine, WeightPath
 from rollout_vllm.in_process import InProcessEngine
 from rollout_vllm.lora import lora_request
@@ -163,7 +163,8 @@ class VLLMBackend:
         self.weights: WeightPath = self.engine.weight_path(
             weight_transport, self.loop, request_timeout, weight_group_timeout)
         try:
-            self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
+            with engine_threads(getattr(text_config, "hidden_size", None)):
+                self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
         except BaseException:
             self.loop.run(self.engine.close(), 60, "stopping vLLM")
             raise

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 from rollout.kit.process import usable_cores
 
@@ -53,6 +54,29 @@ def cpu_thread_binding() -> None:
         return
     if usable_cores() <= SMALL_MACHINE_CORES:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+
+
+SMALL_MODEL_HIDDEN = 256  # a hidden size below it: one OpenMP thread, where threads are unbound
+
+
+@contextmanager
+def engine_threads(hidden_size: int | None):
+    """While vLLM starts its engine's processes, which inherit this environment: one OpenMP
+    thread for a small model (the module's docstring says why), where `cpu_thread_binding`
+    left the threads unbound and the user set no OMP_NUM_THREADS. Only for the start: it
+    would otherwise reach every process this one starts later."""
+    one_thread = (os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind"
+                  and "OMP_NUM_THREADS" not in os.environ
+                  and usable_cores() <= SMALL_MACHINE_CORES
+                  and hidden_size is not None and hidden_size < SMALL_MODEL_HIDDEN)
+    if not one_thread:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
 
 
 def kv_cache_args(engine_args: dict) -> dict:

@@ -1,6 +1,6 @@
 """vLLM's CPU build beside other work: the KV cache sized from the memory free now, no
 chunked prefill (a seeded one kills the engine), and on a machine of two cores the model's
-threads not bound to one of them."""
+threads not bound to one of them, and a small model on one thread."""
 
 import os
 
@@ -93,3 +93,44 @@ def test_a_binding_the_user_chose_is_kept_and_more_cores_keep_vllms(monkeypatch)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     cpu.cpu_thread_binding()
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) > cpu.SMALL_MACHINE_CORES,
+                    reason="vLLM's own binding is kept on a machine of more cores")
+def test_a_small_model_gets_one_thread_in_the_engine_and_nowhere_else(shared_vllm):
+    """The tiny model (hidden size 64) runs faster on one OpenMP thread than on two; the
+    setting goes to the engine's processes, and this process's environment keeps none."""
+    chosen = os.environ.get("OMP_NUM_THREADS")  # a user's choice is the engine's
+    with shared_vllm("engine") as ro:
+        assert ro.generate([{"prompt": "the ka lo", "sampling": {"max_tokens": 2}}])[0].ok
+        threads = ro._backend.engine.engine.collective_rpc(worker_threads)
+    assert threads == [int(chosen or 1)]
+    assert os.environ.get("OMP_NUM_THREADS") == chosen
+
+
+def worker_threads(worker) -> int:
+    """Run in vLLM's worker process: the threads its model computes on."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_one_thread_only_for_a_small_model_with_unbound_threads_and_no_choice(monkeypatch):
+    def threads_inside(hidden_size):
+        with cpu.engine_threads(hidden_size):
+            return os.environ.get("OMP_NUM_THREADS")
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads_inside(64) == "1"
+    assert "OMP_NUM_THREADS" not in os.environ
+    assert threads_inside(576) is None and threads_inside(None) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert threads_inside(64) == "2"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    assert threads_inside(64) is None
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert threads_inside(64) is None
