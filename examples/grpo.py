@@ -306,9 +306,12 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
+        from rollout.weights.lora import pack_adapter
+
         model = get_peft_model(model, LoraConfig(
             r=args.lora, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear"))
         lora = model.peft_config["default"].to_dict()
+        pack_adapter(model)  # one block: each step's push is one copy
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
                                  lr=args.lr * (LORA_LR_SCALE if args.lora else 1))
 

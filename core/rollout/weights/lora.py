@@ -3,19 +3,24 @@ tensors (`get_peft_model_state_dict`, `adapter_model.safetensors`:
 `base_model.model.<module>.lora_A.weight` and `.lora_B.weight`) and its `LoraConfig` as a
 dict (`r`, `lora_alpha`, `use_rslora`). What a plain LoRA of linear layers is not (DoRA,
 biases, `modules_to_save`) is refused by name, as are unknown modules and wrong shapes,
-so that a bad adapter never reaches an engine (vLLM's dies on some)."""
+so that a bad adapter never reaches an engine (vLLM's dies on some). A trainer may keep its
+adapter in one block of memory (`pack_adapter`), which a backend then copies at once."""
 
 from __future__ import annotations
 
 import functools
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
 from rollout.contract.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_NAME = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -127,6 +132,54 @@ def read_adapter(config: Mapping, tensors: Iterable,
                     "tensors", f"{module}.lora_{which} has shape {tuple(got.shape)}",
                     f"shape {shape} (r={rank})")
     return Adapter(rank, scale, {m: (p["A"], p["B"]) for m, p in parts.items()})
+
+
+def pack_adapter(model, adapter_name: str = "default") -> None:
+    """Keep the LoRA parameters of a PEFT model's adapter `adapter_name` in one block of
+    memory, in the order `get_peft_model_state_dict` gives them, so that a backend in this
+    process copies each push of them as one block (`one_block`). On CPU a copy of hundreds
+    of small tensors runs on one thread, and the block's on every core: into the HF backend
+    SmolLM2's rank-16 adapter pushed 14x faster than the full model, packed 20x
+    (bench/bench_lora.py). The parameters stay the same objects, so an optimizer made before
+    keeps working."""
+    marks = (f".lora_A.{adapter_name}.", f".lora_B.{adapter_name}.")
+    pack_tensors([p for name, p in model.named_parameters() if any(m in name for m in marks)])
+
+
+def pack_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    """Move `tensors` (of one dtype and device) back to back into one new block, in order:
+    each one's `.data` becomes its view of the block, with the same values."""
+    import torch
+
+    if not tensors:
+        return
+    kinds = {(t.dtype, t.device) for t in tensors}
+    if len(kinds) > 1:
+        raise ValueError("tensors to pack are of one dtype and device, got "
+                         f"{sorted(map(str, kinds))}")
+    block = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
+                        device=tensors[0].device)
+    start = 0
+    for tensor in tensors:
+        view = block[start:start + tensor.numel()].view_as(tensor)
+        view.copy_(tensor.data)
+        tensor.data = view
+        start += tensor.numel()
+
+
+def one_block(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one flat tensor where they lie back to back, in this order, in one
+    block of memory (`pack_tensors`), else None."""
+    first, last = tensors[0], tensors[-1]
+    end, dtype = first.data_ptr(), first.dtype
+    for tensor in tensors:
+        if tensor.data_ptr() != end or tensor.dtype != dtype or not tensor.is_contiguous():
+            return None
+        end += tensor.nbytes
+    # Back to back from the first to the last, both in one storage: so is all between.
+    if first.untyped_storage().data_ptr() != last.untyped_storage().data_ptr():
+        return None
+    return first.as_strided(((end - first.data_ptr()) // first.element_size(),), (1,))
 
 
 def read_peft_folder(path: str | Path) -> tuple[dict, dict]:

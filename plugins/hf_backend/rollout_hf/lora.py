@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import attrs
 import torch
 
-from rollout.weights.lora import Adapter, no_such_adapter, read_adapter
+from rollout.weights.lora import Adapter, no_such_adapter, one_block, read_adapter
 
 
 class Adapters:
@@ -137,10 +137,17 @@ class Adapters:
         weight, replaced = self._weight, self.loaded.get(name)
         if (replaced is not None and replaced.rank == adapter.rank  # so the same shapes
                 and list(replaced.weights) == list(adapter.weights)):
-            # One call for all the tensors, converting dtype and device; a conversion and
-            # flattening per tensor from Python cost about 3 us each of SmolLM2's 420.
-            torch._foreach_copy_([t for pair in replaced.weights.values() for t in pair],
-                                 [t for pair in adapter.weights.values() for t in pair])
+            # One copy of the whole block where the caller keeps its tensors in one
+            # (`pack_adapter`): on CPU it runs on every core, where a copy per tensor runs
+            # on one. Else one call for all the tensors (a conversion and flattening per
+            # tensor from Python cost about 3 us each of SmolLM2's 420).
+            given = [t for pair in adapter.weights.values() for t in pair]
+            block = one_block(given)
+            if block is not None:
+                self._buffers[name].copy_(block)
+            else:
+                torch._foreach_copy_([t for pair in replaced.weights.values() for t in pair],
+                                     given)
             return attrs.evolve(adapter, weights=replaced.weights)
         given = [t.to(weight.device, weight.dtype).reshape(-1)
                  for pair in adapter.weights.values() for t in pair]

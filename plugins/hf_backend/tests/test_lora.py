@@ -89,6 +89,23 @@ def test_replace_and_unload(tiny_model, adapters, merged):
             ro.unload_adapter("p")
 
 
+def test_a_packed_adapter_replaces_in_one_copy_of_its_own(tiny_model, adapters, merged):
+    """A trainer's adapter kept in one block (`pack_tensors`, as `pack_adapter` keeps a
+    peft model's) replaces the loaded one as the separate tensors do, and the backend
+    keeps its own copy: the block changing after the load changes nothing."""
+    from rollout.weights.lora import pack_tensors
+
+    with rollout.load_backend("hf", model=str(tiny_model), dtype="float32") as ro:
+        tensors, config = adapters["a"]
+        ro.load_adapter("p", tensors.items(), config, version=1)
+        packed = {k: t.clone() for k, t in adapters["a2"][0].items()}
+        pack_tensors(list(packed.values()))
+        ro.load_adapter("p", packed.items(), config, version=2)
+        for tensor in packed.values():
+            tensor.zero_()
+        assert [r.token_ids for r in greedy(ro, "p")] == merged["a2"]
+
+
 def test_a_mixed_batch_of_adapters_of_different_modules(tiny_model, tmp_path):
     """A module that one adapter of the batch adapts and another does not: the other's
     rows get no delta there (its columns are zeros in the side-by-side product)."""
