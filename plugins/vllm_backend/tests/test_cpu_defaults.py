@@ -57,6 +57,11 @@ def test_seeded_prompts_too_long_for_one_step_together_leave_the_engine_up(tiny_
         assert again.ok
 
 
+on_a_small_machine = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) > cpu.SMALL_MACHINE_CORES,
+    reason="vLLM's own binding is kept on a machine of more cores")
+
+
 def engine_threads_affinities() -> dict[str, set]:
     """Each thread of this process's children (vLLM's engine core and worker): its cores."""
     seen = {}
@@ -69,8 +74,7 @@ def engine_threads_affinities() -> dict[str, set]:
     return seen
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) > cpu.SMALL_MACHINE_CORES,
-                    reason="vLLM's own binding is kept on a machine of more cores")
+@on_a_small_machine
 def test_on_a_small_machine_no_thread_of_the_engine_is_kept_to_one_core(shared_vllm):
     """vLLM's `auto` binding would keep the model's threads to one core of two, and the
     other for its engine core's loop: half the compute, and stalls (docs/serve-profile.md)."""
@@ -95,8 +99,7 @@ def test_a_binding_the_user_chose_is_kept_and_more_cores_keep_vllms(monkeypatch)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) > cpu.SMALL_MACHINE_CORES,
-                    reason="vLLM's own binding is kept on a machine of more cores")
+@on_a_small_machine
 def test_a_small_model_gets_one_thread_in_the_engine_and_nowhere_else(shared_vllm):
     """The tiny model (hidden size 64) runs faster on one OpenMP thread than on two; the
     setting goes to the engine's processes, and this process's environment keeps none."""
