@@ -107,3 +107,29 @@ def test_prompt_logprobs_are_bounded_and_one_per_prompt_token():
     with pytest.raises(InvalidRequestError) as caught:
         Result(**fields, prompt_logprobs=(None, -1.0))
     assert caught.value.field == "prompt_logprobs"
+
+
+def test_token_ids_are_checked_item_by_item():
+    # Plain ints take the fast path; anything else gets the error naming its item.
+    request = convert.structure({"prompt_token_ids": [5, 0, 7],
+                                 "sampling": {"stop_token_ids": (2,)}}, Request)
+    assert request.prompt_token_ids == (5, 0, 7) and request.sampling.stop_token_ids == (2,)
+    for ids, field in [([1, True], "prompt_token_ids[1]"), ([1, 2.0], "prompt_token_ids[1]"),
+                       ([1, "3"], "prompt_token_ids[1]"), ("12", "prompt_token_ids[0]"),
+                       ([4, -1], "prompt_token_ids")]:
+        with pytest.raises(InvalidRequestError) as info:
+            convert.structure({"prompt_token_ids": ids}, Request)
+        assert info.value.field == field, ids
+    with pytest.raises(InvalidRequestError) as info:
+        convert.structure({"prompt": "x", "sampling": {"stop_token_ids": [1, False]}}, Request)
+    assert info.value.field == "sampling.stop_token_ids[1]"
+    # From Python: an int subclass is an integer, a bool is not.
+    import enum
+
+    class Token(enum.IntEnum):
+        A = 3
+
+    assert Request(prompt_token_ids=[Token.A, 4]).prompt_token_ids == (3, 4)
+    for bad in ([1, True], [1, -2]):
+        with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+            Request(prompt_token_ids=bad)

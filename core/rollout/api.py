@@ -360,9 +360,9 @@ class Rollout:
                         f"with n={len(targets)} (or after that sample finished)")
                 if flight.first_token is None and chunk.token_ids:
                     flight.first_token = time.monotonic() - flight.started
-                chunk = targets[chunk.index].add(chunk, version)
-                if sink is not None and (chunk.token_ids or chunk.finish_reason or chunk.text):
-                    sink(chunk)
+                seen = targets[chunk.index].add(chunk, version)
+                if seen is not None and (seen.token_ids or seen.finish_reason or seen.text):
+                    sink(seen)
                 if all(x.finish for x in targets):
                     break  # (the core found a stop string that spans a continuation)
         finally:
@@ -658,9 +658,9 @@ class _Sample:
         return attrs.evolve(request, continue_from=None, sampling=attrs.evolve(
             s, n=1, max_tokens=s.max_tokens - made, min_tokens=max(0, s.min_tokens - made)))
 
-    def add(self, chunk: Chunk, version: int | None) -> Chunk:
-        """Take an engine chunk; returns it as the caller sees it (our index, its text, the
-        version of its weights)."""
+    def add(self, chunk: Chunk, version: int | None) -> Chunk | None:
+        """Take an engine chunk; returns it as a streaming caller sees it (our index, its
+        text, the version of its weights), None where the caller does not stream."""
         if self.before and self.s.stop:
             chunk = self._cut_at_stop(chunk)
         start = len(self.tokens)
@@ -674,12 +674,12 @@ class _Sample:
         self.finish = chunk.finish_reason
         if chunk.cached_tokens is not None and not self.before:  # the first call's prompt
             self.cached = chunk.cached_tokens
-        text = ""
-        if self.stream is not None:
-            text = self.stream.add(chunk.token_ids)
-            if self.finish:
-                self.streamed_end = True
-                text += self.stream.finish()
+        if self.stream is None:
+            return None
+        text = self.stream.add(chunk.token_ids)
+        if self.finish:
+            self.streamed_end = True
+            text += self.stream.finish()
         return attrs.evolve(chunk, index=self.index, text=text, weight_version=version)
 
     def _cut_at_stop(self, chunk: Chunk) -> Chunk:

@@ -24,8 +24,22 @@ def _check(field: str, ok: bool, message: str, allowed: str | None = None) -> No
         raise InvalidRequestError(field, message, allowed)
 
 
+def _valid(field: str, ok: bool, value, allowed: str | None = None) -> None:
+    """`_check` with the message "got <value>", made only when the check fails (requests
+    are checked on the hot path)."""
+    if not ok:
+        raise InvalidRequestError(field, f"got {value!r}", allowed)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _are_token_ids(values: tuple) -> bool:
+    """Integers >= 0 (not bools); plain ints are checked at C speed (prompts are long)."""
+    if set(map(type, values)) <= {int}:
+        return not values or min(values) >= 0
+    return all(_is_int(t) and t >= 0 for t in values)
 
 
 def _is_number(value) -> bool:
@@ -66,19 +80,19 @@ class StructuredOutputs:
                "exactly one of " + ", ".join(STRUCTURED_KINDS))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
-            _check(name, value is None or (isinstance(value, str) and value != ""),
-                   f"got {value!r}", "a non-empty string")
-        _check("json", self.json is None or isinstance(self.json, dict), f"got {self.json!r}",
+            _valid(name, value is None or (isinstance(value, str) and value != ""),
+                   value, "a non-empty string")
+        _valid("json", self.json is None or isinstance(self.json, dict), self.json,
                "a JSON schema (an object)")
-        _check("structural_tag", self.structural_tag is None or (
+        _valid("structural_tag", self.structural_tag is None or (
             isinstance(self.structural_tag, dict)
             and self.structural_tag.get("type") == "structural_tag"),
-            f"got {self.structural_tag!r}",
+            self.structural_tag,
             'an object {"type": "structural_tag", "format": {...}} (xgrammar\'s format)')
-        _check("choice", self.choice is None or (
+        _valid("choice", self.choice is None or (
             isinstance(self.choice, tuple) and len(self.choice) > 0
             and all(isinstance(c, str) and c for c in self.choice)),
-            f"got {self.choice!r}", "a non-empty list of non-empty strings")
+            self.choice, "a non-empty list of non-empty strings")
 
     @property
     def kind(self) -> str:
@@ -92,6 +106,11 @@ BIAS_RANGE = 100.0
 # The most alternatives `prompt_logprobs` may ask per prompt position (TRL's scoring client
 # asks 100 by default).
 PROMPT_LOGPROBS_MAX = 100
+# What the checks below allow, made once (every request is checked).
+_PROMPT_LOGPROBS = f"None, or an integer from 0 to {PROMPT_LOGPROBS_MAX}"
+_REPETITION = f"a number in (0, {PENALTY_RANGE}]; 1 means none"
+_PENALTY = f"a number from {-PENALTY_RANGE} to {PENALTY_RANGE}"
+_STRUCTURED = "an object with one of " + ", ".join(STRUCTURED_KINDS)
 
 
 @attrs.frozen
@@ -134,64 +153,61 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __attrs_post_init__(self):
-        _check("temperature", _is_number(self.temperature) and self.temperature >= 0,
-               f"got {self.temperature!r}", "a number >= 0; 0 means greedy")
-        _check("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1,
-               f"got {self.top_p!r}", "a number in (0, 1]")
-        _check("top_k", self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
-               f"got {self.top_k!r}", "None (no limit) or an integer >= 1")
-        _check("max_tokens", self.max_tokens is None
+        _valid("temperature", _is_number(self.temperature) and self.temperature >= 0,
+               self.temperature, "a number >= 0; 0 means greedy")
+        _valid("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1,
+               self.top_p, "a number in (0, 1]")
+        _valid("top_k", self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
+               self.top_k, "None (no limit) or an integer >= 1")
+        _valid("max_tokens", self.max_tokens is None
                or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-               f"got {self.max_tokens!r}", "an integer >= 1, or null for the room left in "
+               self.max_tokens, "an integer >= 1, or null for the room left in "
                "the context")
-        _check("n", _is_int(self.n) and self.n >= 1, f"got {self.n!r}", "an integer >= 1")
+        _valid("n", _is_int(self.n) and self.n >= 1, self.n, "an integer >= 1")
         _check("n", self.n == 1 or self.temperature > 0,
                f"n={self.n} samples with temperature 0 would all be identical",
                "n=1 with temperature 0, or temperature > 0")
-        _check("stop", isinstance(self.stop, tuple)
+        _valid("stop", isinstance(self.stop, tuple)
                and all(isinstance(s, str) and s for s in self.stop),
-               f"got {self.stop!r}", "a list of non-empty strings")
-        _check("stop_token_ids", isinstance(self.stop_token_ids, tuple)
-               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               f"got {self.stop_token_ids!r}", "a list of integers >= 0")
-        _check("seed", self.seed is None or _is_int(self.seed),
-               f"got {self.seed!r}", "None or an integer")
-        _check("logprobs", self.logprobs is None
+               self.stop, "a list of non-empty strings")
+        _valid("stop_token_ids", isinstance(self.stop_token_ids, tuple)
+               and _are_token_ids(self.stop_token_ids),
+               self.stop_token_ids, "a list of integers >= 0")
+        _valid("seed", self.seed is None or _is_int(self.seed),
+               self.seed, "None or an integer")
+        _valid("logprobs", self.logprobs is None
                or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-               f"got {self.logprobs!r}", "None, or an integer from 0 to 20")
-        _check("prompt_logprobs", self.prompt_logprobs is None
+               self.logprobs, "None, or an integer from 0 to 20")
+        _valid("prompt_logprobs", self.prompt_logprobs is None
                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs
                    <= PROMPT_LOGPROBS_MAX),
-               f"got {self.prompt_logprobs!r}",
-               f"None, or an integer from 0 to {PROMPT_LOGPROBS_MAX}")
-        _check("ignore_eos", isinstance(self.ignore_eos, bool),
-               f"got {self.ignore_eos!r}", "true or false")
-        _check("repetition_penalty", _is_number(self.repetition_penalty)
+               self.prompt_logprobs, _PROMPT_LOGPROBS)
+        _valid("ignore_eos", isinstance(self.ignore_eos, bool),
+               self.ignore_eos, "true or false")
+        _valid("repetition_penalty", _is_number(self.repetition_penalty)
                and 0 < self.repetition_penalty <= PENALTY_RANGE,
-               f"got {self.repetition_penalty!r}",
-               f"a number in (0, {PENALTY_RANGE}]; 1 means none")
+               self.repetition_penalty, _REPETITION)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(name, _is_number(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE,
-                   f"got {value!r}", f"a number from {-PENALTY_RANGE} to {PENALTY_RANGE}")
-        _check("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1,
-               f"got {self.min_p!r}", "a number in [0, 1]; 0 means none")
-        _check("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens
+            _valid(name, _is_number(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE,
+                   value, _PENALTY)
+        _valid("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1,
+               self.min_p, "a number in [0, 1]; 0 means none")
+        _valid("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens
                and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
-               f"got {self.min_tokens!r}", f"an integer from 0 to max_tokens ({self.max_tokens})")
-        _check("logit_bias", isinstance(self.logit_bias, dict), f"got {self.logit_bias!r}",
+               self.min_tokens, f"an integer from 0 to max_tokens ({self.max_tokens})")
+        _valid("logit_bias", isinstance(self.logit_bias, dict), self.logit_bias,
                "a mapping of token id to bias")
         for token, bias in self.logit_bias.items():
             _check(f"logit_bias.{token}", _is_int(token) and token >= 0,
                    "not a token id", "integers >= 0 as keys")
-            _check(f"logit_bias.{token}", _is_number(bias) and -BIAS_RANGE <= bias <= BIAS_RANGE,
-                   f"got {bias!r}", f"a number from {-BIAS_RANGE} to {BIAS_RANGE}")
-        _check("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool),
-               f"got {self.include_stop_str_in_output!r}", "true or false")
-        _check("structured_outputs", self.structured_outputs is None
+            _valid(f"logit_bias.{token}", _is_number(bias) and -BIAS_RANGE <= bias <= BIAS_RANGE,
+                   bias, f"a number from {-BIAS_RANGE} to {BIAS_RANGE}")
+        _valid("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool),
+               self.include_stop_str_in_output, "true or false")
+        _valid("structured_outputs", self.structured_outputs is None
                or isinstance(self.structured_outputs, StructuredOutputs),
-               f"got {self.structured_outputs!r}", "an object with one of "
-               + ", ".join(STRUCTURED_KINDS))
+               self.structured_outputs, _STRUCTURED)
 
     @property
     def greedy(self) -> bool:
@@ -235,8 +251,8 @@ class ImagePart:
     uuid: str | None = None
 
     def __attrs_post_init__(self):
-        _check("uuid", self.uuid is None or (isinstance(self.uuid, str) and self.uuid != ""),
-               f"got {self.uuid!r}", IMAGE_UUIDS)
+        _valid("uuid", self.uuid is None or (isinstance(self.uuid, str) and self.uuid != ""),
+               self.uuid, IMAGE_UUIDS)
         if not (self.image is None and self.uuid is not None):
             _check("image", is_image_source(self.image), f"got {type(self.image).__name__}",
                    IMAGE_SOURCES + ", or null with the uuid of an image sent before")
@@ -274,14 +290,14 @@ class Tool:
     strict: bool | None = None
 
     def __attrs_post_init__(self):
-        _check("name", isinstance(self.name, str) and self.name != "", f"got {self.name!r}",
+        _valid("name", isinstance(self.name, str) and self.name != "", self.name,
                "a non-empty string")
-        _check("strict", self.strict is None or isinstance(self.strict, bool),
-               f"got {self.strict!r}", "true, false or null")
-        _check("parameters", isinstance(self.parameters, dict), f"got {self.parameters!r}",
+        _valid("strict", self.strict is None or isinstance(self.strict, bool),
+               self.strict, "true, false or null")
+        _valid("parameters", isinstance(self.parameters, dict), self.parameters,
                "a JSON schema (an object)")
-        _check("returns", self.returns is None or isinstance(self.returns, dict),
-               f"got {self.returns!r}", "a JSON schema (an object) of the result, or null")
+        _valid("returns", self.returns is None or isinstance(self.returns, dict),
+               self.returns, "a JSON schema (an object) of the result, or null")
 
     def as_openai(self) -> dict:
         """The tool as chat templates get it: the fields in vLLM's server's order, a missing
@@ -304,7 +320,7 @@ class Message:
     name: str | None = None
 
     def __attrs_post_init__(self):
-        _check("role", self.role in ROLES, f"got {self.role!r}", ", ".join(ROLES))
+        _valid("role", self.role in ROLES, self.role, ", ".join(ROLES))
         _check("content", isinstance(self.content, str)
                or all(isinstance(p, tuple(PART_TYPES.values())) for p in self.content),
                "must be text or a list of parts", "text, or parts of type " + ", ".join(PART_TYPES))
@@ -359,25 +375,25 @@ class Request:
     adapter: str | None = None
 
     def __attrs_post_init__(self):
-        _check("adapter", self.adapter is None or (isinstance(self.adapter, str)
+        _valid("adapter", self.adapter is None or (isinstance(self.adapter, str)
                                                    and self.adapter != ""),
-               f"got {self.adapter!r}", "the name of a loaded adapter, or null")
-        _check("id", isinstance(self.id, str) and self.id != "", f"got {self.id!r}",
+               self.adapter, "the name of a loaded adapter, or null")
+        _valid("id", isinstance(self.id, str) and self.id != "", self.id,
                "a non-empty string")
-        _check("session_id", self.session_id is None
+        _valid("session_id", self.session_id is None
                or (isinstance(self.session_id, str) and self.session_id != ""),
-               f"got {self.session_id!r}", "a non-empty string or null")
+               self.session_id, "a non-empty string or null")
         given = [name for name in ("prompt", "prompt_token_ids", "messages")
                  if getattr(self, name) is not None]
         _check("prompt", len(given) == 1, f"got {', '.join(given) or 'none'}",
                "exactly one of prompt, prompt_token_ids, messages")
         if self.prompt is not None:
-            _check("prompt", isinstance(self.prompt, str) and self.prompt != "",
-                   f"got {self.prompt!r}", "a non-empty string")
+            _valid("prompt", isinstance(self.prompt, str) and self.prompt != "",
+                   self.prompt, "a non-empty string")
         if self.prompt_token_ids is not None:
             _check("prompt_token_ids", isinstance(self.prompt_token_ids, tuple)
                    and len(self.prompt_token_ids) > 0
-                   and all(_is_int(t) and t >= 0 for t in self.prompt_token_ids),
+                   and _are_token_ids(self.prompt_token_ids),
                    "must be a non-empty list of integers >= 0", "token ids in the vocabulary")
         if self.messages is not None:
             _check("messages", isinstance(self.messages, tuple) and len(self.messages) > 0
@@ -397,13 +413,15 @@ class Request:
         if self.images:
             _check("images", self.prompt_token_ids is not None, "images need prompt_token_ids",
                    "images with prompt_token_ids; messages carry theirs in their content")
-        _check("image_uuids", isinstance(self.image_uuids, tuple) and (
-            not self.image_uuids or len(self.image_uuids) == len(self.images)),
-            f"got {len(self.image_uuids) if isinstance(self.image_uuids, tuple) else 'no'} "
-            f"uuids for {len(self.images)} images", "one uuid (or null) per image, or none")
+        if not (isinstance(self.image_uuids, tuple) and (
+                not self.image_uuids or len(self.image_uuids) == len(self.images))):
+            count = len(self.image_uuids) if isinstance(self.image_uuids, tuple) else "no"
+            raise InvalidRequestError("image_uuids", f"got {count} uuids for "
+                                      f"{len(self.images)} images",
+                                      "one uuid (or null) per image, or none")
         for k, name in enumerate(self.image_uuids):
-            _check(f"image_uuids[{k}]", name is None or (isinstance(name, str) and name != ""),
-                   f"got {name!r}", IMAGE_UUIDS)
+            _valid(f"image_uuids[{k}]", name is None or (isinstance(name, str) and name != ""),
+                   name, IMAGE_UUIDS)
         for k, image in enumerate(self.images):
             if image is None and self.image_uuids and self.image_uuids[k] is not None:
                 continue  # an image sent before, named by its uuid
@@ -411,7 +429,7 @@ class Request:
                    IMAGE_SOURCES + ", or null where image_uuids names an image sent before")
         _check("sampling", isinstance(self.sampling, SamplingParams),
                f"got {type(self.sampling).__name__}", "a SamplingParams")
-        _check("metadata", isinstance(self.metadata, dict), f"got {self.metadata!r}",
+        _valid("metadata", isinstance(self.metadata, dict), self.metadata,
                "a mapping")
         if self.continue_from is not None:
             _check_continuation(self)
@@ -505,26 +523,31 @@ class Result:
     adapter_version: int | None = None
 
     def __attrs_post_init__(self):
+        # (Messages are made only on failure: every result passes here.)
         for name in ("prompt_logprobs", "prompt_top_logprobs"):
             value = getattr(self, name)
-            _check(name, value is None or len(value) == self.prompt_tokens,
-                   f"{len(value or ())} entries but prompt_tokens={self.prompt_tokens}",
-                   "one entry per prompt token")
-        _check("prompt_token_ids", not self.prompt_token_ids
-               or len(self.prompt_token_ids) == self.prompt_tokens,
-               f"{len(self.prompt_token_ids)} ids but prompt_tokens={self.prompt_tokens}",
-               "as many ids as prompt_tokens")
-        _check("completion_tokens", self.completion_tokens == len(self.token_ids),
-               f"{self.completion_tokens} but {len(self.token_ids)} token ids",
-               "the number of token ids")
+            if value is not None and len(value) != self.prompt_tokens:
+                raise InvalidRequestError(
+                    name, f"{len(value)} entries but prompt_tokens={self.prompt_tokens}",
+                    "one entry per prompt token")
+        if self.prompt_token_ids and len(self.prompt_token_ids) != self.prompt_tokens:
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"{len(self.prompt_token_ids)} ids but prompt_tokens={self.prompt_tokens}",
+                "as many ids as prompt_tokens")
+        if self.completion_tokens != len(self.token_ids):
+            raise InvalidRequestError(
+                "completion_tokens", f"{self.completion_tokens} but {len(self.token_ids)} "
+                "token ids", "the number of token ids")
         spans = self.weight_versions
-        _check("weight_versions", isinstance(spans, tuple) and all(
-            isinstance(x, WeightSpan) for x in spans) and (not spans or (
-                spans[0].start == 0 and spans[-1].end == len(self.token_ids) and all(
-                    a.end == b.start for a, b in zip(spans, spans[1:]))
-                and all(x.start < x.end for x in spans))),
-            f"got {spans!r:.200}", "spans (version, start, end) covering the output tokens "
-            "in order, or none")
+        if not (isinstance(spans, tuple) and all(
+                isinstance(x, WeightSpan) for x in spans) and (not spans or (
+                    spans[0].start == 0 and spans[-1].end == len(self.token_ids) and all(
+                        a.end == b.start for a, b in zip(spans, spans[1:]))
+                    and all(x.start < x.end for x in spans)))):
+            raise InvalidRequestError(
+                "weight_versions", f"got {spans!r:.200}", "spans (version, start, end) "
+                "covering the output tokens in order, or none")
 
 
 @attrs.frozen
@@ -630,7 +653,7 @@ class Capabilities:
         for name in self.unsupported:
             _check("unsupported", name in CAPABILITIES, f"unknown capability {name!r}",
                    ", ".join(CAPABILITIES))
-        _check("keep", self.keep in KEEPS, f"got {self.keep!r}", ", ".join(KEEPS))
+        _valid("keep", self.keep in KEEPS, self.keep, ", ".join(KEEPS))
 
     def supports(self, name: str) -> bool:
         return name not in self.unsupported

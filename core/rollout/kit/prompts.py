@@ -36,9 +36,9 @@ class PromptEncoder:
         """The prompt's token ids; InvalidRequestError if the model cannot take them."""
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]} is out of range",
+            if max(ids) >= self.vocab_size:  # (the schema refused an empty prompt)
+                bad = next(t for t in ids if t >= self.vocab_size)
+                raise InvalidRequestError("prompt_token_ids", f"token id {bad} is out of range",
                                           f"0 to {self.vocab_size - 1}")
         elif request.messages is not None:
             ids = self._chat(request)
