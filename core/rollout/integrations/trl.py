@@ -26,6 +26,7 @@ from typing import Any
 
 from rollout.contract.errors import InvalidRequestError, UnsupportedError
 from rollout.contract.sampler import Sampler
+from rollout.weights.lora import pack_adapter
 
 
 class RolloutFunc:
@@ -71,18 +72,28 @@ class RolloutFunc:
         self._adapted = hasattr(model, "peft_config")
         if accelerator.is_main_process:
             if self._adapted:
-                self._push_adapter(model, step)
+                # Packed only where nothing wraps or shards the model (one process, no
+                # DeepSpeed or FSDP): moving its parameters is then safe.
+                packable = accelerator.num_processes == 1 and trainer.model is model
+                self._push_adapter(model, step, packable)
             else:
                 self.sampler.update_weights(model.named_parameters(), version=step)
         accelerator.wait_for_everyone()  # no process samples before the push is in
         self._pushed_step = step
 
-    def _push_adapter(self, model: Any, step: int) -> None:
+    def _push_adapter(self, model: Any, step: int, packable: bool) -> None:
         """The trained adapter's tensors (megabytes) instead of the merged model; the
-        sampler's base weights are the model's own, which LoRA training leaves frozen."""
+        sampler's base weights are the model's own, which LoRA training leaves frozen.
+        `packable`: the adapter may be kept in one block of memory, which a sampler in this
+        process copies as one (`rollout.weights.lora.pack_adapter`)."""
         from peft import get_peft_model_state_dict
 
         name = model.active_adapter
+        if packable:
+            try:
+                pack_adapter(model, name)
+            except ValueError:
+                pass  # parameters on several devices or of several dtypes: pushed as they are
         tensors = get_peft_model_state_dict(model, adapter_name=name)
         self.sampler.load_adapter(self.adapter, ((k, t.detach()) for k, t in tensors.items()),
                                   model.peft_config[name].to_dict(), version=step)

@@ -9,6 +9,7 @@ import os
 
 from rollout.apps.datasets import sums
 from rollout.integrations.trl import RolloutFunc
+from rollout.weights.lora import one_block
 
 STEPS, PROMPTS, GROUP, MAX_TOKENS = 2, 2, 4, 12
 TOLERANCE = 1e-3  # float32 engines against the float32 trainer
@@ -25,6 +26,7 @@ class CheckedRolloutFunc(RolloutFunc):
     def __init__(self, sampler, **kwargs):
         super().__init__(sampler, **kwargs)
         self.gaps: list[tuple[int, float]] = []
+        self.packed: list[bool] = []  # a LoRA adapter's parameters in one block, each call
 
     def __call__(self, prompts, trainer):
         import torch
@@ -40,14 +42,17 @@ class CheckedRolloutFunc(RolloutFunc):
                     1, torch.tensor(completion).unsqueeze(1)).squeeze(1)
                 worst = max(worst, (mine - torch.tensor(logprobs)).abs().max().item())
         self.gaps.append((trainer.state.global_step, worst))
+        if hasattr(model, "peft_config"):
+            params = [p for name, p in model.named_parameters() if ".lora_" in name]
+            self.packed.append(one_block(params) is not None)
         return out
 
 
 def train(sampler, model_dir: str, output_dir: str, push_weights: bool = True,
           peft_config=None, learning_rate: float = 1e-5):
     """STEPS steps of TRL's GRPOTrainer sampling from `sampler` (with `peft_config`, training
-    a LoRA adapter): the (step, logprob gap) of each sampling call and the rewards TRL
-    logged."""
+    a LoRA adapter): the rollout function (`gaps`: the (step, logprob gap) of each sampling
+    call) and the rewards TRL logged."""
     import torch
     import trl
     from datasets import Dataset
@@ -70,11 +75,12 @@ def train(sampler, model_dir: str, output_dir: str, push_weights: bool = True,
         processing_class=AutoTokenizer.from_pretrained(model_dir), reward_funcs=sums_reward,
         args=config, train_dataset=dataset, rollout_func=func, peft_config=peft_config)
     trainer.train()
-    return func.gaps, [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    return func, [log["reward"] for log in trainer.state.log_history if "reward" in log]
 
 
 def check_grpo_trainer_through_rollout(sampler, model_dir: str, output_dir: str) -> None:
-    gaps, rewards = train(sampler, model_dir, output_dir)
+    func, rewards = train(sampler, model_dir, output_dir)
+    gaps = func.gaps
     # One call per step, each after the push of that step's weights (at step 0 as well).
     assert [step for step, _ in gaps] == list(range(STEPS))
     assert max(gap for _, gap in gaps) < TOLERANCE, gaps
@@ -89,10 +95,14 @@ def check_lora_grpo_trainer_through_rollout(sampler, model_dir: str, output_dir:
     from peft import LoraConfig
 
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-    gaps, rewards = train(sampler, model_dir, output_dir, peft_config=lora,
+    func, rewards = train(sampler, model_dir, output_dir, peft_config=lora,
                           learning_rate=1e-3)
+    gaps = func.gaps
     assert [step for step, _ in gaps] == list(range(STEPS))
     assert max(gap for _, gap in gaps) < TOLERANCE, gaps
+    # Packed at the first push (one process, nothing wraps the model), after TRL made its
+    # optimizer: the gaps say that the optimizer still trains what is pushed.
+    assert func.packed == [True] * STEPS
     assert len(rewards) == STEPS
     assert sampler.adapters == {"policy": STEPS - 1}  # pushed each step, as the adapter
     assert sampler.weight_version is None  # the full weights never went

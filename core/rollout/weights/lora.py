@@ -141,9 +141,11 @@ def pack_adapter(model, adapter_name: str = "default") -> None:
     of small tensors runs on one thread, and the block's on every core: into the HF backend
     SmolLM2's rank-16 adapter pushed 14x faster than the full model, packed 20x
     (bench/bench_lora.py). The parameters stay the same objects, so an optimizer made before
-    keeps working."""
+    keeps working. Calling it again on a packed adapter does nothing."""
     marks = (f".lora_A.{adapter_name}.", f".lora_B.{adapter_name}.")
-    pack_tensors([p for name, p in model.named_parameters() if any(m in name for m in marks)])
+    params = [p for name, p in model.named_parameters() if any(m in name for m in marks)]
+    if params and one_block(params) is None:  # (packed already: left as it is)
+        pack_tensors(params)
 
 
 def pack_tensors(tensors: Sequence[torch.Tensor]) -> None:
