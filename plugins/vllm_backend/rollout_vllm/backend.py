@@ -5,6 +5,7 @@ OpenAI-compatible server in a child process (`mode="server"`)."""
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from contextlib import aclosing
 
@@ -163,7 +164,8 @@ class VLLMBackend:
         self.weights: WeightPath = self.engine.weight_path(
             weight_transport, self.loop, request_timeout, weight_group_timeout)
         try:
-            with engine_threads(getattr(text_config, "hidden_size", None)):
+            parameters = sum(math.prod(shape) for shape in self.shapes.values())
+            with engine_threads(parameters or None):  # (None: no safetensors to count)
                 self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
         except BaseException:
             self.loop.run(self.engine.close(), 60, "stopping vLLM")

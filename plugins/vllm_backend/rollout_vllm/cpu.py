@@ -56,19 +56,24 @@ def cpu_thread_binding() -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
 
 
-SMALL_MODEL_HIDDEN = 256  # a hidden size below it: one OpenMP thread, where threads are unbound
+# Fewer parameters: one OpenMP thread, where threads are unbound. Measured with the tiny
+# model's shape widened (docs/serve-profile.md): one thread gave 1.0-1.8x the tokens/s of two
+# up to 6.0M parameters, two gave 1.09x at 10.3M and 1.2-1.3x on SmolLM2 (134.5M).
+SMALL_MODEL_PARAMETERS = 8_000_000
 
 
 @contextmanager
-def engine_threads(hidden_size: int | None):
+def engine_threads(parameters: int | None):
     """While vLLM starts its engine's processes, which inherit this environment: one OpenMP
-    thread for a small model (the module's docstring says why), where `cpu_thread_binding`
-    left the threads unbound and the user set no OMP_NUM_THREADS. Only for the start: it
-    would otherwise reach every process this one starts later."""
+    thread for a model of fewer than SMALL_MODEL_PARAMETERS `parameters`, too little work a
+    step to share between threads while the engine core's loop takes a core (None: not
+    known, as without safetensors files), where
+    `cpu_thread_binding` left the threads unbound and the user set no OMP_NUM_THREADS. Only
+    for the start: it would otherwise reach every process this one starts later."""
     one_thread = (os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind"
                   and "OMP_NUM_THREADS" not in os.environ
                   and usable_cores() <= SMALL_MACHINE_CORES
-                  and hidden_size is not None and hidden_size < SMALL_MODEL_HIDDEN)
+                  and parameters is not None and parameters < SMALL_MODEL_PARAMETERS)
     if not one_thread:
         yield
         return

@@ -101,7 +101,7 @@ def test_a_binding_the_user_chose_is_kept_and_more_cores_keep_vllms(monkeypatch)
 
 @on_a_small_machine
 def test_a_small_model_gets_one_thread_in_the_engine_and_nowhere_else(shared_vllm):
-    """The tiny model (hidden size 64) runs faster on one OpenMP thread than on two; the
+    """The tiny model (139,840 parameters) runs faster on one OpenMP thread than on two; the
     setting goes to the engine's processes, and this process's environment keeps none."""
     chosen = os.environ.get("OMP_NUM_THREADS")  # a user's choice is the engine's
     with shared_vllm("engine") as ro:
@@ -119,21 +119,23 @@ def worker_threads(worker) -> int:
 
 
 def test_one_thread_only_for_a_small_model_with_unbound_threads_and_no_choice(monkeypatch):
-    def threads_inside(hidden_size):
-        with cpu.engine_threads(hidden_size):
+    def threads_inside(parameters):
+        with cpu.engine_threads(parameters):
             return os.environ.get("OMP_NUM_THREADS")
+
+    tiny, wider, smollm2 = 139_840, 5_977_152, 134_515_008  # parameters
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert threads_inside(64) == "1"
+    assert threads_inside(tiny) == "1" and threads_inside(wider) == "1"
     assert "OMP_NUM_THREADS" not in os.environ
-    assert threads_inside(576) is None and threads_inside(None) is None
+    assert threads_inside(smollm2) is None and threads_inside(None) is None
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert threads_inside(64) == "2"
+    assert threads_inside(tiny) == "2"
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    assert threads_inside(64) is None
+    assert threads_inside(tiny) is None
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert threads_inside(64) is None
+    assert threads_inside(tiny) is None
