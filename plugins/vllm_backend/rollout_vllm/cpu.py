@@ -65,11 +65,11 @@ SMALL_MODEL_PARAMETERS = 8_000_000
 @contextmanager
 def engine_threads(parameters: int | None):
     """While vLLM starts its engine's processes, which inherit this environment: one OpenMP
-    thread for a model of fewer than SMALL_MODEL_PARAMETERS `parameters`, too little work a
-    step to share between threads while the engine core's loop takes a core (None: not
-    known, as without safetensors files), where
-    `cpu_thread_binding` left the threads unbound and the user set no OMP_NUM_THREADS. Only
-    for the start: it would otherwise reach every process this one starts later."""
+    thread for a model of fewer than SMALL_MODEL_PARAMETERS `parameters` (None: not known,
+    as without safetensors files), too little work a step to share between threads while
+    the engine core's loop takes a core, where `cpu_thread_binding` left the threads unbound
+    and the user set no OMP_NUM_THREADS. Only for the start: it would otherwise reach every
+    process this one starts later."""
     one_thread = (os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind"
                   and "OMP_NUM_THREADS" not in os.environ
                   and usable_cores() <= SMALL_MACHINE_CORES
