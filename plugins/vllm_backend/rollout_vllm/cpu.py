@@ -57,7 +57,7 @@ def cpu_thread_binding() -> None:
 
 
 # Fewer parameters: one OpenMP thread, where threads are unbound. Measured with the tiny
-# model's shape widened (docs/serve-profile.md): one thread gave 1.0-1.8x the tokens/s of two
+# model's shape widened (docs/serve-profile.md): one thread gave 0.95-1.8x the tokens/s of two
 # up to 6.0M parameters, two gave 1.09x at 10.3M and 1.2-1.3x on SmolLM2 (134.5M).
 SMALL_MODEL_PARAMETERS = 8_000_000
 
