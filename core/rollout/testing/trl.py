@@ -26,7 +26,7 @@ class CheckedRolloutFunc(RolloutFunc):
     def __init__(self, sampler, **kwargs):
         super().__init__(sampler, **kwargs)
         self.gaps: list[tuple[int, float]] = []
-        self.packed: list[bool] = []  # a LoRA adapter's parameters in one block, each call
+        self.packed: list[bool] = []  # the pushed LoRA adapter in one block, each call
 
     def __call__(self, prompts, trainer):
         import torch
@@ -42,9 +42,11 @@ class CheckedRolloutFunc(RolloutFunc):
                     1, torch.tensor(completion).unsqueeze(1)).squeeze(1)
                 worst = max(worst, (mine - torch.tensor(logprobs)).abs().max().item())
         self.gaps.append((trainer.state.global_step, worst))
-        if hasattr(model, "peft_config"):
-            params = [p for name, p in model.named_parameters() if ".lora_" in name]
-            self.packed.append(one_block(params) is not None)
+        if hasattr(model, "peft_config"):  # what the push sends, as the HF backend reads it
+            from peft import get_peft_model_state_dict
+
+            pushed = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+            self.packed.append(one_block(list(pushed.values())) is not None)
         return out
 
 
