@@ -1,3 +1,5 @@
+import enum
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -124,8 +126,6 @@ def test_token_ids_are_checked_item_by_item():
         convert.structure({"prompt": "x", "sampling": {"stop_token_ids": [1, False]}}, Request)
     assert info.value.field == "sampling.stop_token_ids[1]"
     # From Python: an int subclass is an integer, a bool is not.
-    import enum
-
     class Token(enum.IntEnum):
         A = 3
 
