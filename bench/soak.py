@@ -13,10 +13,12 @@ slope) and from the start of that window to its end (medians of its first and la
 quarters), the requests by kind and outcome, and writes a PNG of the samples over time.
 The front's own RSS and the GPU memory of the tree (replicas on CUDA, by nvidia-smi) are
 printed too, not checked.
-With `--check` it exits 1 on growth past the limits, any 5xx, or any request lost.
+With `--check` it exits 1 on growth past the limits, any 5xx, any request lost, or fewer
+requests a second than `--floor` (a change that halves the served path's throughput is
+caught where the soak runs; bench/bench_replica_path.py says where the time goes).
 
     python bench/soak.py --duration 1800 --png soak.png         # the 30-minute soak
-    python bench/soak.py --duration 120 --check                 # what CI runs
+    python bench/soak.py --duration 120 --check --floor 100     # what CI runs
 """
 
 from __future__ import annotations
@@ -295,6 +297,9 @@ def growth(window: list[dict], name: str) -> tuple[float, float]:
 def report(args, samples: list[dict], events, load: Load, left: list[str]) -> int:
     window = [s for s in samples if s["t"] >= args.warmup * args.duration]
     failures = []
+    rate = load.done / args.duration
+    if rate < args.floor:
+        failures.append(f"{rate:.1f} requests/s, below the floor of {args.floor:g}")
     print(f"{load.done} requests in {args.duration:.0f} s ({load.done / args.duration:.1f}/s), "
           f"{len(samples)} samples, measured after {args.warmup * args.duration:.0f} s")
     print(f"{'resource':<12} {'start':>10} {'end':>10} {'growth':>10} {'per 10k req':>12}")
@@ -356,7 +361,10 @@ def main() -> int:
     parser.add_argument("--sample-every", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--png", help="where to write the plot")
-    parser.add_argument("--check", action="store_true", help="exit 1 on growth or failures")
+    parser.add_argument("--floor", type=float, default=0.0,
+                        help="requests/s below which --check fails")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 on growth, failures or a rate below --floor")
     return run(parser.parse_args())
 
 

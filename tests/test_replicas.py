@@ -274,19 +274,43 @@ def test_every_replica_down_at_once_a_request_waits_for_their_restart(tiny_model
     assert restarted == before
 
 
-def test_only_engines_that_bind_their_threads_get_a_share_of_the_cores(monkeypatch):
-    """vLLM and SGLang bind their threads to every core they may use: each replica gets
-    its own cores. Transformers' threads float: its replicas and the trainer share every
-    core (faster than a split, bench/bench_threads.py). OMP_NUM_THREADS set: no split."""
+def test_each_replica_gets_an_equal_share_of_the_cores():
+    """An equal share each (round robin when there are more replicas than cores); None
+    for each where the user chose the threads."""
     from rollout.service.replicas import cpu_shares
 
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = sorted(os.sched_getaffinity(0))
-    for backend in ("vllm", "sglang"):
-        shares = cpu_shares(3, backend)
-        assert all(share and set(share) <= set(cores) for share in shares)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("OMP_NUM_THREADS", raising=False)
+        shares = cpu_shares(3)
+        assert len(shares) == 3 and all(share and set(share) <= set(cores) for share in shares)
         if len(cores) >= 3:
             assert not set(shares[0]) & set(shares[1])
-    assert cpu_shares(2, "hf") == [None, None]
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert cpu_shares(2, "vllm") == [None, None]
+        assert [len(share) for share in cpu_shares(2)] == [max(1, len(cores) // 2)] * 2
+        patch.setenv("OMP_NUM_THREADS", "1")
+        assert cpu_shares(2) == [None, None]
+
+
+def test_hf_replicas_run_as_many_threads_as_their_share_and_float(tiny_model, monkeypatch):
+    """Two HF replicas with every core each answered half the requests a second of one
+    thread each (issue 50): each gets OMP_NUM_THREADS of its share. Transformers does not
+    bind its threads, so they are not kept to their cores: a core the other replica
+    leaves idle is used."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+
+    async def main():
+        pool = await start_replicas("hf", str(tiny_model), {}, 2)
+        try:
+            return [(environ_of(r.process.proc.pid).get("OMP_NUM_THREADS"),
+                     sorted(os.sched_getaffinity(r.process.proc.pid))) for r in pool.replicas]
+        finally:
+            await pool.close()
+
+    share = str(max(1, len(cores) // 2))
+    assert asyncio.run(main()) == [(share, cores), (share, cores)]
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)

@@ -121,6 +121,23 @@ def test_an_unknown_parser_names_the_installed_ones():
     assert info.value.field == "tool_call_parser" and "hermes" in info.value.allowed
 
 
+def test_a_parser_is_looked_up_once_a_process_not_per_request(monkeypatch):
+    """Every request with tools asks for its parser: the entry points, whose scan reads
+    every installed distribution's metadata, are scanned for a name once (issue 50). An
+    unknown name is looked for again: it may be installed later."""
+    from rollout.contract import plugins
+
+    load_tool_parser("hermes")
+    scans, scan = [], plugins.installed
+    monkeypatch.setattr(plugins, "installed", lambda group: scans.append(group) or scan(group))
+    for _ in range(3):
+        assert load_tool_parser("hermes").parse("hi", [ADD]).content == "hi"
+    assert scans == []
+    with pytest.raises(InvalidRequestError):
+        load_tool_parser("mystery")
+    assert scans == ["rollout.tool_parsers"]
+
+
 PIPE_PARSER = '''
 from rollout.apps.tool_parsers import ParsedMessage, make_call
 

@@ -58,7 +58,7 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
         on_close = on_ray.close
     else:
         env = {KEY_VARIABLE: key, NODE_VARIABLE: this_node()}
-        shares = cpu_shares(count, backend)
+        shares = cpu_shares(count)
         started = await asyncio.gather(*(asyncio.to_thread(
             _start_local, f"replica-{i}", backend, model, options, env, startup_timeout,
             shares[i]) for i in range(count)), return_exceptions=True)
@@ -80,26 +80,28 @@ async def start_replicas(backend: str, model: str, options: Mapping, count: int,
 
 
 def _restarter(name: str, backend: str, model: str, options: Mapping, env: dict,
-               startup_timeout: float, request_timeout: float, cpus: list[int] | None):
+               startup_timeout: float, request_timeout: float, share: list[int] | None):
     async def restart() -> tuple[RemoteService, ServerProcess]:
         url, process = await asyncio.to_thread(_start_local, name, backend, model, options,
-                                               env, startup_timeout, cpus)
+                                               env, startup_timeout, share)
         return RemoteService(url, env[KEY_VARIABLE], request_timeout), process
     return restart
 
 
-# Engines that bind their OpenMP threads to every core their process may use: two such
-# replicas on the same cores fight over them, and each slows down many times over.
+# Engines that bind their OpenMP threads to every core their process may use: each replica
+# is also kept to its share of the cores (its affinity), or their threads would stack up.
 BINDS_THREADS = ("vllm", "sglang")
 
 
-def cpu_shares(count: int, backend: str) -> list[list[int] | None]:
-    """Each local replica's own cores, where its engine binds its threads to cores: an equal
-    share of the ones this process may use (one each, shared round robin, when there are
-    more replicas than cores). None for each where the engine's threads float (transformers:
-    every replica and the trainer then use every core, as fast as a split measured,
-    bench/bench_threads.py), or where the user chose the threads (OMP_NUM_THREADS set)."""
-    if "OMP_NUM_THREADS" in os.environ or backend not in BINDS_THREADS:
+def cpu_shares(count: int) -> list[list[int] | None]:
+    """Each local replica's share of the cores this process may use: an equal one, as many
+    OpenMP threads as it has cores (one each, shared round robin, when there are more
+    replicas than cores). With every core each, replicas that are busy at once run more
+    threads than there are cores, and each parallel step waits on threads the others hold
+    off their cores: two HF replicas on two cores answered half the requests a second of
+    one thread each (issue 50, bench/bench_replica_path.py). None for each where the user
+    chose the threads (OMP_NUM_THREADS set)."""
+    if "OMP_NUM_THREADS" in os.environ:
         return [None] * count
     cores = sorted(os.sched_getaffinity(0))
     each = max(1, len(cores) // count)
@@ -107,11 +109,15 @@ def cpu_shares(count: int, backend: str) -> list[list[int] | None]:
 
 
 def _start_local(name: str, backend: str, model: str, options: Mapping, env: dict,
-                 timeout: float, cpus: list[int] | None = None) -> tuple[str, ServerProcess]:
+                 timeout: float, share: list[int] | None = None) -> tuple[str, ServerProcess]:
+    """A replica with as many threads as its `share` has cores, kept to them where its
+    engine binds its threads (transformers' float: a core another replica leaves idle
+    is used)."""
     port = free_port()
-    threads = {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
+    threads = {"OMP_NUM_THREADS": str(len(share))} if share else {}
     process = ServerProcess(name, replica_argv(backend, model, options, HOST, port),
-                            env={**env, **threads, REPLICA_VARIABLE: name}, cpus=cpus,
+                            env={**env, **threads, REPLICA_VARIABLE: name},
+                            cpus=share if backend in BINDS_THREADS else None,
                             keep_log=True)  # its request lines, for operators
     url = f"http://{HOST}:{port}"
     process.wait_healthy(f"{url}/health", timeout,

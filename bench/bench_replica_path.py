@@ -1,0 +1,221 @@
+"""What the served replica path costs: the same load against the HF backend in this process
+(a `Rollout`), through one `rollout serve`, and through a pool of 2 replicas behind one
+`rollout serve --replicas 2`, side by side in one run.
+
+Two loads, each from `--clients` clients that send one request after the other:
+- `plain`: short completions (8 tokens);
+- `mixed`: the soak's mix (bench/soak.py): completions, chats, streams left after their
+  first chunks, forced tool calls and bad requests.
+
+In process, each request is made as the server makes it (the same OpenAI call objects build
+the requests and the answer), without HTTP; a stream is left as the soak's client leaves it.
+The in-process baseline runs at its best setting: one OpenMP thread and every core, each
+measured, the faster one taken. The servers run with their defaults. Paths alternate by
+rounds, so the machine's drift falls on all of them.
+
+Printed for each load and path: requests/s, p50 and p99 latency; then the ratios served /
+in process and pool / single server.
+
+    python bench/bench_replica_path.py [--model tiny|smollm2] [--seconds 20] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+from common import add_model_argument, model_folder, prompts
+from soak import KEY, MODEL, Load
+
+LOADS = {"plain": {"completion": 1}, "mixed": None}  # None: the soak's own mix
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class InProcess:
+    """The soak's requests against a `Rollout` here: built and answered by the server's own
+    call objects, sent to the backend without HTTP."""
+
+    def __init__(self, rollout, threads: int):
+        self.rollout = rollout
+        self.threads = threads
+
+    async def one(self, load: Load, kind: str) -> str:
+        from rollout.apps.serving.openai_api import ApiError, ChatCall, CompletionsCall
+
+        route, body, expected = load.body(kind)
+        try:
+            call = CompletionsCall(body, MODEL) if route == "completions" \
+                else ChatCall(body, MODEL, "hermes")
+        except ApiError:
+            return "ok" if expected == 400 else "refused"
+        (request,) = call.requests
+        if kind == "stream_dropped":
+            stream = self.rollout.stream(request)
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 2:
+                    break
+            await stream.aclose()
+            return "ok"
+        completion = await self.rollout.agenerate(request)
+        call.response([completion])
+        return "ok" if completion.ok else "failed"
+
+
+class Served:
+    """The soak's requests over HTTP to a `rollout serve`."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.session = None
+
+    async def one(self, load: Load, kind: str) -> str:
+        import aiohttp
+
+        if self.session is None:
+            self.session = aiohttp.ClientSession(
+                headers={"Authorization": f"Bearer {KEY}"},
+                connector=aiohttp.TCPConnector(limit=0))
+        return await load.one(self.session, kind)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+
+async def measure(path, load: Load, mix: dict, seconds: float, clients: int) -> dict:
+    kinds, weights = list(mix), list(mix.values())
+    latencies: list[float] = []
+    outcomes: defaultdict[str, int] = defaultdict(int)
+    deadline = time.monotonic() + seconds
+
+    async def client():
+        while time.monotonic() < deadline:
+            kind = load.rng.choices(kinds, weights)[0]
+            started = time.perf_counter()
+            outcome = await path.one(load, kind)
+            latencies.append(time.perf_counter() - started)
+            outcomes[outcome] += 1
+
+    started = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    elapsed = time.monotonic() - started
+    if set(outcomes) != {"ok"}:
+        sys.exit(f"unexpected answers: {dict(outcomes)}; first: {load.unexpected[:3]}")
+    return {"requests": len(latencies), "seconds": elapsed}, latencies
+
+
+def start_server(model: str, replicas: int):
+    from rollout.kit.process import HOST, ServerProcess, free_port
+
+    port = free_port()
+    server = ServerProcess(f"bench-serve-{replicas}", [
+        sys.executable, "-m", "rollout", "serve", "--backend", "hf", "--model", model,
+        "--served-model-name", MODEL, "--replicas", str(replicas), "--port", str(port),
+        "--log-level", "warning"], env={"ROLLOUT_API_KEY": KEY})
+    url = f"http://{HOST}:{port}"
+    server.wait_healthy(f"{url}/health", 600, {"Authorization": f"Bearer {KEY}"})
+    return server, url
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_argument(parser)
+    parser.add_argument("--seconds", type=float, default=20.0, help="per path, load and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--loads", default="plain,mixed")
+    parser.add_argument("--seed", type=int, default=29)
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+
+    import torch
+
+    import rollout
+    from soak import KINDS
+
+    tmp = tempfile.mkdtemp(prefix="bench-replica-path-")
+    model = model_folder(args.model, tmp)
+    texts = prompts(64)
+    single, single_url = start_server(model, 1)
+    pool, pool_url = start_server(model, 2)
+    backend = rollout.load_backend("hf", model=model)
+    cores = len(os.sched_getaffinity(0))
+    paths = {"in process, 1 thread": InProcess(backend, 1),
+             f"in process, {cores} threads": InProcess(backend, cores),
+             "one server": Served(single_url), "pool of 2": Served(pool_url)}
+    figures: dict = defaultdict(lambda: defaultdict(list))  # load -> path -> runs
+    latencies: dict = defaultdict(lambda: defaultdict(list))
+    loads = args.loads.split(",")
+    try:
+        async def run():
+            for name, path in paths.items():  # warm-up: each path's first requests
+                await measure(path, Load(getattr(path, "url", ""), texts, args.seed), KINDS,
+                              2.0, args.clients)
+            for round_ in range(args.rounds):
+                for load_name in loads:
+                    mix = LOADS[load_name] or KINDS
+                    order = list(paths) if round_ % 2 == 0 else list(paths)[::-1]
+                    for name in order:
+                        path = paths[name]
+                        if isinstance(path, InProcess):
+                            torch.set_num_threads(path.threads)
+                        load = Load(getattr(path, "url", ""), texts, args.seed + round_)
+                        run_, lat = await measure(path, load, mix, args.seconds, args.clients)
+                        figures[load_name][name].append(run_)
+                        latencies[load_name][name] += lat
+                        print(f"round {round_ + 1} {load_name:<6} {name:<22} "
+                              f"{run_['requests'] / run_['seconds']:8.1f} requests/s",
+                              flush=True)
+            for path in paths.values():
+                if isinstance(path, Served):
+                    await path.close()
+
+        asyncio.run(run())
+    finally:
+        backend.close()
+        single.stop()
+        pool.stop()
+    report(figures, latencies, args)
+
+
+def report(figures, latencies, args) -> None:
+    out = {}
+    print(f"\n{args.model} model, {args.clients} clients, {args.rounds} rounds of "
+          f"{args.seconds:.0f} s")
+    print(f"{'load':<6} {'path':<22} {'requests/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
+    for load_name, by_path in figures.items():
+        rates = {name: sum(r["requests"] for r in runs) / sum(r["seconds"] for r in runs)
+                 for name, runs in by_path.items()}
+        for name, rate in rates.items():
+            lat = latencies[load_name][name]
+            print(f"{load_name:<6} {name:<22} {rate:>10.1f} {percentile(lat, 0.5) * 1e3:>8.1f} "
+                  f"{percentile(lat, 0.99) * 1e3:>8.1f}")
+        in_process = max(v for k, v in rates.items() if k.startswith("in process"))
+        ratios = {"one server / in process": rates["one server"] / in_process,
+                  "pool of 2 / in process": rates["pool of 2"] / in_process,
+                  "pool of 2 / one server": rates["pool of 2"] / rates["one server"]}
+        print("       " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+        out[load_name] = {"requests_per_s": rates, "ratios": ratios,
+                          "p50_ms": {k: statistics.median(v) * 1e3
+                                     for k, v in latencies[load_name].items()}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
