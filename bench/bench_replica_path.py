@@ -9,9 +9,10 @@ Two loads, each from `--clients` clients that send one request after the other:
 
 In process, each request is made as the server makes it (the same OpenAI call objects build
 the requests and the answer), without HTTP; a stream is left as the soak's client leaves it.
-The in-process baseline runs at its best setting: one OpenMP thread and every core, each
-measured, the faster one taken. The servers run with their defaults. Paths alternate by
-rounds, so the machine's drift falls on all of them.
+The baselines run at their best setting: in process and the one server each with one
+OpenMP thread and with every core, the faster taken (the in-process side runs in a child
+process of this one, started with its threads, since torch reads them once). The pool runs
+with its defaults. Paths alternate by rounds, so the machine's drift falls on all of them.
 
 Printed for each load and path: requests/s, p50 and p99 latency; then the ratios served /
 in process and pool / single server.
@@ -32,9 +33,10 @@ import time
 from collections import defaultdict
 
 from common import add_model_argument, model_folder, prompts
-from soak import KEY, MODEL, Load
+from soak import KEY, KINDS, MODEL, Load
 
 LOADS = {"plain": {"completion": 1}, "mixed": None}  # None: the soak's own mix
+WARM_UP_S = 3.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -46,9 +48,8 @@ class InProcess:
     """The soak's requests against a `Rollout` here: built and answered by the server's own
     call objects, sent to the backend without HTTP."""
 
-    def __init__(self, rollout, threads: int):
+    def __init__(self, rollout):
         self.rollout = rollout
-        self.threads = threads
 
     async def one(self, load: Load, kind: str) -> str:
         from rollout.apps.serving.openai_api import ApiError, ChatCall, CompletionsCall
@@ -96,7 +97,8 @@ class Served:
             self.session = None
 
 
-async def measure(path, load: Load, mix: dict, seconds: float, clients: int) -> dict:
+async def measure(path, load: Load, mix: dict, seconds: float, clients: int
+                  ) -> tuple[dict, list[float]]:
     kinds, weights = list(mix), list(mix.values())
     latencies: list[float] = []
     outcomes: defaultdict[str, int] = defaultdict(int)
@@ -118,14 +120,59 @@ async def measure(path, load: Load, mix: dict, seconds: float, clients: int) -> 
     return {"requests": len(latencies), "seconds": elapsed}, latencies
 
 
-def start_server(model: str, replicas: int):
+def in_process_child(args) -> None:
+    """One in-process measurement (`--child`), in a process started with its threads:
+    prints {"run", "latencies"} as JSON on its last line."""
+    import rollout
+
+    with tempfile.TemporaryDirectory() as tmp:
+        backend = rollout.load_backend("hf", model=model_folder(args.model, tmp))
+        path, texts = InProcess(backend), prompts(64)
+
+        async def run():
+            await measure(path, Load("", texts, args.seed), KINDS, WARM_UP_S, args.clients)
+            return await measure(path, Load("", texts, args.seed), mix_of(args.loads),
+                                 args.seconds, args.clients)
+
+        try:
+            run_, latencies = asyncio.run(run())
+        finally:
+            backend.close()
+    print(json.dumps({"run": run_, "latencies": latencies}))
+
+
+class InChild:
+    """A path measured in a child process with `threads` OpenMP threads."""
+
+    def __init__(self, threads: int, args):
+        self.threads, self.args = threads, args
+
+    async def run(self, load_name: str, seconds: float, seed: int):
+        argv = [sys.executable, __file__, "--child", "--model", self.args.model_folder,
+                "--loads", load_name, "--seconds", str(seconds), "--seed", str(seed),
+                "--clients", str(self.args.clients)]
+        child = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})
+        out, _ = await asyncio.wait_for(child.communicate(), seconds + 600)
+        if child.returncode != 0:
+            sys.exit(f"the in-process child failed ({child.returncode}): {out[-2000:]!r}")
+        found = json.loads(out.decode().strip().splitlines()[-1])
+        return found["run"], found["latencies"]
+
+
+def mix_of(load_name: str) -> dict:
+    return LOADS[load_name] or KINDS
+
+
+def start_server(model: str, replicas: int, env: dict | None = None):
     from rollout.kit.process import HOST, ServerProcess, free_port
 
     port = free_port()
     server = ServerProcess(f"bench-serve-{replicas}", [
         sys.executable, "-m", "rollout", "serve", "--backend", "hf", "--model", model,
         "--served-model-name", MODEL, "--replicas", str(replicas), "--port", str(port),
-        "--log-level", "warning"], env={"ROLLOUT_API_KEY": KEY})
+        "--log-level", "warning"], env={"ROLLOUT_API_KEY": KEY, **(env or {})})
     url = f"http://{HOST}:{port}"
     server.wait_healthy(f"{url}/health", 600, {"Authorization": f"Bearer {KEY}"})
     return server, url
@@ -140,41 +187,41 @@ def main() -> None:
     parser.add_argument("--loads", default="plain,mixed")
     parser.add_argument("--seed", type=int, default=29)
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-
-    import torch
-
-    import rollout
-    from soak import KINDS
+    if args.child:
+        return in_process_child(args)
 
     tmp = tempfile.mkdtemp(prefix="bench-replica-path-")
-    model = model_folder(args.model, tmp)
+    args.model_folder = model_folder(args.model, tmp)
     texts = prompts(64)
-    single, single_url = start_server(model, 1)
-    pool, pool_url = start_server(model, 2)
-    backend = rollout.load_backend("hf", model=model)
-    cores = len(os.sched_getaffinity(0))
-    paths = {"in process, 1 thread": InProcess(backend, 1),
-             f"in process, {cores} threads": InProcess(backend, cores),
-             "one server": Served(single_url), "pool of 2": Served(pool_url)}
+    cores = str(len(os.sched_getaffinity(0)))
+    servers = {"one server, 1 thread": start_server(args.model_folder, 1, {"OMP_NUM_THREADS": "1"}),
+               f"one server, {cores} threads": start_server(args.model_folder, 1,
+                                                            {"OMP_NUM_THREADS": cores}),
+               "pool of 2": start_server(args.model_folder, 2)}
+    paths = {"in process, 1 thread": InChild(1, args),
+             f"in process, {cores} threads": InChild(int(cores), args),
+             **{name: Served(url) for name, (_, url) in servers.items()}}
     figures: dict = defaultdict(lambda: defaultdict(list))  # load -> path -> runs
     latencies: dict = defaultdict(lambda: defaultdict(list))
-    loads = args.loads.split(",")
     try:
         async def run():
-            for name, path in paths.items():  # warm-up: each path's first requests
-                await measure(path, Load(getattr(path, "url", ""), texts, args.seed), KINDS,
-                              2.0, args.clients)
+            for path in paths.values():  # warm-up: each server's first requests
+                if isinstance(path, Served):
+                    await measure(path, Load(path.url, texts, args.seed), KINDS, WARM_UP_S,
+                                  args.clients)
             for round_ in range(args.rounds):
-                for load_name in loads:
-                    mix = LOADS[load_name] or KINDS
+                for load_name in args.loads.split(","):
                     order = list(paths) if round_ % 2 == 0 else list(paths)[::-1]
                     for name in order:
-                        path = paths[name]
-                        if isinstance(path, InProcess):
-                            torch.set_num_threads(path.threads)
-                        load = Load(getattr(path, "url", ""), texts, args.seed + round_)
-                        run_, lat = await measure(path, load, mix, args.seconds, args.clients)
+                        path, seed = paths[name], args.seed + round_
+                        if isinstance(path, InChild):
+                            run_, lat = await path.run(load_name, args.seconds, seed)
+                        else:
+                            run_, lat = await measure(path, Load(path.url, texts, seed),
+                                                      mix_of(load_name), args.seconds,
+                                                      args.clients)
                         figures[load_name][name].append(run_)
                         latencies[load_name][name] += lat
                         print(f"round {round_ + 1} {load_name:<6} {name:<22} "
@@ -186,10 +233,13 @@ def main() -> None:
 
         asyncio.run(run())
     finally:
-        backend.close()
-        single.stop()
-        pool.stop()
+        for server, _ in servers.values():
+            server.stop()
     report(figures, latencies, args)
+
+
+def best(rates: dict[str, float], path: str) -> float:
+    return max(rate for name, rate in rates.items() if name.startswith(path))
 
 
 def report(figures, latencies, args) -> None:
@@ -204,11 +254,13 @@ def report(figures, latencies, args) -> None:
             lat = latencies[load_name][name]
             print(f"{load_name:<6} {name:<22} {rate:>10.1f} {percentile(lat, 0.5) * 1e3:>8.1f} "
                   f"{percentile(lat, 0.99) * 1e3:>8.1f}")
-        in_process = max(v for k, v in rates.items() if k.startswith("in process"))
-        ratios = {"one server / in process": rates["one server"] / in_process,
+        in_process = best(rates, "in process")
+        one_server = best(rates, "one server")
+        ratios = {"one server / in process": one_server / in_process,
                   "pool of 2 / in process": rates["pool of 2"] / in_process,
-                  "pool of 2 / one server": rates["pool of 2"] / rates["one server"]}
-        print("       " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+                  "pool of 2 / one server": rates["pool of 2"] / one_server}
+        print("  each against the best of its baseline's settings: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
         out[load_name] = {"requests_per_s": rates, "ratios": ratios,
                           "p50_ms": {k: statistics.median(v) * 1e3
                                      for k, v in latencies[load_name].items()}}

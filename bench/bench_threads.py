@@ -2,9 +2,9 @@
 against thread counts set by hand, one run after the other on the same cores.
 
 The trainer and the replicas share this machine. The settings compared:
-- `defaults`: nothing set. The pool keeps each replica to its own share of the cores
-  (rollout.service.replicas.cpu_shares) where its engine binds threads to cores (vLLM,
-  SGLang), and HF replicas and the trainer use torch's default (every core).
+- `defaults`: nothing set. The pool gives each replica as many threads as its share of the
+  cores (rollout.service.replicas.cpu_shares), and keeps it to them where its engine binds
+  threads to cores (vLLM, SGLang); the trainer uses torch's default (every core).
 - `one thread each`: OMP_NUM_THREADS=1 and `--threads 1` (the pool's split is off, as it
   is whenever OMP_NUM_THREADS is set).
 - `every core each`: OMP_NUM_THREADS=<cores> for every process, as when nothing splits them.
