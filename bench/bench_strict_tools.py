@@ -1,6 +1,6 @@
 """Strict tools at volume: how many returned calls validate against their schemas.
 
-`--schemas` Hypothesis-made schemas (rollout.testing.schemas.json_schemas: strings with
+`--schemas` Hypothesis-made schemas (rollout.testing.strict_tools.json_schemas: strings with
 lengths, patterns, formats and enums, bounded numbers, nested objects, arrays with item
 bounds, anyOf, $defs/$ref), each used as a strict tool under tool_choice "auto", "required"
 and a named tool, sampled at temperature 1 from the tiny random model through `rollout
@@ -54,7 +54,7 @@ def main() -> None:
     from rollout.apps.tool_parsers import strict
     from rollout.service.service import LocalService
     from rollout.testing.model_folders import tiny_model_dir
-    from rollout.testing.schemas import KEY, MODEL, MODES, Tally, sample_schemas, strict_calls
+    from rollout.testing.strict_tools import KEY, MODEL, MODES, Tally, sample_schemas, strict_calls
 
     if args.raw:
         strict.prepare = lambda schema, where, refuse=True: schema

@@ -16,9 +16,9 @@ from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutTime
 from rollout.apps.serving.app import ServerThread
 from rollout.service.service import LocalService
 from rollout.testing.model_folders import load_weights
-from rollout.testing.schemas import MODEL as STRICT_MODEL
-from rollout.testing.schemas import StrictToolsContract
-from rollout.testing.schemas import tool as strict_tool
+from rollout.testing.strict_tools import MODEL as STRICT_MODEL
+from rollout.testing.strict_tools import StrictToolsContract
+from rollout.testing.strict_tools import tool as strict_tool
 from rollout.testing.server_contract import CALL_REGEX, CHAT, KEY, MODEL, ServerContract, http
 
 
@@ -34,7 +34,7 @@ class TestHFServer(ServerContract):
 
 
 class TestHFStrictTools(StrictToolsContract):
-    """Hypothesis-made strict tools (rollout.testing.schemas), and what the tools section of
+    """Hypothesis-made strict tools (rollout.testing.strict_tools), and what the tools section of
     docs/serving.md promises about them."""
 
     @pytest.fixture(scope="class")

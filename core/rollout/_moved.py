@@ -38,6 +38,11 @@ MOVED = {
     "rollout.apps.job": "rollout.apps.jobs.generate",
     "rollout.apps.agents.job": "rollout.apps.jobs.agents",
     "rollout.apps.ray_data_job": "rollout.apps.jobs.ray_data",
+    # 0.2.x: one module name, one job (three schemas.py, two runner.py before).
+    "rollout.testing.schemas": "rollout.testing.strict_tools",
+    "rollout.apps.judges.schemas": "rollout.apps.judges.verdicts",
+    "rollout.apps.jobs.runner": "rollout.apps.jobs.chunked",
+    "rollout.testing.weights": "rollout.testing.weight_streams",
 }
 
 

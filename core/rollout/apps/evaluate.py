@@ -1,7 +1,7 @@
 """`rollout eval`: judge the responses that `rollout generate` wrote, and report the figures.
 
 The input needs `responses` (a list of texts per row, as `rollout generate` writes them)
-and `tests` (per row, see rollout.apps.judges.schemas). The output parquet has one row per
+and `tests` (per row, see rollout.apps.judges.verdicts). The output parquet has one row per
 sample; beside it go a JSON summary and a PNG bar chart of the statuses. A row whose tests
 cannot be read, or that has no responses (its generation failed), is skipped with the
 reason in the summary; the other rows are judged.

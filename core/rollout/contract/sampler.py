@@ -34,6 +34,8 @@ class Sampler(Protocol):
     # process has one; None for a sampler in other processes (give the agent runner the
     # model's tokenizer then).
     encoder: Any
+    # The LoRA adapters loaded through this sampler, by name, with their versions.
+    adapters: dict[str, int | None]
 
     def generate(self, requests: Sequence[Request | Mapping],
                  timeout: float | None = None) -> list[Completion]:
@@ -61,6 +63,18 @@ class Sampler(Protocol):
         `Request.continue_from`), "keep" holds them while the weights load and then lets
         them go on under the new ones (`capabilities.keep`). A failed update leaves the
         weights dirty: nothing runs until a full update succeeds."""
+
+    def load_adapter(self, name: str, named_tensors: Iterable, config: Mapping,
+                     version: int | None = None, bucket_bytes: int | None = None,
+                     pause: str = "wait") -> None:
+        """Load LoRA adapter `name` (or replace the one loaded under it) from PEFT's
+        tensors and its `LoraConfig` as a dict; requests that name it (`Request.adapter`)
+        then sample with it, and their results say `version`. `pause` as for
+        `update_weights`, "keep" excepted. A load that fails changes nothing
+        (`capabilities.adapters` says whether the backend has adapters)."""
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter `name`; requests that name it are then refused."""
 
     def health(self) -> dict:
         """What runs now; raises when nothing can serve."""

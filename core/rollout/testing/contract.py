@@ -37,7 +37,7 @@ from rollout.testing.adapters import lora_adapter, merged_copy
 from rollout.testing.model_folders import load_weights, perturbed_copy, tiny_model_dir
 from rollout.testing.sampling import SamplingContract
 from rollout.testing.strategies import invalid_requests, requests
-from rollout.testing.weights import trainer_that_dies
+from rollout.testing.weight_streams import trainer_that_dies
 
 EXAMPLES = int(os.environ.get("ROLLOUT_CONTRACT_EXAMPLES", "8"))
 # One backend often runs the suite in several classes (an in-process and a server mode),

@@ -1,11 +1,11 @@
 """Strict tools through `rollout serve` in front of the SGLang backend: the Hypothesis-made
-schemas of rollout.testing.schemas, as on the HF backend (tests/test_serve_openai.py)."""
+schemas of rollout.testing.strict_tools, as on the HF backend (tests/test_serve_openai.py)."""
 
 import pytest
 from conftest import ENGINE
 
 import rollout
-from rollout.testing.schemas import StrictToolsContract
+from rollout.testing.strict_tools import StrictToolsContract
 
 
 class TestSGLangStrictTools(StrictToolsContract):

@@ -1,9 +1,9 @@
 """Strict tools through `rollout serve` in front of the vLLM backend: the Hypothesis-made
-schemas of rollout.testing.schemas, as on the HF backend (tests/test_serve_openai.py)."""
+schemas of rollout.testing.strict_tools, as on the HF backend (tests/test_serve_openai.py)."""
 
 import pytest
 
-from rollout.testing.schemas import StrictToolsContract
+from rollout.testing.strict_tools import StrictToolsContract
 
 
 class TestVLLMStrictTools(StrictToolsContract):

@@ -18,7 +18,7 @@ from rollout import GenerationError, WeightsDirtyError
 from rollout.weights.transports import shm
 from rollout.testing.contract import probe
 from rollout.testing.model_folders import load_weights, perturbed_copy
-from rollout.testing.weights import trainer_that_dies
+from rollout.testing.weight_streams import trainer_that_dies
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import rollout
 from rollout import GenerationError, WeightsDirtyError
 from rollout.testing.contract import probe
 from rollout.testing.model_folders import load_weights, perturbed_copy
-from rollout.testing.weights import trainer_that_dies
+from rollout.testing.weight_streams import trainer_that_dies
 
 from rollout_vllm import transport
 

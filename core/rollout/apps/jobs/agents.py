@@ -1,5 +1,5 @@
 """`rollout generate --environment`: one trajectory per sample, from parquet to parquet,
-resumable exactly as the single-turn job (rollout.apps.jobs.runner).
+resumable exactly as the single-turn job (rollout.apps.jobs.chunked).
 
 Each output row is one trajectory: the input row's columns, `sample` (0 to n-1), and the
 trajectory's ids, loss mask, logprobs, messages and turns (JSON), reward and end reason.
@@ -15,7 +15,7 @@ from rollout.apps.agents.environment import load_environment
 from rollout.apps.agents.runner import AgentConfig, AgentRunner
 from rollout.apps.agents.trajectory import Trajectory
 from rollout.apps.jobs.config import GenerateConfig
-from rollout.apps.jobs.runner import ChunkedJob
+from rollout.apps.jobs.chunked import ChunkedJob
 from rollout.apps.jobs.summary import AgentSummary
 from rollout.apps.jobs.tables import fingerprint, joined, read_input
 from rollout.contract import convert

@@ -1,7 +1,7 @@
 """`rollout generate`: prompts from parquet to responses in parquet, resumable.
 
 Results are written chunk by chunk into `OUTPUT.parts/` as they finish (see
-rollout.apps.jobs.runner); a run that is killed and started again with the same settings
+rollout.apps.jobs.chunked); a run that is killed and started again with the same settings
 skips the chunks already written, and the last step joins the parts into OUTPUT. Rows whose
 prompt is bad carry an error and do not stop the others.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from rollout.apps.jobs.config import GenerateConfig
-from rollout.apps.jobs.runner import ChunkedJob
+from rollout.apps.jobs.chunked import ChunkedJob
 from rollout.apps.jobs.summary import Summary
 from rollout.apps.jobs.tables import (PROMPT_COLUMN, answer_counts, fingerprint, joined,
                                       outputs_of, output_schema, read_input, to_request)

@@ -9,7 +9,7 @@ of one test case.
 
 from __future__ import annotations
 
-from rollout.apps.judges.schemas import (
+from rollout.apps.judges.verdicts import (
     STATUSES,
     CaseResult,
     ProgramTests,

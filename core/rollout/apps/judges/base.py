@@ -12,7 +12,7 @@ import attrs
 from rollout.contract.errors import InvalidRequestError
 from rollout.apps.judges.extract import extract_code, syntax_error
 from rollout.apps.judges.harness import Limits, Outcome, Run, build_runs, classify, solution_source
-from rollout.apps.judges.schemas import CaseResult, Sample, Verdict
+from rollout.apps.judges.verdicts import CaseResult, Sample, Verdict
 
 T = TypeVar("T")
 

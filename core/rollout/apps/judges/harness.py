@@ -19,7 +19,7 @@ import signal
 
 import attrs
 
-from rollout.apps.judges.schemas import CaseResult, ProgramTests, StdioTests, Tests
+from rollout.apps.judges.verdicts import CaseResult, ProgramTests, StdioTests, Tests
 
 WRONG_ANSWER_EXIT = 3  # an AssertionError from check()
 ERROR_EXIT = 4  # any other exception, or SystemExit, from the answer or check()
