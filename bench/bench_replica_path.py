@@ -130,9 +130,10 @@ def in_process_child(args) -> None:
         path, texts = InProcess(backend), prompts(64)
 
         async def run():
-            await measure(path, Load("", texts, args.seed), KINDS, WARM_UP_S, args.clients)
-            return await measure(path, Load("", texts, args.seed), mix_of(args.loads),
-                                 args.seconds, args.clients)
+            await measure(path, Load("", texts, args.seed), mix_of("mixed", args.tools),
+                          WARM_UP_S, args.clients)
+            return await measure(path, Load("", texts, args.seed),
+                                 mix_of(args.loads, args.tools), args.seconds, args.clients)
 
         try:
             run_, latencies = asyncio.run(run())
@@ -150,7 +151,8 @@ class InChild:
     async def run(self, load_name: str, seconds: float, seed: int):
         argv = [sys.executable, __file__, "--child", "--model", self.args.model_folder,
                 "--loads", load_name, "--seconds", str(seconds), "--seed", str(seed),
-                "--clients", str(self.args.clients)]
+                "--clients", str(self.args.clients),
+                *([] if self.args.tools else ["--no-tools"])]
         child = await asyncio.create_subprocess_exec(
             *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
             env={**os.environ, "OMP_NUM_THREADS": str(self.threads)})
@@ -161,8 +163,17 @@ class InChild:
         return found["run"], found["latencies"]
 
 
-def mix_of(load_name: str) -> dict:
-    return LOADS[load_name] or KINDS
+def mix_of(load_name: str, tools: bool = True) -> dict:
+    """The load's kinds and weights; without tool calls for a model whose chat template
+    renders no tools (SmolLM2's: the server refuses them, 400)."""
+    mix = LOADS[load_name] or KINDS
+    return mix if tools else {k: w for k, w in mix.items() if k != "tool_call"}
+
+
+def renders_tools(model: str) -> bool:
+    from transformers import AutoTokenizer
+
+    return "tools" in (AutoTokenizer.from_pretrained(model).chat_template or "")
 
 
 def start_server(model: str, replicas: int, env: dict | None = None):
@@ -188,12 +199,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=29)
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-tools", dest="tools", action="store_false", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return in_process_child(args)
 
     tmp = tempfile.mkdtemp(prefix="bench-replica-path-")
     args.model_folder = model_folder(args.model, tmp)
+    args.tools = renders_tools(args.model_folder)
+    warm_mix = mix_of("mixed", args.tools)
     texts = prompts(64)
     cores = str(len(os.sched_getaffinity(0)))
     servers = {"one server, 1 thread": start_server(args.model_folder, 1, {"OMP_NUM_THREADS": "1"}),
@@ -209,8 +223,8 @@ def main() -> None:
         async def run():
             for path in paths.values():  # warm-up: each server's first requests
                 if isinstance(path, Served):
-                    await measure(path, Load(path.url, texts, args.seed), KINDS, WARM_UP_S,
-                                  args.clients)
+                    await measure(path, Load(path.url, texts, args.seed), warm_mix,
+                                  WARM_UP_S, args.clients)
             for round_ in range(args.rounds):
                 for load_name in args.loads.split(","):
                     order = list(paths) if round_ % 2 == 0 else list(paths)[::-1]
@@ -220,8 +234,8 @@ def main() -> None:
                             run_, lat = await path.run(load_name, args.seconds, seed)
                         else:
                             run_, lat = await measure(path, Load(path.url, texts, seed),
-                                                      mix_of(load_name), args.seconds,
-                                                      args.clients)
+                                                      mix_of(load_name, args.tools),
+                                                      args.seconds, args.clients)
                         figures[load_name][name].append(run_)
                         latencies[load_name][name] += lat
                         print(f"round {round_ + 1} {load_name:<6} {name:<22} "
@@ -245,7 +259,8 @@ def best(rates: dict[str, float], path: str) -> float:
 def report(figures, latencies, args) -> None:
     out = {}
     print(f"\n{args.model} model, {args.clients} clients, {args.rounds} rounds of "
-          f"{args.seconds:.0f} s")
+          f"{args.seconds:.0f} s" + ("" if args.tools else "; the mix without tool calls "
+                                     "(the model's chat template renders no tools)"))
     print(f"{'load':<6} {'path':<22} {'requests/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
     for load_name, by_path in figures.items():
         rates = {name: sum(r["requests"] for r in runs) / sum(r["seconds"] for r in runs)

@@ -300,7 +300,7 @@ def report(args, samples: list[dict], events, load: Load, left: list[str]) -> in
     rate = load.done / args.duration
     if rate < args.floor:
         failures.append(f"{rate:.1f} requests/s, below the floor of {args.floor:g}")
-    print(f"{load.done} requests in {args.duration:.0f} s ({load.done / args.duration:.1f}/s), "
+    print(f"{load.done} requests in {args.duration:.0f} s ({rate:.1f}/s), "
           f"{len(samples)} samples, measured after {args.warmup * args.duration:.0f} s")
     print(f"{'resource':<12} {'start':>10} {'end':>10} {'growth':>10} {'per 10k req':>12}")
     for name in [*LIMITS, *SHOWN]:
