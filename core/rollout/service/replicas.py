@@ -98,9 +98,9 @@ def cpu_shares(count: int) -> list[list[int] | None]:
     OpenMP threads as it has cores (one each, shared round robin, when there are more
     replicas than cores). With every core each, replicas that are busy at once run more
     threads than there are cores, and each parallel step waits on threads the others hold
-    off their cores: two HF replicas on two cores answered half the requests a second of
-    one thread each (issue 50, bench/bench_replica_path.py). None for each where the user
-    chose the threads (OMP_NUM_THREADS set)."""
+    off their cores: two HF replicas on two cores answered about half as many requests a
+    second as with one thread each (issue 50, docs/serve-profile.md). None for each where
+    the user chose the threads (OMP_NUM_THREADS set)."""
     if "OMP_NUM_THREADS" in os.environ:
         return [None] * count
     cores = sorted(os.sched_getaffinity(0))
