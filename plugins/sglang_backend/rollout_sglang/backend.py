@@ -29,6 +29,7 @@ from rollout.kit.structured import constraint_error
 from rollout.kit.text import TextStream, first_stop
 
 from rollout_sglang import protocol
+from rollout_sglang.engine import Engine
 from rollout_sglang.engines import STREAM_ARGS, InProcessEngine, ServerEngine
 from rollout_sglang.transport import TRANSPORTS, make_sender
 from rollout_sglang.weights import checked_groups
@@ -180,8 +181,8 @@ class SGLangBackend:
         self.max_lora_rank = args.get("max_lora_rank")
         self.lora_names: dict[str, str] = {}  # adapter name -> the name SGLang has it under
         self._new_lora = itertools.count(1)  # a new SGLang name per load
-        self.engine = InProcessEngine(args, startup_timeout) if mode == "engine" else \
-            ServerEngine(args, startup_timeout, request_timeout)
+        self.engine: Engine = InProcessEngine(args, startup_timeout) if mode == "engine" \
+            else ServerEngine(args, startup_timeout, request_timeout)
         self.weights = make_sender(weight_transport, self.engine, request_timeout,
                                    weight_group_timeout)
         self._session_open = False  # an SGLang weight-update session we began and did not end

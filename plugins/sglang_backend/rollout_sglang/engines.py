@@ -1,4 +1,4 @@
-"""The two ways the backend reaches SGLang, behind one small interface:
+"""The two ways the backend reaches SGLang, behind one interface (rollout_sglang.engine):
 
 - `InProcessEngine`: `sglang.Engine` created in this process; its tokenizer manager runs
   on the engine loop (`rollout.kit.aio.engine_loop()`), where the core runs requests, so a

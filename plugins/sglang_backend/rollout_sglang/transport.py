@@ -17,19 +17,21 @@ from rollout.kit.process import HOST, free_port
 from rollout.weights.transports import collective
 
 from rollout_sglang import protocol
+from rollout_sglang.engine import Engine, GroupEngine
 
 TRANSPORTS = ("tensor", "gloo")
 JOIN_TIMEOUT_S = 60.0  # both sides of a new group on one host join within seconds
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
-def make_sender(transport: str, engine, timeout: float, group_timeout: float):
+def make_sender(transport: str, engine: Engine, timeout: float, group_timeout: float):
+    """"gloo" only with a server engine (the backend's options say so)."""
     return GlooSender(engine, timeout, group_timeout) if transport == "gloo" else \
         TensorSender(engine, timeout)
 
 
 class TensorSender:
-    def __init__(self, engine, timeout: float):
+    def __init__(self, engine: Engine, timeout: float):
         self.engine, self.timeout = engine, timeout
 
     def send(self, group: list) -> None:
@@ -44,7 +46,7 @@ class GlooSender:
     before. A group whose transfer failed is dropped at once (so the server's pending
     receive fails now, not at its 30-minute timeout) and a new one opened next time."""
 
-    def __init__(self, engine, timeout: float, group_timeout: float):
+    def __init__(self, engine: GroupEngine, timeout: float, group_timeout: float):
         self.engine, self.timeout, self.group_timeout = engine, timeout, group_timeout
         self.group: collective.Group | None = None
 
