@@ -106,6 +106,55 @@ def vision_args(model: str, image_cache_mb: int) -> dict:
             "mm_preprocess_cache_size_mb": image_cache_mb}
 
 
+def checked_options(mode: str, stream_interval, image_cache_mb, weight_transport: str | None,
+                    engine_args: dict | None) -> tuple[str, dict]:
+    """The backend's options checked (InvalidRequestError naming the field), before anything
+    loads: the weight transport (the mode's default where none is given) and engine_args."""
+    if mode not in MODES:
+        raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
+    if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) \
+            or stream_interval < 1:
+        raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
+                                  "an integer >= 1")
+    # SGLang's mm_preprocess_cache_size_mb: whole MiB
+    if isinstance(image_cache_mb, bool) or not isinstance(image_cache_mb, int) \
+            or image_cache_mb < 0:
+        raise InvalidRequestError("image_cache_mb", f"got {image_cache_mb!r}",
+                                  "a whole number of MiB >= 0 (0: no cache)")
+    # The update group in server mode: measured 5x faster than a tensor payload there.
+    weight_transport = weight_transport or ("gloo" if mode == "server" else "tensor")
+    if weight_transport not in TRANSPORTS:
+        raise InvalidRequestError("weight_transport", f"got {weight_transport!r}",
+                                  ", ".join(TRANSPORTS))
+    if weight_transport != "tensor" and mode != "server":
+        raise InvalidRequestError(
+            "weight_transport", f"{weight_transport!r} needs mode='server' (in process, "
+            "tensors reach SGLang's scheduler as file descriptors, without a copy)",
+            "'tensor' with mode='engine'")
+    engine_args = options.engine_args(engine_args, "SGLang")
+    for name, value in STREAM_ARGS.items():  # set by the engines, never silently undone
+        if engine_args.get(name, value) != value:
+            raise InvalidRequestError(
+                f"engine_args.{name}", f"got {engine_args[name]!r}: the backend reads "
+                "SGLang's stream outputs as new tokens only", f"{value!r}, or leave it out")
+    if "stream_interval" in engine_args:  # SGLang's default, which no request takes
+        raise InvalidRequestError(
+            "engine_args.stream_interval", "every request gives its own (1 to a caller "
+            "that streams)", "the backend option stream_interval")
+    return weight_transport, engine_args
+
+
+def engine_arguments(model: str, device: str, dtype: str, max_total_tokens: int,
+                     random_seed: int, shapes: dict, engine_args: dict) -> dict:
+    """SGLang's engine arguments as the backend sets them, under the caller's
+    `engine_args` (which the caller lays over these, with a vision model's own)."""
+    return {**lora_args(device, shapes, engine_args),
+            "model_path": model, "device": device, "dtype": dtype,
+            "max_total_tokens": max_total_tokens, "random_seed": random_seed,
+            "sleep_on_idle": True, "log_level": "error",
+            "enable_memory_saver": device != "cpu", **ENGINE_DEFAULTS}
+
+
 class SGLangBackend:
     def __init__(self, model: str, mode: str = "engine", device: str | None = None,
                  dtype: str = "auto", max_total_tokens: int = 4096, random_seed: int = 0,
@@ -113,37 +162,8 @@ class SGLangBackend:
                  request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES,
                  weight_transport: str | None = None, weight_group_timeout: float = 600.0,
                  image_cache_mb: int = 256, stream_interval: int = 16):
-        if mode not in MODES:
-            raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
-        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) \
-                or stream_interval < 1:
-            raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
-                                      "an integer >= 1")
-        # SGLang's mm_preprocess_cache_size_mb: whole MiB
-        if isinstance(image_cache_mb, bool) or not isinstance(image_cache_mb, int) \
-                or image_cache_mb < 0:
-            raise InvalidRequestError("image_cache_mb", f"got {image_cache_mb!r}",
-                                      "a whole number of MiB >= 0 (0: no cache)")
-        # The update group in server mode: measured 5x faster than a tensor payload there.
-        weight_transport = weight_transport or ("gloo" if mode == "server" else "tensor")
-        if weight_transport not in TRANSPORTS:
-            raise InvalidRequestError("weight_transport", f"got {weight_transport!r}",
-                                      ", ".join(TRANSPORTS))
-        if weight_transport != "tensor" and mode != "server":
-            raise InvalidRequestError(
-                "weight_transport", f"{weight_transport!r} needs mode='server' (in process, "
-                "tensors reach SGLang's scheduler as file descriptors, without a copy)",
-                "'tensor' with mode='engine'")
-        engine_args = options.engine_args(engine_args, "SGLang")
-        for name, value in STREAM_ARGS.items():  # set by the engines, never silently undone
-            if engine_args.get(name, value) != value:
-                raise InvalidRequestError(
-                    f"engine_args.{name}", f"got {engine_args[name]!r}: the backend reads "
-                    "SGLang's stream outputs as new tokens only", f"{value!r}, or leave it out")
-        if "stream_interval" in engine_args:  # SGLang's default, which no request takes
-            raise InvalidRequestError(
-                "engine_args.stream_interval", "every request gives its own (1 to a caller "
-                "that streams)", "the backend option stream_interval")
+        weight_transport, engine_args = checked_options(
+            mode, stream_interval, image_cache_mb, weight_transport, engine_args)
         from transformers import AutoConfig, AutoTokenizer
 
         if device is None:
@@ -168,13 +188,9 @@ class SGLangBackend:
         # 256 x 64 tokens one by one: about a fifth of all CPU time). A caller that
         # streams gets every token as SGLang makes it.
         self.stream_interval = stream_interval
-        args = {**lora_args(device, self.shapes, engine_args),
-                "model_path": model, "device": device, "dtype": dtype,
-                "max_total_tokens": max_total_tokens, "random_seed": random_seed,
-                "sleep_on_idle": True, "log_level": "error",
-                "enable_memory_saver": device != "cpu", **ENGINE_DEFAULTS,
-                **(vision_args(model, image_cache_mb) if self.vision else {}),
-                **engine_args}
+        args = {**engine_arguments(model, device, dtype, max_total_tokens, random_seed,
+                                   self.shapes, engine_args),
+                **(vision_args(model, image_cache_mb) if self.vision else {}), **engine_args}
         self.penalties = args["enable_custom_logit_processor"] and \
             args["disable_overlap_schedule"]
         self.adapters_reason = None if args.get("enable_lora") else ADAPTERS_OFF
