@@ -94,6 +94,51 @@ def _has_ebnf_rule(grammar: str) -> bool:
     return any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
 
 
+def checked_options(mode: str, weight_transport: str | None, stream_interval,
+                    engine_args: dict | None) -> tuple[str, dict]:
+    """The backend's options checked (InvalidRequestError naming the field), before anything
+    loads: the weight transport (the mode's default where none is given) and engine_args."""
+    if mode not in MODES:
+        raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
+    if weight_transport is None:
+        # gloo in server mode: it needs no shared host, and it is as fast as shm for a
+        # 327 MiB model on this machine (bench/bench_weight_sync.py).
+        weight_transport = "gloo" if mode == "server" else "shm"
+    if weight_transport not in TRANSPORTS or (weight_transport != "shm" and mode != "server"):
+        raise InvalidRequestError("weight_transport", f"got {weight_transport!r}",
+                                  "'shm', or in server mode 'gloo'")
+    if not isinstance(stream_interval, int) or stream_interval < 1:
+        raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
+                                  "an integer >= 1")
+    return weight_transport, options.engine_args(engine_args, "vLLM")
+
+
+def engine_arguments(model: str, mode: str, dtype: str, max_model_len: int,
+                     enforce_eager: bool, weight_transport: str, vision: bool,
+                     sleep_mode: bool, engine_args: dict) -> dict:
+    """vLLM's engine arguments: the caller's `engine_args` over the backend's settings."""
+    # vLLM refuses (prompt) logprobs over this: the contract's most.
+    engine_args.setdefault("max_logprobs", PROMPT_LOGPROBS_MAX)
+    if vision:
+        # Images only (the contract has no video): vLLM then profiles and budgets no video
+        # item, and never loads the video processor.
+        engine_args.setdefault("limit_mm_per_prompt", {"video": 0})
+        if mode == "server":
+            # Image requests go to /inference/v1/generate, one of the scale-out routes,
+            # with one top logprob more than asked (ServerEngine says why).
+            engine_args.setdefault("enable_scale_out", True)
+            engine_args.setdefault("max_logprobs", 21)
+    if weight_transport == "gloo":  # vLLM's weight-transfer routes, into our engine
+        engine_args.setdefault("weight_transfer_config", {"backend": ENGINE_NAME})
+    structured = engine_args.pop("structured_outputs_config", None)
+    return {"model": model, "dtype": dtype, "max_model_len": max_model_len,
+            "enforce_eager": enforce_eager, "worker_extension_cls": _extension(),
+            "enable_sleep_mode": sleep_mode,
+            "structured_outputs_config": {**STRUCTURED_OUTPUTS_CONFIG, **(structured or {})}
+            if structured is None or isinstance(structured, dict) else structured,
+            **cpu_engine_args(engine_args)}
+
+
 class VLLMBackend:
     def __init__(self, model: str, mode: str = "engine", dtype: str = "auto",
                  max_model_len: int | None = None, enforce_eager: bool = False,
@@ -101,19 +146,8 @@ class VLLMBackend:
                  request_timeout: float = 3600.0, weight_group_bytes: int | None = None,
                  stream_interval: int = 16, weight_transport: str | None = None,
                  weight_group_timeout: float = 300.0):
-        if mode not in MODES:
-            raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
-        if weight_transport is None:
-            # gloo in server mode: it needs no shared host, and it is as fast as shm for a
-            # 327 MiB model on this machine (bench/bench_weight_sync.py).
-            weight_transport = "gloo" if mode == "server" else "shm"
-        if weight_transport not in TRANSPORTS or (weight_transport != "shm" and mode != "server"):
-            raise InvalidRequestError("weight_transport", f"got {weight_transport!r}",
-                                      "'shm', or in server mode 'gloo'")
-        if not isinstance(stream_interval, int) or stream_interval < 1:
-            raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
-                                      "an integer >= 1")
-        engine_args = options.engine_args(engine_args, "vLLM")
+        weight_transport, engine_args = checked_options(mode, weight_transport,
+                                                        stream_interval, engine_args)
         from transformers import AutoConfig, AutoTokenizer
 
         config = AutoConfig.from_pretrained(model)
@@ -127,27 +161,9 @@ class VLLMBackend:
             SHM_GROUP_BYTES if weight_transport == "shm" and mode != "engine"
             else DEFAULT_BUCKET_BYTES)
         self.sleep_reason = sleep_unsupported_reason()
-        # vLLM refuses (prompt) logprobs over this: the contract's most.
-        engine_args.setdefault("max_logprobs", PROMPT_LOGPROBS_MAX)
-        vision = config.model_type in VISION_MODEL_TYPES
-        if vision:
-            # Images only (the contract has no video): vLLM then profiles and budgets no video
-            # item, and never loads the video processor.
-            engine_args.setdefault("limit_mm_per_prompt", {"video": 0})
-            if mode == "server":
-                # Image requests go to /inference/v1/generate, one of the scale-out routes,
-                # with one top logprob more than asked (ServerEngine says why).
-                engine_args.setdefault("enable_scale_out", True)
-                engine_args.setdefault("max_logprobs", 21)
-        if weight_transport == "gloo":  # vLLM's weight-transfer routes, into our engine
-            engine_args.setdefault("weight_transfer_config", {"backend": ENGINE_NAME})
-        structured = engine_args.pop("structured_outputs_config", None)
-        args = {"model": model, "dtype": dtype, "max_model_len": self.max_model_len,
-                "enforce_eager": enforce_eager, "worker_extension_cls": _extension(),
-                "enable_sleep_mode": self.sleep_reason is None,
-                "structured_outputs_config": {**STRUCTURED_OUTPUTS_CONFIG, **(structured or {})}
-                if structured is None or isinstance(structured, dict) else structured,
-                **cpu_engine_args(engine_args)}
+        args = engine_arguments(model, mode, dtype, self.max_model_len, enforce_eager,
+                                weight_transport, config.model_type in VISION_MODEL_TYPES,
+                                self.sleep_reason is None, engine_args)
         self.request_timeout = request_timeout
         self.stream_interval = stream_interval
         self.calls = itertools.count()  # numbers each engine call's id
