@@ -2,8 +2,8 @@
 
 Its own decode loop (not `model.generate`) lets every row of a batch carry its own
 sampling parameters, seed, stop strings and length limit, and lets rows join and leave a
-running batch at every step (engine.py, on a thread of its own: the event loop never runs
-the model). Choosing tokens (penalties, logit bias, min_p and min_tokens in vLLM's order,
+running batch at every step (engine_thread.py, on a thread of its own: the event loop never
+runs the model). Choosing tokens (penalties, logit bias, min_p and min_tokens in vLLM's order,
 structured outputs through xgrammar) is the kit's `rollout.kit.sampler`.
 
 transformers' own continuous batching (`ContinuousBatchingManager`) is not used: it has no
@@ -28,7 +28,7 @@ from rollout.weights.lora import no_such_adapter
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.sampler import Grammars, Row, rows_for
 
-from rollout_hf.engine import Engine
+from rollout_hf.engine_thread import Engine
 from rollout_hf.handoff import Job, chunks
 from rollout_hf.lora import Adapters
 from rollout_hf import vision
