@@ -32,16 +32,11 @@ import tempfile
 import time
 from collections import defaultdict
 
-from common import add_model_argument, model_folder, prompts
+from common import add_model_argument, model_folder, percentile, prompts
 from soak import KEY, KINDS, MODEL, Load
 
 LOADS = {"plain": {"completion": 1}, "mixed": None}  # None: the soak's own mix
 WARM_UP_S = 3.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class InProcess:

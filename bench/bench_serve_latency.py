@@ -23,10 +23,7 @@ import rollout
 from rollout.kit.process import HOST, ServerProcess, free_port
 from rollout.kit.tiny_model import build_tiny_model
 
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+from common import percentile
 
 
 async def main(args) -> None:

@@ -56,6 +56,11 @@ def model_folder(model: str, tmp: str) -> str:
     return resolve(model)
 
 
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def timed(fn) -> float:
     started = time.perf_counter()
     fn()
