@@ -145,14 +145,17 @@ def checked_options(mode: str, stream_interval, image_cache_mb, weight_transport
 
 
 def engine_arguments(model: str, device: str, dtype: str, max_total_tokens: int,
-                     random_seed: int, shapes: dict, engine_args: dict) -> dict:
-    """SGLang's engine arguments as the backend sets them, under the caller's
-    `engine_args` (which the caller lays over these, with a vision model's own)."""
+                     random_seed: int, shapes: dict, image_cache_mb: int | None,
+                     engine_args: dict) -> dict:
+    """SGLang's engine arguments: the backend's settings (a vision model's too, where
+    `image_cache_mb` is given), with the caller's `engine_args` over them."""
     return {**lora_args(device, shapes, engine_args),
             "model_path": model, "device": device, "dtype": dtype,
             "max_total_tokens": max_total_tokens, "random_seed": random_seed,
             "sleep_on_idle": True, "log_level": "error",
-            "enable_memory_saver": device != "cpu", **ENGINE_DEFAULTS}
+            "enable_memory_saver": device != "cpu", **ENGINE_DEFAULTS,
+            **(vision_args(model, image_cache_mb) if image_cache_mb is not None else {}),
+            **engine_args}
 
 
 class SGLangBackend:
@@ -188,9 +191,9 @@ class SGLangBackend:
         # 256 x 64 tokens one by one: about a fifth of all CPU time). A caller that
         # streams gets every token as SGLang makes it.
         self.stream_interval = stream_interval
-        args = {**engine_arguments(model, device, dtype, max_total_tokens, random_seed,
-                                   self.shapes, engine_args),
-                **(vision_args(model, image_cache_mb) if self.vision else {}), **engine_args}
+        args = engine_arguments(model, device, dtype, max_total_tokens, random_seed,
+                                self.shapes, image_cache_mb if self.vision else None,
+                                engine_args)
         self.penalties = args["enable_custom_logit_processor"] and \
             args["disable_overlap_schedule"]
         self.adapters_reason = None if args.get("enable_lora") else ADAPTERS_OFF
