@@ -3,6 +3,7 @@ group, and a server whose owner dies without closing it gets SIGTERM (Linux)."""
 
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -115,3 +116,34 @@ def test_the_log_goes_with_a_clean_stop_and_stays_otherwise():
     assert died.log_path.read_text() == "failing\n"
     for server in (kept, died):
         server.log_path.unlink()
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice():
+    """A child server's port is not one the kernel may give an outgoing connection before
+    the server binds it (an SGLang server lost its port that way in CI), and no two callers,
+    in this process or another, get the same one while it is held."""
+    from rollout.kit.process import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    script = "from rollout.kit.process import free_port; print(*(free_port() for _ in range(50)))"
+    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           check=True, timeout=60).stdout.split()
+    ours = [free_port() for _ in range(50)]
+    ports = ours + [int(p) for p in other]
+    assert len(set(ports)) == len(ports) == 100
+    assert all(p < low for p in ports), [p for p in ports if p >= low]
+
+
+def test_a_port_someone_listens_on_is_not_handed_out(monkeypatch):
+    import socket
+
+    from rollout.kit import process
+
+    with socket.create_server((process.HOST, 0)) as taken:
+        port = taken.getsockname()[1]
+        (Path(tempfile.gettempdir()) / "rollout-ports" / str(port)).unlink(missing_ok=True)
+        first, draw = [port], process.random.randrange
+        monkeypatch.setattr(process.random, "randrange",
+                            lambda *bounds: first.pop() if first else draw(*bounds))
+        assert process.free_port() != port
+        assert not first  # it was offered the taken port, and passed it over

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,7 +33,61 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+PORTS_FROM = 20000  # above Ray's worker ports (10002-19999)
+PORT_HELD_S = 600.0
+
+
 def free_port() -> int:
+    """A port for a child server that binds it later (an engine's server may bind only once
+    its model has loaded, a minute on). Taken below the kernel's ephemeral range: a port
+    that bind(0) hands out is in the range the kernel also gives the local end of outgoing
+    connections, and in CI one of those took an SGLang server's port before it bound it.
+    Each port handed out is held for ten minutes across processes (a file created
+    exclusively), so no two callers get the same one."""
+    top = _ephemeral_start()
+    if top - PORTS_FROM < 1000:  # a machine whose ephemeral range starts low
+        return _kernel_port()
+    held = Path(tempfile.gettempdir()) / "rollout-ports"
+    held.mkdir(exist_ok=True)
+    for _ in range(1000):
+        port = random.randrange(PORTS_FROM, top)
+        if _hold(held / str(port)) and _bindable(port):
+            return port
+    return _kernel_port()
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; other systems start higher
+
+
+def _hold(mark: Path) -> bool:
+    """Whether this process now holds the port named by `mark` (it was free of holders,
+    or its holder's ten minutes are over)."""
+    try:
+        if time.time() - mark.stat().st_mtime > PORT_HELD_S:
+            mark.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+    try:
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+            return True
+        except OSError:
+            return False
+
+
+def _kernel_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
