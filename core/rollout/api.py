@@ -29,21 +29,19 @@ from rollout.contract.errors import (
     GenerationError,
     InvalidRequestError,
     RolloutError,
-    RolloutTimeoutError,
-    WeightsDirtyError,
 )
 from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result, \
     Timing, WeightSpan, add_span
 from rollout.kit.aio import Relay, engine_loop, on_loop, uncancel
 from rollout.kit.images import ImageStore, image_sources
 from rollout.kit.text import TextStream, cut, final_text
+from rollout.lifecycle import Lifecycle
 from rollout.weights.lora import no_such_adapter
 from rollout.weights.update import check_update
 
 # A supported capability needs these hooks implemented.
 HOOKS_FOR = {"release": ("release", "resume"), "update_weights": ("update_weights",)}
 ADAPTER_HOOKS = ("load_adapter", "unload_adapter")
-LIFECYCLE_TIMEOUT_S = 600.0
 
 
 class Rollout:
@@ -80,20 +78,13 @@ class Rollout:
         self._backend = backend
         self._engine = engine_loop()
         self._loop = self._engine.loop
-        self._released: set[str] = set()
+        self.lifecycle = Lifecycle(name, self._loop)
         # Images loaded here, so that later turns can name them by uuid alone.
         self.images = ImageStore()
-        self._closed = False
-        self._dead: EngineDeadError | None = None
-        self._dirty: str | None = None  # why the weights may be half-updated
         self.weight_version: int | None = None  # of the weights that serve requests now
         self.adapters: dict[str, int | None] = {}  # the loaded LoRA adapters' versions
-        self._gate = threading.Condition()  # guards what follows
+        self._gate = threading.Lock()  # guards the registry of running calls
         self._flights: dict[str, set[_Flight]] = {}  # request id -> its running calls
-        self._running = 0  # requests admitted and not yet done
-        self._lifecycle = False  # a lifecycle call runs
-        self._lifecycle_waiting = 0  # lifecycle calls waiting for running requests to end
-        self._holding = False  # a keep update holds running requests (read on the loop)
 
     # --- generation ---------------------------------------------------------------------
 
@@ -232,7 +223,7 @@ class Rollout:
                 return await self._collect(flight, sink)
             finally:
                 if flight.admitted:
-                    self._leave()
+                    self.lifecycle.leave()
         except asyncio.CancelledError:
             if not flight.aborted:
                 raise
@@ -273,7 +264,7 @@ class Rollout:
             while await self._segment(flight, request, prompt, images, samples, sink):
                 if all(x.finish for x in samples):
                     break
-                self._leave()
+                self.lifecycle.leave()
                 flight.admitted = False
                 try:
                     await self._admit()
@@ -286,7 +277,7 @@ class Rollout:
                 raise
             uncancel()
         except EngineDeadError as exc:
-            self._dead = exc
+            self.lifecycle.die(exc)
             raise
         except RolloutError as exc:
             return Completion(request.id, error=exc)
@@ -317,7 +308,7 @@ class Rollout:
         """Run the unfinished samples in the engine under the weights of now, until they end
         (False) or a keep update holds them (True). Every token of one segment comes from
         one version: updates wait for running requests, and this one runs."""
-        if self._holding and flight.keepable:
+        if self.lifecycle.holding and flight.keepable:
             return True  # a keep update waits: let it go first
         version = self.weight_version
         for sample in samples:
@@ -368,38 +359,10 @@ class Rollout:
         finally:
             await chunks.aclose()
 
-    def _leave(self) -> None:
-        with self._gate:
-            self._running -= 1
-            self._gate.notify_all()
-
     async def _admit(self) -> None:
-        """Wait (bounded) while a lifecycle call runs or waits; resume a released backend
-        that resumes on its own; then count the request as running."""
-        deadline = time.monotonic() + LIFECYCLE_TIMEOUT_S
-        while True:
-            with self._gate:
-                if self._dead is not None:
-                    raise self._dead
-                if self._closed:
-                    raise BackendReleasedError(f"backend {self.name!r} is closed")
-                if self._dirty is not None and not (self._lifecycle or self._lifecycle_waiting):
-                    raise WeightsDirtyError(f"backend {self.name!r}: {self._dirty}")
-                if not (self._lifecycle or self._lifecycle_waiting):
-                    if not self._released:
-                        self._running += 1
-                        return
-                    if not self.capabilities.auto_resume:
-                        raise BackendReleasedError(
-                            f"backend {self.name!r}: {', '.join(sorted(self._released))} "
-                            "released; call resume() before generate()")
-            if not (self._lifecycle or self._lifecycle_waiting):
-                await asyncio.to_thread(self.resume)  # one thread, once, for the resume
-                continue
-            if time.monotonic() > deadline:
-                raise RolloutTimeoutError(f"backend {self.name!r}: waited "
-                                          f"{LIFECYCLE_TIMEOUT_S:.0f} s for a weight update or release")
-            await asyncio.sleep(0.02)
+        """Wait (bounded) while a lifecycle call runs or waits, resuming a released backend
+        that resumes on its own; then the request counts as running."""
+        await self.lifecycle.admit(self.resume if self.capabilities.auto_resume else None)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -408,47 +371,42 @@ class Rollout:
         tags = _tags(tags)
         self.capabilities.require("release")
         with self._lifecycle_section():
-            todo = tuple(t for t in tags if t not in self._released)
+            todo = tuple(t for t in tags if t not in self.lifecycle.released)
             if todo:
                 self._pm.hook.release(tags=todo)
-                self._released.update(todo)
+                self.lifecycle.released.update(todo)
 
     def resume(self, tags: Iterable[str] | None = None) -> None:
         """Bring back released memory, weights before KV cache (all by default)."""
         tags = _tags(tags)
         self.capabilities.require("release")
         with self._lifecycle_section():
-            todo = tuple(t for t in TAGS if t in tags and t in self._released)
+            todo = tuple(t for t in TAGS if t in tags and t in self.lifecycle.released)
             if todo:
                 self._pm.hook.resume(tags=todo)
-                self._released.difference_update(todo)
+                self.lifecycle.released.difference_update(todo)
 
     @property
     def released(self) -> frozenset[str]:
-        return frozenset(self._released)
+        return frozenset(self.lifecycle.released)
 
     @property
     def updating(self) -> bool:
         """A lifecycle call (a weight update, release, resume) runs or waits to."""
-        return self._lifecycle or self._lifecycle_waiting > 0
+        return self.lifecycle.busy
 
     @property
     def weights_dirty(self) -> bool:
         """A weight update failed midway: no request runs until a full one succeeds."""
-        return self._dirty is not None
+        return self.lifecycle.dirty is not None
 
     def health(self) -> dict:
         """What runs now, and the backend's counters (`stats`) where it keeps some; raises the
         engine's death, its closing or its dirty weights."""
-        with self._gate:
-            if self._dead is not None:
-                raise self._dead
-            if self._closed:
-                raise BackendReleasedError(f"backend {self.name!r} is closed")
-            if self._dirty is not None:
-                raise WeightsDirtyError(f"backend {self.name!r}: {self._dirty}")
-            health = {"backend": self.name, "running": self._running,
-                      "released": sorted(self._released), "weight_version": self.weight_version}
+        self.lifecycle.check()
+        health = {"backend": self.name, "running": self.lifecycle.running,
+                  "released": sorted(self.lifecycle.released),
+                  "weight_version": self.weight_version}
         stats = self._pm.hook.stats()  # outside the gate: a backend's own counters
         if stats is not None:
             health["stats"] = stats
@@ -473,17 +431,17 @@ class Rollout:
         check_update(version, pause)
         self.capabilities.require("update_weights")
         with self._lifecycle_section(pause):
-            if "weights" in self._released:
+            if "weights" in self.lifecycle.released:
                 raise BackendReleasedError(
                     f"backend {self.name!r}: weights are released; resume(['weights']) first")
             buckets = _packed(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
             try:
                 self._pm.hook.update_weights(buckets=buckets)
             except BaseException as exc:
-                self._dirty = (f"a weight update failed midway ({exc!r}); it takes no request "
-                               "until a full update succeeds")
+                self.lifecycle.dirty = (f"a weight update failed midway ({exc!r}); it takes "
+                                        "no request until a full update succeeds")
                 raise
-            self._dirty = None
+            self.lifecycle.dirty = None
             self.weight_version = version
 
     def load_adapter(self, name: str, named_tensors: Iterable, config: Mapping,
@@ -522,12 +480,8 @@ class Rollout:
 
     def close(self) -> None:
         """Stop running requests and the engine."""
-        if self._closed:
+        if not self.lifecycle.close(self.abort):
             return
-        self.abort()
-        with self._gate:
-            self._gate.wait_for(lambda: not self._running, timeout=30)
-            self._closed = True
         if "close" in self._implemented:
             self._pm.hook.close()
 
@@ -537,10 +491,28 @@ class Rollout:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _lifecycle_section(self, pause: str = "wait") -> _Lifecycle:
+    def _lifecycle_section(self, pause: str = "wait"):
         if on_loop(self._loop):
             raise RuntimeError("lifecycle calls block; make them off the engine loop")
-        return _Lifecycle(self, pause)
+        return self.lifecycle.call(pause, self._stop_running)
+
+    def _stop_running(self, pause: str) -> None:
+        """What a lifecycle call's `pause` does to running requests: "abort" stops them,
+        "keep" stops the engine calls of those that can go on after it."""
+        if pause == "abort":
+            self.abort()
+        else:
+            self._loop.call_soon_threadsafe(self._hold_all)
+
+    def _hold_all(self) -> None:
+        """On the loop: stop the engine calls of running requests that can go on later."""
+        with self._gate:
+            flights = [f for same in self._flights.values() for f in same]
+        for flight in flights:
+            if flight.in_engine and flight.keepable and not flight.held \
+                    and flight.task is not None:
+                flight.held = True
+                flight.task.cancel()
 
 
 class Stream:
@@ -718,56 +690,6 @@ class _Sample:
         return {"prompt_logprobs": values[:prompt_len],
                 "prompt_top_logprobs": tuple(tops[:prompt_len]) if self.s.prompt_logprobs
                 else None}
-
-
-class _Lifecycle:
-    """A lifecycle call runs alone: it waits (bounded) for running requests to end, and
-    holds new ones back meanwhile. `pause` "abort" stops running requests instead; "keep"
-    holds them out of the engine until the call is done, then they go on."""
-
-    def __init__(self, owner: Rollout, pause: str = "wait"):
-        self.owner = owner
-        self.pause = pause
-
-    def __enter__(self):
-        o = self.owner
-        with o._gate:
-            o._lifecycle_waiting += 1  # from here on, no new request is admitted
-            if self.pause == "keep":
-                o._holding = True
-                o._loop.call_soon_threadsafe(_hold_all, o)
-        if self.pause == "abort":
-            o.abort()
-        with o._gate:
-            try:
-                if not o._gate.wait_for(lambda: not (o._lifecycle or o._running),
-                                        timeout=LIFECYCLE_TIMEOUT_S):
-                    raise RolloutTimeoutError(
-                        f"backend {o.name!r}: waited {LIFECYCLE_TIMEOUT_S:.0f} s for running "
-                        "requests or another lifecycle call")
-            finally:
-                o._lifecycle_waiting -= 1
-                o._holding = False
-            if o._closed:
-                raise BackendReleasedError(f"backend {o.name!r} is closed")
-            o._lifecycle = True
-        return self
-
-    def __exit__(self, *exc):
-        o = self.owner
-        with o._gate:
-            o._lifecycle = False
-            o._gate.notify_all()
-
-
-def _hold_all(owner: Rollout) -> None:
-    """On the loop: stop the engine calls of running requests that can go on later."""
-    with owner._gate:
-        flights = [f for same in owner._flights.values() for f in same]
-    for flight in flights:
-        if flight.in_engine and flight.keepable and not flight.held and flight.task is not None:
-            flight.held = True
-            flight.task.cancel()
 
 
 async def _together(calls: list) -> None:
