@@ -289,8 +289,7 @@ def test_trajectories_over_a_replica_pool_stay_on_one_replica_each(tiny_model):
                 return send(request)
 
             replica.service.generate = record
-        runner = AgentRunner(sampler, ToolTask(), AgentConfig(sampling=GREEDY),
-                             tokenizer=str(tiny_model))
+        runner = AgentRunner(sampler, ToolTask(), AgentConfig(sampling=GREEDY))
         done = asyncio.run(runner.run_many(ROWS * 2))
     assert [t.end_reason for t in done] == ["done"] * len(done)
     homes = {}
@@ -301,6 +300,33 @@ def test_trajectories_over_a_replica_pool_stay_on_one_replica_each(tiny_model):
     with rollout.load_backend("hf", model=str(tiny_model)) as ro:
         local = run(ro, ToolTask(), ROWS * 2, sampling=GREEDY)
     assert [t.response_ids for t in done] == [t.response_ids for t in local]
+
+
+def test_a_served_sampler_has_its_models_encoder_when_told_the_folder(ro, tiny_model):
+    """No caller asks which face it holds: a sampler over a server, given the model's
+    folder, encodes as the backend does; one not given it says what it lacks."""
+    from rollout import InvalidRequestError, Request, ServedRollout
+    from rollout.contract import convert
+    from rollout.apps.serving.app import ServerThread
+    from rollout.service.service import LocalService
+    from rollout.testing.agents import ROWS, ToolTask
+
+    chat = convert.structure({"messages": [{"role": "user", "content": "add 2 and 3"}],
+                              "tools": [convert.unstructure(t.spec) for t in ToolTask().tools]},
+                             Request)
+    served = rollout.load_backend("hf", model=str(tiny_model))
+    with ServerThread(LocalService(served, "tiny")) as server:  # (closes it at the end)
+        with ServedRollout.connect(server.url) as blind:
+            assert blind.encoder is None
+            with pytest.raises(InvalidRequestError) as refused:
+                AgentRunner(blind, ToolTask())
+            assert refused.value.field == "tokenizer"
+        with ServedRollout.connect(server.url, model=str(tiny_model)) as told:
+            assert told.encoder.encode(chat) == ro.encoder.encode(chat)
+            assert told.encoder.vocab_size == ro.encoder.vocab_size
+            [t] = asyncio.run(AgentRunner(told, ToolTask(), AgentConfig(sampling=GREEDY))
+                              .run_many(ROWS[:1]))
+            assert t.end_reason == "done", t.end_detail
 
 
 def test_an_engine_that_saw_another_prompt_ends_the_trajectory_naming_the_turn(ro):

@@ -32,6 +32,18 @@ class PromptEncoder:
         self.image_token_id = image_token_id
         self._decode = _text_decoder(tokenizer)
 
+    @classmethod
+    def from_folder(cls, folder: str, max_model_len: int | None = None) -> PromptEncoder:
+        """A model folder's encoder, as its backends build it: for a sampler whose engine
+        runs in other processes (the folder's tokenizer and config are all it reads)."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        config = AutoConfig.from_pretrained(folder)
+        text = config.get_text_config()  # (a vision-language model's is its text model's)
+        return cls(AutoTokenizer.from_pretrained(folder), text.vocab_size,
+                   max_model_len or getattr(text, "max_position_embeddings", 2048),
+                   image_token_id=getattr(config, "image_token_id", None))
+
     def encode(self, request: Request) -> list[int]:
         """The prompt's token ids; InvalidRequestError if the model cannot take them."""
         if request.prompt_token_ids is not None:

@@ -17,6 +17,8 @@ from rollout.contract.errors import InvalidRequestError
 from rollout.contract.sampler import Sampler
 from rollout.contract.schemas import Capabilities, Completion, Request
 from rollout.kit.aio import LoopThread, on_loop, uncancel
+from rollout.kit.models import resolve
+from rollout.kit.prompts import PromptEncoder
 from rollout.service.connect import connect, resolve_mode
 from rollout.service.service import CALL, Service
 from rollout.weights.lora import plain_config
@@ -29,11 +31,12 @@ log = logging.getLogger("rollout.served")
 
 
 class ServedRollout:
-    encoder = None  # the model's tokenizer lives in the serving processes
-
-    def __init__(self, service: Service, loop: LoopThread, capabilities: Capabilities):
+    def __init__(self, service: Service, loop: LoopThread, capabilities: Capabilities,
+                 model: str | None = None):
         self.service = service
         self.name = service.name
+        self.model = model  # the model's folder, where this process can read it
+        self._encoder: PromptEncoder | None = None
         self.capabilities = capabilities  # what the backend behind the server supports
         self._thread = loop
         self._loop = loop.loop  # where its calls run
@@ -43,9 +46,11 @@ class ServedRollout:
         self._lock = threading.Lock()  # guards _calls: calls register on their caller's thread
 
     @classmethod
-    def connect(cls, url: str, api_key: str | None = None) -> ServedRollout:
-        """A running `rollout serve` (with one backend or a pool of replicas behind it)."""
-        return cls.open(server=url, api_key=api_key)
+    def connect(cls, url: str, api_key: str | None = None,
+                model: str | None = None) -> ServedRollout:
+        """A running `rollout serve` (with one backend or a pool of replicas behind it);
+        `model`, the folder of the model it serves, gives this sampler its `encoder`."""
+        return cls.open(server=url, api_key=api_key, model=model)
 
     @classmethod
     def start(cls, backend: str, model: str, replicas: int = 1,
@@ -75,7 +80,16 @@ class ServedRollout:
         except BaseException:
             loop.stop()
             raise
-        return cls(service, loop, capabilities)
+        model = how.get("model")
+        return cls(service, loop, capabilities, None if model is None else resolve(model))
+
+    @property
+    def encoder(self) -> PromptEncoder | None:
+        """The model's prompt encoder, read from its folder here on first use (None where
+        this sampler was not told the folder)."""
+        if self._encoder is None and self.model is not None:
+            self._encoder = PromptEncoder.from_folder(self.model)
+        return self._encoder
 
     def _wait(self, coro, what: str, timeout: float = CALL_TIMEOUT_S):
         """Run `coro` on this sampler's loop, from a caller's thread, and wait for it."""

@@ -38,6 +38,7 @@ from rollout.apps.agents.tools import ToolResult, call_tool
 from rollout.apps.agents.trajectory import ToolCallRecord, Trajectory, Turn
 from rollout.apps.tool_parsers import ParsedMessage, load_tool_parser, new_call_id
 from rollout.kit.images import PromptImage, load_image, message_image_sources
+from rollout.kit.prompts import PromptEncoder
 
 ON_TOOL_ERROR = ("message", "end")
 # In the process's default registry: `rollout serve` shows them on /metrics, a trainer
@@ -124,30 +125,24 @@ class _Running:
 
 class AgentRunner:
     """Runs an environment's trajectories on a `rollout.Sampler` (a `Rollout`, or a
-    `ServedRollout` over a server or replicas). A sampler in other processes has no
-    `encoder` here: give its model's tokenizer as `tokenizer` (an object or a model path),
-    with `config.max_model_len` unless the model folder says it."""
+    `ServedRollout` over a server or replicas), with the sampler's prompt encoder (its
+    model's tokenizer and context length). `tokenizer` (an object or a model path) replaces
+    it, with `config.max_model_len` where the path does not say it."""
 
     def __init__(self, sampler: Sampler, environment: Environment,
                  config: AgentConfig | None = None, tokenizer=None):
         self.sampler = sampler
         self.env = environment
         self.config = config = config or AgentConfig()
-        encoder = sampler.encoder
+        encoder = PromptEncoder.from_folder(tokenizer) if isinstance(tokenizer, str) \
+            else sampler.encoder
         if tokenizer is None and encoder is None:
-            raise InvalidRequestError("tokenizer", "a remote service needs the model's tokenizer",
-                                      "a tokenizer or a model path")
-        max_model_len = config.max_model_len or getattr(encoder, "max_model_len", None)
-        if isinstance(tokenizer, str):  # a model folder: its tokenizer and context length
-            from transformers import AutoConfig, AutoTokenizer
-
-            model, tokenizer = tokenizer, AutoTokenizer.from_pretrained(tokenizer)
-            # (A vision-language model's is its text model's.)
-            max_model_len = max_model_len or getattr(
-                AutoConfig.from_pretrained(model).get_text_config(), "max_position_embeddings",
-                None)
-        self.tokenizer = tokenizer or encoder.tokenizer
-        self.max_model_len = max_model_len
+            raise InvalidRequestError(
+                "tokenizer", f"sampler {sampler.name!r} does not know its model's folder",
+                "a tokenizer or a model path, or a ServedRollout given model=")
+        self.tokenizer = encoder.tokenizer if tokenizer is None or isinstance(tokenizer, str) \
+            else tokenizer
+        self.max_model_len = config.max_model_len or getattr(encoder, "max_model_len", None)
         if self.max_model_len is None:
             raise InvalidRequestError("max_model_len", "unknown for a remote service",
                                       "the model's context length")

@@ -67,12 +67,10 @@ class AgentJob(ChunkedJob):
             "agent job", per_row=config.sampling.n)
 
     def begin(self) -> AgentSummary:
-        local = self.sampler.encoder is not None  # the model's tokenizer is in this process
-        if not local and self.config.model is None:
+        if self.sampler.encoder is None:  # a server, and no --model to read its tokenizer
             raise InvalidRequestError("model", "the tokenizer of the served model is needed",
                                       "--model, the model folder, with --server")
-        self.runner = AgentRunner(self.sampler, self.environment, self.agent,
-                                  tokenizer=None if local else self.config.model)
+        self.runner = AgentRunner(self.sampler, self.environment, self.agent)
         self.records = self.table.to_pylist()
         return AgentSummary(self.table.num_rows * self.per_row)
 
