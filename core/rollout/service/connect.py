@@ -49,7 +49,8 @@ async def connect(backend: str | None = None, model: str | None = None,
     nodes (rollout.service.ray_placement.RayPlacement's fields), with placement="ray".
     `limits`: admission control, for a server (rollout.service.admission); without
     them nothing is refused and replicas take 64 requests each at once."""
-    from rollout.service.pool import Replica, ReplicaPool
+    from rollout.service.pool import ReplicaPool
+    from rollout.service.replica import Replica
 
     mode = resolve_mode(mode, replicas, placement, server, ray)
     if server:

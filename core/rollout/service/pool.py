@@ -5,72 +5,37 @@ drops as soon as that request finishes, so replicas stuck on long responses get 
 ones. The requests of one session (`Request.session_id`) go to the replica its first
 request went to, while that replica is healthy, so later turns reuse its prefix cache.
 Each replica takes at most `max_in_flight` requests; the rest wait here for the first free
-slot, at most `max_waiting` of them (then OverloadedError). A health monitor takes a replica out of rotation when its process dies or it stops
-answering; its requests in flight are sent again to a healthy replica (a stream only if it
-has yielded nothing yet: tokens already given out cannot be taken back). With none left,
-calls fail with NoReplicaError.
+slot, at most `max_waiting` of them (then OverloadedError). A health monitor
+(`rollout.service.health`) takes a replica out of rotation when its process dies or it
+stops answering, and has it restarted and caught up (`rollout.service.catch_up`); its
+requests in flight are sent again to a healthy replica (a stream only if it has yielded
+nothing yet: tokens already given out cannot be taken back). With none left, calls fail
+with NoReplicaError.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Protocol
-from urllib.parse import urlsplit
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from rollout.contract.errors import EngineDeadError, InvalidRequestError, NoReplicaError, \
-    OverloadedError, RolloutError, WeightsDirtyError
+    OverloadedError, RolloutError
 from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
-from rollout.weights.transports.collective import address_towards
 from rollout.service.admission import overloaded
-from rollout.service.client import ReplicaDown, RemoteService
+from rollout.service.catch_up import CatchUp
+from rollout.service.client import ReplicaDown
+from rollout.service.health import HealthMonitor
+from rollout.service.replica import MISSING, Replica
 from rollout.weights.lora import no_such_adapter
 from rollout.weights.receive import KeptAdapter, KeptWeights
-from rollout.weights.send import push_weights
-from rollout.weights.update import BUCKET_WAIT_S
 
-MISSING = object()  # a replica's version of an adapter it does not have
 MAX_SESSIONS = 100_000  # sessions remembered (least recently used forgotten first)
-log = logging.getLogger("rollout.pool")
-
-MAX_RESTARTS = 3  # by default, a replica whose process dies is started again this often
-MAX_CATCH_UPS = 3  # tries to bring a restarted replica to the pool's weights
-RESTART_BACKOFF_S = 1.0  # before the first restart; doubled before each next one
 MAX_SENDS = 3  # a request that took down this many replicas fails instead of another
 # The longest a request waits for a replica to serve again (one restarting, or one behind
 # the pool's weights) before it fails with NoReplicaError: a run rides over every replica
 # being down at once. The caller's own timeout, where shorter, ends the wait first.
 REPLICA_WAIT_S = 120.0
-HEALTH_STRIKES = 2  # failed health checks in a row before a running replica is taken out
-
-
-class ReplicaProcess(Protocol):
-    def alive(self) -> bool: ...
-
-    def stop(self) -> None: ...
-
-
-class Replica:
-    def __init__(self, service: RemoteService, process: ReplicaProcess | None = None,
-                 restart: Callable[[], Awaitable[tuple[RemoteService, ReplicaProcess]]]
-                 | None = None, restarts: int = MAX_RESTARTS):
-        self.service = service
-        self.process = process
-        self.restart = restart  # starts a new process for it (None: it is not restarted)
-        self.restarts = 0
-        self.restarts_left = restarts
-        self.recovering: asyncio.Task | None = None  # its restart or catch-up, under way
-        self.catch_ups_left = MAX_CATCH_UPS
-        self.in_flight = 0
-        self.healthy = True
-        self.dirty = False  # its health check says its weights are half-updated
-        self.down_reason = ""
-        self.failed_checks = 0
-        self.weight_version: int | None = None  # as its health last said, or its last update
-        self.adapters: dict[str, int | None] = {}  # LoRA adapter -> version the pool loaded
-        self.calls: set = set()  # its requests' futures and streams; cancelled if it dies
 
 
 class ReplicaPool:
@@ -83,7 +48,8 @@ class ReplicaPool:
         self.max_in_flight = max_in_flight
         self.max_waiting = max_waiting
         self.waiting = 0  # requests waiting here for a replica's free slot
-        self.health_interval = health_interval
+        self.monitor = HealthMonitor(self, health_interval)
+        self.catch_up = CatchUp(self)
         self._changed: asyncio.Condition | None = None
         self._monitor: asyncio.Task | None = None
         self._sessions: OrderedDict[str, Replica] = OrderedDict()  # session id -> replica
@@ -91,16 +57,16 @@ class ReplicaPool:
         # serve. A restarted one, at its checkpoint's weights, is brought to it from the
         # weights kept here, or (keep_weights=False) waits for the next update.
         self.weight_version: int | None = None
-        self._versioned = False
-        self._updates_ended = 0  # a health answer sent before an update ended is stale
+        self.versioned = False
+        self.updates_ended = 0  # a health answer sent before an update ended is stale
         self.kept = KeptWeights() if keep_weights else None
         # LoRA adapters are always kept (megabytes): a replica that comes back gets them all.
         self.kept_adapters: dict[str, KeptAdapter] = {}
-        self._updating = asyncio.Lock()  # one weight update at a time, catch-ups included
+        self.updating = asyncio.Lock()  # one weight update at a time, catch-ups included
 
     async def start(self) -> ReplicaPool:
         self._changed = asyncio.Condition()
-        self._monitor = asyncio.create_task(self._watch())
+        self._monitor = asyncio.create_task(self.monitor.run())
         return self
 
     # --- requests ---------------------------------------------------------------------
@@ -124,7 +90,7 @@ class ReplicaPool:
             try:
                 return call.result()
             except ReplicaDown as exc:
-                await self._take_out(replica, str(exc))
+                await self.take_out(replica, str(exc))
             except OverloadedError:  # the replica's own line is full (other clients)
                 raise
             except RolloutError as exc:
@@ -194,15 +160,15 @@ class ReplicaPool:
 
     async def _refresh(self, replica: Replica) -> None:
         """Ask a replica its weight version now, not at the next health check."""
-        updates = self._updates_ended
+        updates = self.updates_ended
         try:
             state = await replica.service.health()
         except RolloutError:
             return  # the health checks deal with it
-        await self._saw_version(replica, state.get("weight_version"), updates)
+        await self.saw_version(replica, state.get("weight_version"), updates)
 
-    async def _saw_version(self, replica: Replica, version: int | None, updates: int) -> None:
-        if updates != self._updates_ended:  # the answer predates an update's end
+    async def saw_version(self, replica: Replica, version: int | None, updates: int) -> None:
+        if updates != self.updates_ended:  # the answer predates an update's end
             return
         if replica.weight_version != version:
             async with self._changed:
@@ -210,7 +176,7 @@ class ReplicaPool:
                 self._changed.notify_all()
 
     def _serves(self, replica: Replica, adapter: str | None = None) -> bool:
-        return replica.healthy and (not self._versioned
+        return replica.healthy and (not self.versioned
                                     or replica.weight_version == self.weight_version) and (
             adapter is None or adapter in self.kept_adapters
             and replica.adapters.get(adapter, MISSING) == self.kept_adapters[adapter].version)
@@ -226,14 +192,14 @@ class ReplicaPool:
         return f"no healthy replica left ({reasons})"
 
     def _behind(self, replica: Replica) -> str:
-        waits = "it is being brought to it" if self._can_catch_up(replica) else \
+        waits = "it is being brought to it" if self.catch_up.possible(replica) else \
             "it waits for the next update"
         return (f"at weight version {replica.weight_version}, the pool at "
                 f"{self.weight_version} ({waits})")
 
-    # --- health -----------------------------------------------------------------------
+    # --- taken out, put back (by the health monitor, a failed call, an update) ---------
 
-    async def _take_out(self, replica: Replica, reason: str) -> None:
+    async def take_out(self, replica: Replica, reason: str) -> None:
         async with self._changed:
             if replica.healthy:
                 replica.healthy = False
@@ -242,120 +208,19 @@ class ReplicaPool:
                     call.cancel()
             self._changed.notify_all()
 
-    async def _put_back(self, replica: Replica) -> None:
+    async def put_back(self, replica: Replica) -> None:
         async with self._changed:
             replica.healthy, replica.down_reason = True, ""
             self._changed.notify_all()
 
-    async def _check(self, replica: Replica) -> None:
-        if replica.recovering is not None:
-            return
-        if replica.process is not None and not await asyncio.to_thread(replica.process.alive):
-            await self._take_out(replica, "its process exited")
-            if replica.restart is not None and replica.restarts_left > 0:
-                replica.recovering = asyncio.create_task(self._restart(replica))
-            return
-        updates = self._updates_ended
-        try:
-            state = await replica.service.health()
-        except RolloutError as exc:
-            replica.dirty = isinstance(exc, WeightsDirtyError)
-            replica.failed_checks += 1
-            if replica.failed_checks >= HEALTH_STRIKES:
-                await self._take_out(replica, str(exc))
-        else:
-            replica.failed_checks, replica.dirty = 0, False
-            await self._saw_version(replica, state.get("weight_version"), updates)
-            if not replica.healthy:
-                await self._put_back(replica)
-            if self._can_catch_up(replica):
-                replica.recovering = asyncio.create_task(self._catch_up(replica))
-
-    async def _restart(self, replica: Replica) -> None:
-        """A new process for a dead replica, after a backoff. It loads the checkpoint, so
-        once the pool has pushed weights it stays out of rotation until the next update
-        (which reaches it) brings it to the pool's version."""
-        tail = getattr(replica.process, "log_tail", lambda: "")()
-        log.warning("replica %s exited; restarting it (%d more times at most). Its log "
-                    "ends:\n%s", replica.service.url, replica.restarts_left - 1, tail,
-                    extra=self._context(replica))
-        await asyncio.sleep(RESTART_BACKOFF_S * 2 ** replica.restarts)
-        replica.restarts += 1
-        replica.restarts_left -= 1
-        try:
-            service, process = await replica.restart()
-        except Exception as exc:  # noqa: BLE001 - logged; the next check tries again
-            log.warning("restarting replica %s failed: %r", replica.service.url, exc,
-                        extra=self._context(replica))
-        else:
-            await replica.service.close()
-            log.info("replica restarted at %s", service.url, extra=self._context(replica))
-            replica.service, replica.process = service, process
-            replica.weight_version, replica.failed_checks = None, 0
-            replica.adapters = {}
-            replica.catch_ups_left = MAX_CATCH_UPS
-            replica.down_reason = "restarted; waiting for its first health check"
-        finally:
-            replica.recovering = None
-
-    def _context(self, replica: Replica) -> dict:
+    def log_context(self, replica: Replica) -> dict:
         """A log line's context: the replica's name, as in its own log lines."""
         return {"replica": f"replica-{self.replicas.index(replica)}"}
 
-    def _can_catch_up(self, replica: Replica) -> bool:
-        """A replica behind the pool's weights, which the pool has kept, or without the
-        adapters the pool has (and at its weights)."""
-        if not replica.healthy or replica.catch_ups_left <= 0:
-            return False
-        if self._versioned and replica.weight_version != self.weight_version:
-            return self.kept is not None and self.kept.version == self.weight_version
-        return bool(self._missing_adapters(replica))
-
-    def _missing_adapters(self, replica: Replica) -> list[str]:
-        return [name for name, kept in self.kept_adapters.items()
-                if replica.adapters.get(name, MISSING) != kept.version]
-
-    async def _catch_up(self, replica: Replica) -> None:
-        """Push the kept weights into a replica that came back on its checkpoint's, so that
-        it serves at the pool's version: by shared memory where it runs on this node, else
-        by a gloo group that it joins at this host's address towards it."""
-        try:
-            await asyncio.wait_for(self._updating.acquire(), BUCKET_WAIT_S)
-        except TimeoutError:  # an update holds it; the next check tries again
-            replica.recovering = None
-            return
-        version = self.weight_version
-        address = address_towards(urlsplit(replica.service.url).hostname)
-        try:
-            if self._can_catch_up(replica):
-                replica.catch_ups_left -= 1
-                if self._versioned and replica.weight_version != version:
-                    update = await replica.service.begin_update(version, "wait", BUCKET_WAIT_S)
-                    await push_weights(update, list(self.kept.tensors.items()), address=address)
-                    replica.weight_version = version
-                    log.info("replica %s brought to weight version %s", replica.service.url,
-                             version, extra={**self._context(replica), "weight_version": version})
-                for name in self._missing_adapters(replica):
-                    kept = self.kept_adapters[name]
-                    update = await replica.service.begin_update(
-                        kept.version, "wait", BUCKET_WAIT_S, {"name": name, "config": kept.config})
-                    await push_weights(update, list(kept.tensors.items()), address=address)
-                    replica.adapters[name] = kept.version
-                    log.info("replica %s given adapter %s", replica.service.url, name,
-                             extra=self._context(replica))
-        except Exception as exc:  # noqa: BLE001 - logged; the next check tries again
-            log.warning("bringing replica %s to weight version %s failed: %r",
-                        replica.service.url, version, exc)
-        finally:
-            self._updating.release()
-            replica.recovering = None
+    async def notify(self) -> None:
+        """Wake the requests that wait for a replica: what serves may have changed."""
         async with self._changed:
             self._changed.notify_all()
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.gather(*(self._check(r) for r in self.replicas))
-            await asyncio.sleep(self.health_interval)
 
     async def health(self) -> dict:
         states = [{"url": r.service.url, "healthy": r.healthy, "in_flight": r.in_flight,
@@ -403,7 +268,7 @@ class ReplicaPool:
 
     async def begin_update(self, version: int | None, pause: str, timeout: float,
                            adapter: dict | None = None) -> PoolUpdate:
-        await asyncio.wait_for(self._updating.acquire(), timeout)  # a catch-up may run
+        await asyncio.wait_for(self.updating.acquire(), timeout)  # a catch-up may run
         try:
             from rollout.weights.fanout import PoolUpdate
 
@@ -411,7 +276,7 @@ class ReplicaPool:
             await update.each(self._reachable(),
                               lambda r: r.service.begin_update(version, pause, timeout, adapter))
         except BaseException:
-            self._updating.release()
+            self.updating.release()
             raise
         return update
 
@@ -421,8 +286,8 @@ class ReplicaPool:
             for replica in replicas:  # each is up and clean: it just loaded them all
                 replica.weight_version = version
                 replica.healthy, replica.down_reason, replica.failed_checks = True, "", 0
-            self.weight_version, self._versioned = version, True
-            self._updates_ended += 1
+            self.weight_version, self.versioned = version, True
+            self.updates_ended += 1
             self._changed.notify_all()
 
     async def adapter_loaded(self, replicas: list[Replica], name: str) -> None:
@@ -434,12 +299,12 @@ class ReplicaPool:
             self._changed.notify_all()
 
     def update_ended(self) -> None:
-        self._updating.release()
+        self.updating.release()
 
     async def unload_adapter(self, name: str) -> None:
         if name not in self.kept_adapters:
             raise no_such_adapter(name, self.kept_adapters)
-        async with self._updating:
+        async with self.updating:
             del self.kept_adapters[name]
             having = [r for r in self._reachable()
                       if r.adapters.pop(name, MISSING) is not MISSING]
@@ -509,7 +374,7 @@ class PoolStream:
                 self.completion = stream.completion
                 return
             except ReplicaDown as exc:
-                await pool._take_out(replica, str(exc))
+                await pool.take_out(replica, str(exc))
                 if yielded:
                     raise EngineDeadError(f"the replica serving this stream stopped: {exc}") \
                         from None

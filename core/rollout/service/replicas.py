@@ -22,7 +22,8 @@ from rollout.kit.logs import REPLICA_VARIABLE, log_settings
 from rollout.kit.process import HOST, ServerProcess, free_port
 from rollout.weights.transports.nodes import NODE_VARIABLE, this_node
 from rollout.service.client import RemoteService
-from rollout.service.pool import Replica, ReplicaPool
+from rollout.service.pool import ReplicaPool
+from rollout.service.replica import Replica
 from rollout.service.ray_placement import RayPlacement, placement_group
 
 PLACEMENTS = ("local", "ray")
