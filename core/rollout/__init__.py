@@ -36,7 +36,8 @@ from rollout.contract.schemas import (
     ToolCall,
     WeightSpan,
 )
-from rollout.api import Rollout, Stream, load_backend
+from rollout.api import Rollout, load_backend
+from rollout.front import Stream
 from rollout.contract.sampler import Sampler
 from rollout.contract.plugins import available_backends
 from rollout import _moved

@@ -3,9 +3,10 @@
 It checks the backend against the hook specifications when it is registered, validates and
 encodes each request, and runs every request as its own coroutine on the engine loop:
 thousands can run at once without a thread each. It owns what every backend would
-otherwise redo: request bookkeeping, timeouts, aborts (also one that comes before the engine
-has seen the request), texts and stop-string cuts, streaming, and keeping lifecycle calls
-(release, resume, update_weights) apart from running requests, with bounded waits.
+otherwise redo: the request front (`rollout.front`: bookkeeping, timeouts, aborts, also one
+that comes before the engine has seen the request, streaming), texts and stop-string cuts,
+and the lifecycle (`rollout.lifecycle`: release, resume, update_weights and adapter loads
+kept apart from running requests, with bounded waits).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -32,7 +32,8 @@ from rollout.contract.errors import (
 )
 from rollout.contract.schemas import TAGS, Capabilities, Chunk, Completion, Request, Result, \
     Timing, WeightSpan, add_span
-from rollout.kit.aio import Relay, engine_loop, on_loop, uncancel
+from rollout.front import Flight, RequestFront, aborted_completion, raw_id
+from rollout.kit.aio import engine_loop, on_loop, uncancel
 from rollout.kit.images import ImageStore, image_sources
 from rollout.kit.text import TextStream, cut, final_text
 from rollout.lifecycle import Lifecycle
@@ -44,7 +45,26 @@ HOOKS_FOR = {"release": ("release", "resume"), "update_weights": ("update_weight
 ADAPTER_HOOKS = ("load_adapter", "unload_adapter")
 
 
-class Rollout:
+class _Flight(Flight):
+    """One call for one request, in the engine."""
+
+    __slots__ = ("admitted", "in_engine", "held", "keepable", "started", "first_token")
+
+    def __init__(self, request: Request):
+        super().__init__(request)
+        self.admitted = False  # counted as running
+        self.in_engine = False  # an engine call runs (loop only)
+        self.held = False  # stopped by a keep update, to go on after it (loop only)
+        # A grammar's state lives in the engine: a constrained request cannot go on from
+        # its tokens, so a keep update waits for it instead.
+        self.keepable = request.sampling.structured_outputs is None
+        self.started = 0.0
+        self.first_token: float | None = None
+
+
+class Rollout(RequestFront):
+    flight_type = _Flight
+
     def __init__(self, backend: Any, name: str = "custom"):
         self.name = name
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -77,84 +97,17 @@ class Rollout:
         self._implemented = implemented
         self._backend = backend
         self._engine = engine_loop()
-        self._loop = self._engine.loop
+        super().__init__(self._engine.loop)
         self.lifecycle = Lifecycle(name, self._loop)
         # Images loaded here, so that later turns can name them by uuid alone.
         self.images = ImageStore()
         self.weight_version: int | None = None  # of the weights that serve requests now
         self.adapters: dict[str, int | None] = {}  # the loaded LoRA adapters' versions
-        self._gate = threading.Lock()  # guards the registry of running calls
-        self._flights: dict[str, set[_Flight]] = {}  # request id -> its running calls
-
-    # --- generation ---------------------------------------------------------------------
-
-    def generate(self, requests: Sequence[Request | Mapping],
-                 timeout: float | None = None) -> list[Completion]:
-        """One Completion per request, in order: a thin wrapper that runs every request as
-        `agenerate` does, together. A request that is invalid, or fails in the engine,
-        carries its error; the rest complete. With `timeout`, requests still running then
-        are aborted and return what they have."""
-        if on_loop(self._loop):
-            raise RuntimeError("Rollout.generate() blocks; on the engine loop use agenerate()")
-        checked = [self._validate(item, i) for i, item in enumerate(requests)]
-        flights = [self._register(r) for r in checked if isinstance(r, Request)]
-
-        async def run_all():
-            return await asyncio.gather(*(self._run(f, timeout) for f in flights),
-                                        return_exceptions=True)
-
-        future = asyncio.run_coroutine_threadsafe(run_all(), self._loop)
-        try:
-            outputs = iter(future.result())
-        except BaseException:
-            future.cancel()  # (a KeyboardInterrupt) its requests stop in the engine too
-            for flight in flights:
-                self._forget(flight)
-            raise
-        completions = [item if isinstance(item, Completion) else next(outputs)
-                       for item in checked]
-        for c in completions:
-            if isinstance(c, BaseException):
-                raise c
-        return completions
-
-    async def agenerate(self, request: Request | Mapping,
-                        timeout: float | None = None) -> Completion:
-        """Generate for one request, on any event loop; no thread is taken. The Completion
-        carries the request's own error; a dead engine or a closed or released backend
-        raises. Cancelling the call stops the request in the engine."""
-        checked = self._validate(request, 0)
-        if isinstance(checked, Completion):
-            return checked
-        flight = self._register(checked)
-        if on_loop(self._loop):
-            return await self._run(flight, timeout)
-        try:
-            return await asyncio.wrap_future(
-                asyncio.run_coroutine_threadsafe(self._run(flight, timeout), self._loop))
-        finally:
-            self._forget(flight)  # (also when cancelled before it ran)
-
-    def stream(self, request: Request | Mapping, timeout: float | None = None) -> Stream:
-        """Iterate (`async for`) over the request's `Chunk`s as the engine makes them, each
-        with its new text; afterwards `.completion` holds the whole Completion, the same as
-        agenerate's. The request's own error is raised from the iteration. Leaving the
-        iteration early stops the request in the engine."""
-        return Stream(self, request, timeout)
-
-    def abort(self, request_ids: Iterable[str] | None = None) -> None:
-        """Stop requests (all when None), from any thread; they return what they made, with
-        finish reason "abort". A request already registered (its call has been made) is
-        stopped even if the engine has not seen it yet. Unknown ids are ignored."""
-        with self._gate:
-            ids = list(self._flights) if request_ids is None else list(request_ids)
-            flights = [f for i in ids for f in self._flights.get(i, ())]
-            for flight in flights:
-                flight.aborted = True
-        if flights:
-            self._loop.call_soon_threadsafe(_cancel_all, flights)
 
     # --- one request, on the engine loop ------------------------------------------------
+
+    def _stop(self, flights: list[_Flight]) -> None:
+        _cancel_all(flights)
 
     def _validate(self, item: Request | Mapping, index: int) -> Request | Completion:
         try:
@@ -200,14 +153,6 @@ class Rollout:
         if request.adapter is not None and request.adapter not in self.adapters:
             raise no_such_adapter(request.adapter, self.adapters)
 
-    def _register(self, request: Request) -> _Flight:
-        """Registered on the caller's thread, before anything runs: an abort from now on
-        finds the request."""
-        flight = _Flight(request)
-        with self._gate:
-            self._flights.setdefault(request.id, set()).add(flight)
-        return flight
-
     async def _run(self, flight: _Flight, timeout: float | None,
                    sink: Callable[[Chunk], None] | None = None) -> Completion:
         flight.task = asyncio.current_task()
@@ -233,14 +178,6 @@ class Rollout:
             if timer is not None:
                 timer.cancel()
             self._forget(flight)
-
-    def _forget(self, flight: _Flight) -> None:
-        with self._gate:
-            same = self._flights.get(flight.request.id)
-            if same is not None:
-                same.discard(flight)
-                if not same:
-                    del self._flights[flight.request.id]
 
     async def _collect(self, flight: _Flight, sink) -> Completion:
         request, s = flight.request, flight.request.sampling
@@ -515,59 +452,6 @@ class Rollout:
                 flight.task.cancel()
 
 
-class Stream:
-    """The chunks of one request as they come (see `Rollout.stream`, `ServedRollout.stream`).
-    `aclose()` (or leaving an `async for` over it) stops the request in the engine if it
-    still runs. `owner` validates, registers (for abort) and runs the request on its loop."""
-
-    def __init__(self, owner, request: Request | Mapping, timeout: float | None):
-        self.completion: Completion | None = None
-        self._chunks = self._iterate(owner, request, timeout)
-
-    def __aiter__(self) -> AsyncIterator[Chunk]:
-        return self._chunks
-
-    async def aclose(self) -> None:
-        await self._chunks.aclose()
-
-    async def _iterate(self, owner, request, timeout) -> AsyncIterator[Chunk]:
-        checked = owner._validate(request, 0)
-        if isinstance(checked, Completion):
-            self.completion = checked
-            raise checked.error
-        flight = owner._register(checked)
-        relay = Relay(owner._loop, lambda sink: owner._run(flight, timeout, sink))
-        try:
-            async for chunk in relay:
-                yield chunk
-        finally:
-            await relay.aclose()  # the caller left early: the request stops in the engine
-            owner._forget(flight)  # (also when it was left before it ran)
-        self.completion = relay.result
-        if self.completion.error is not None:
-            raise self.completion.error
-
-
-class _Flight:
-    """One call for one request."""
-
-    __slots__ = ("request", "aborted", "task", "admitted", "in_engine", "held", "keepable",
-                 "started", "first_token")
-
-    def __init__(self, request: Request):
-        self.request = request
-        self.aborted = False
-        self.task: asyncio.Task | None = None
-        self.admitted = False  # counted as running
-        self.in_engine = False  # an engine call runs (loop only)
-        self.held = False  # stopped by a keep update, to go on after it (loop only)
-        # A grammar's state lives in the engine: a constrained request cannot go on from
-        # its tokens, so a keep update waits for it instead.
-        self.keepable = request.sampling.structured_outputs is None
-        self.started = 0.0
-        self.first_token: float | None = None
-
-
 class _Sample:
     """What one sample of a request has made so far, over one engine call or several."""
 
@@ -719,13 +603,6 @@ def _check_adapter_name(name: Any) -> None:
         raise InvalidRequestError("name", f"got {name!r}", "a non-empty string")
 
 
-def aborted_completion(request: Request) -> Completion:
-    """What a request stopped before it made anything returns."""
-    return Completion(request.id, tuple(
-        Result(request_id=request.id, index=i, token_ids=(), text="", finish_reason="abort",
-               prompt_tokens=0) for i in range(request.sampling.n)))
-
-
 def _packed(weights: Iterable, bucket_bytes: int) -> Iterator:
     """Buckets as they come, or (name, tensor) pairs grouped into buckets, which pack only
     for a backend that reads their bytes. A first item that fails (nothing was sent yet)
@@ -751,12 +628,6 @@ def _tags(tags: Iterable[str] | None) -> tuple[str, ...]:
     return tags
 
 
-def raw_id(item: Any, index: int) -> str:
-    """The id of what may not be a valid request: its own where it has one."""
-    rid = item.get("id") if isinstance(item, Mapping) else None
-    return rid if isinstance(rid, str) and rid else f"#{index}"
-
-
 def load_backend(name: str, model: str, **options: Any) -> Rollout:
     """A `Rollout` over the backend registered as `name` in `rollout.backends`, on `model`
     (a folder, or a known model's name: see rollout.kit.models)."""
@@ -771,3 +642,4 @@ def load_backend(name: str, model: str, **options: Any) -> Rollout:
         raise InvalidRequestError("backend_options", f"backend {name!r}: {exc}",
                                   ", ".join(params) or "none") from None
     return Rollout(factory(model=resolve(model), **options), name=name)
+

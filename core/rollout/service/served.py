@@ -1,22 +1,22 @@
 """`ServedRollout`: the `Sampler` over a backend in other processes (a `rollout serve` at a
-URL, or replicas it starts), with `Rollout`'s methods and their meaning: generate,
-agenerate, stream (each with a timeout), abort, update weights, release, resume, health.
-It runs its calls on a loop thread of its own."""
+URL, or replicas it starts), with `Rollout`'s methods and their meaning: the same request
+front (`rollout.front`: generate, agenerate, stream, abort), update weights, adapters,
+release, resume, health. It runs its calls on a loop thread of its own."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
-from rollout.api import Stream, aborted_completion, load_backend, raw_id
+from rollout.api import load_backend
 from rollout.contract import convert
 from rollout.contract.errors import InvalidRequestError
 from rollout.contract.sampler import Sampler
 from rollout.contract.schemas import Capabilities, Completion, Request
-from rollout.kit.aio import LoopThread, on_loop, uncancel
+from rollout.front import Flight, RequestFront, aborted_completion, raw_id
+from rollout.kit.aio import LoopThread, uncancel
 from rollout.kit.models import resolve
 from rollout.kit.prompts import PromptEncoder
 from rollout.service.connect import connect, resolve_mode
@@ -30,20 +30,32 @@ ABORT_WAIT_S = 30.0  # an aborted call not ended by then is cut (its connection 
 log = logging.getLogger("rollout.served")
 
 
-class ServedRollout:
+class _Call(Flight):
+    """One call for one request of this sampler."""
+
+    __slots__ = ("token", "cut")
+
+    def __init__(self, request: Request):
+        super().__init__(request)
+        self.token = uuid.uuid4().hex  # the call's own id (CALL), unlike the request's
+        self.cut = False  # cancelled by an abort that the server did not answer
+
+
+class ServedRollout(RequestFront):
+    flight_type = _Call
+    call_timeout = CALL_TIMEOUT_S
+
     def __init__(self, service: Service, loop: LoopThread, capabilities: Capabilities,
                  model: str | None = None):
+        super().__init__(loop.loop)
         self.service = service
         self.name = service.name
         self.model = model  # the model's folder, where this process can read it
         self._encoder: PromptEncoder | None = None
         self.capabilities = capabilities  # what the backend behind the server supports
         self._thread = loop
-        self._loop = loop.loop  # where its calls run
         self.weight_version: int | None = None
         self.adapters: dict[str, int | None] = {}  # the LoRA adapters this sampler loaded
-        self._calls: dict[str, set[_Call]] = {}  # request id -> its running calls
-        self._lock = threading.Lock()  # guards _calls: calls register on their caller's thread
 
     @classmethod
     def connect(cls, url: str, api_key: str | None = None,
@@ -97,45 +109,6 @@ class ServedRollout:
 
     # --- requests -------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[Request | Mapping],
-                 timeout: float | None = None) -> list[Completion]:
-        checked = [self._validate(r, i) for i, r in enumerate(requests)]
-        calls = [self._register(r) if isinstance(r, Request) else None for r in checked]
-
-        async def run_all():
-            return await asyncio.gather(*(
-                self._run(call, timeout) if call is not None else _done(r)
-                for call, r in zip(calls, checked)))
-
-        try:
-            return self._wait(run_all(), "generate")
-        finally:
-            for call in calls:
-                if call is not None:
-                    self._forget(call)
-
-    async def agenerate(self, request: Request | Mapping,
-                        timeout: float | None = None) -> Completion:
-        """One request, awaited on any event loop (no thread per call). Cancelling the
-        call drops its connection, which stops the request on its server."""
-        checked = self._validate(request, 0)
-        if isinstance(checked, Completion):
-            return checked
-        call = self._register(checked)
-        work = self._run(call, timeout)
-        try:
-            if on_loop(self._loop):
-                return await work
-            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                work, self._loop))
-        finally:
-            self._forget(call)  # (also when cancelled before it ran)
-
-    def stream(self, request: Request | Mapping, timeout: float | None = None) -> Stream:
-        """The request's chunks as its server makes them (`async for`); `.completion`
-        afterwards. Leaving early stops the request on its server."""
-        return Stream(self, request, timeout)
-
     def _validate(self, request: Request | Mapping, index: int) -> Request | Completion:
         """The request, or (if it is not one) a Completion that carries why; the server
         checks the rest."""
@@ -145,27 +118,11 @@ class ServedRollout:
         except InvalidRequestError as exc:
             return Completion(raw_id(request, index), error=exc)
 
-    def _register(self, request: Request) -> _Call:
-        """On the caller's thread, before anything runs: an abort from now on finds it."""
-        call = _Call(request)
-        with self._lock:
-            self._calls.setdefault(request.id, set()).add(call)
-        return call
-
-    def _forget(self, call: _Call) -> None:
-        call.finished = True
-        with self._lock:
-            same = self._calls.get(call.id)
-            if same is not None:
-                same.discard(call)
-                if not same:
-                    del self._calls[call.id]
-
     async def _run(self, call: _Call, timeout: float | None, sink=None) -> Completion:
         """One registered request, on this sampler's loop; with `sink`, streamed into it."""
         request = call.request
         call.task = asyncio.current_task()
-        if call.stopped:  # aborted before it started: nothing was sent
+        if call.aborted:  # before it started: nothing was sent
             self._forget(call)
             return aborted_completion(request)
         timer = None if timeout is None else self._loop.call_later(timeout, self._stop, [call])
@@ -194,20 +151,10 @@ class ServedRollout:
             await stream.aclose()
         return stream.completion
 
-    def abort(self, request_ids: Iterable[str] | None = None) -> None:
-        """Stop this sampler's requests (all of them when None), from any thread, where
-        they run; each returns what it made, with finish reason "abort". A request whose
-        call has been made is stopped even if no server has it yet. Unknown ids are
-        ignored."""
-        with self._lock:
-            ids = list(self._calls) if request_ids is None else list(request_ids)
-            calls = [c for i in ids for c in self._calls.get(i, ())]
-        if calls:
-            self._loop.call_soon_threadsafe(self._stop, calls)
-
     def _stop(self, calls: list[_Call]) -> None:
+        """Ask their servers to stop them (also for a timeout)."""
         for call in calls:
-            call.stopped = True
+            call.aborted = True
         asyncio.ensure_future(self._abort_until_done(calls))
 
     async def _abort_until_done(self, calls: list[_Call]) -> None:
@@ -229,7 +176,7 @@ class ServedRollout:
             try:
                 if started:
                     await asyncio.wait_for(self.service.abort(
-                        sorted({c.id for c in started}), [c.token for c in started]),
+                        sorted({c.request.id for c in started}), [c.token for c in started]),
                         ABORT_WAIT_S)
             except Exception as exc:  # noqa: BLE001 - sent again, then cut
                 log.warning("aborting %d requests: %r", len(running), exc)
@@ -315,24 +262,6 @@ class ServedRollout:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _Call:
-    """One call for one request of this sampler."""
-
-    __slots__ = ("request", "id", "token", "task", "stopped", "finished", "cut")
-
-    def __init__(self, request: Request):
-        self.request, self.id = request, request.id
-        self.token = uuid.uuid4().hex  # the call's own id (CALL), unlike the request's
-        self.task: asyncio.Task | None = None  # once it runs on the sampler's loop
-        self.stopped = False  # aborted, or timed out
-        self.finished = False
-        self.cut = False  # cancelled by an abort that the server did not answer
-
-
-async def _done(value):
-    return value
 
 
 def open_sampler(backend: str | None = None, model: str | None = None,

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextvars import ContextVar
 from typing import Protocol
 
-from rollout.api import Rollout, aborted_completion
+from rollout.api import Rollout
+from rollout.front import aborted_completion
 from rollout.contract.sampler import ChunkStream
 from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 from rollout.service.admission import UNBOUNDED, Gate, Limits

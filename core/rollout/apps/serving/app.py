@@ -22,7 +22,7 @@ import attrs
 from aiohttp import web
 
 from rollout.contract import convert
-from rollout.api import raw_id
+from rollout.front import raw_id
 from rollout.contract.errors import EngineDeadError, InvalidRequestError, NoReplicaError, \
     RolloutError, RolloutTimeoutError
 from rollout.contract.schemas import Chunk, Completion, Request
