@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 from urllib.parse import urlsplit
 
 from rollout.service.replica import MISSING, Replica
@@ -14,14 +14,15 @@ from rollout.weights.send import push_weights
 from rollout.weights.transports.collective import address_towards
 from rollout.weights.update import BUCKET_WAIT_S
 
-if TYPE_CHECKING:
-    from rollout.service.pool import ReplicaPool
+# The pool this serves (rollout.service.pool.ReplicaPool, which owns it): not imported,
+# as the pool imports this module.
+Pool = Any
 
 log = logging.getLogger("rollout.pool")
 
 
 class CatchUp:
-    def __init__(self, pool: ReplicaPool):
+    def __init__(self, pool: Pool):
         self.pool = pool
 
     def possible(self, replica: Replica) -> bool:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 from rollout.contract.errors import RolloutError, WeightsDirtyError
 from rollout.service.replica import MAX_CATCH_UPS, Replica
 
-if TYPE_CHECKING:
-    from rollout.service.pool import ReplicaPool
+# The pool this serves (rollout.service.pool.ReplicaPool, which owns it): not imported,
+# as the pool imports this module.
+Pool = Any
 
 RESTART_BACKOFF_S = 1.0  # before the first restart; doubled before each next one
 HEALTH_STRIKES = 2  # failed health checks in a row before a running replica is taken out
@@ -22,7 +23,7 @@ log = logging.getLogger("rollout.pool")
 
 
 class HealthMonitor:
-    def __init__(self, pool: ReplicaPool, interval: float):
+    def __init__(self, pool: Pool, interval: float):
         self.pool = pool
         self.interval = interval
 

@@ -10,7 +10,7 @@ two HF logprobs within 2e-3), where rounding may legitimately pick the other tok
 from __future__ import annotations
 
 from rollout import Result, Rollout
-from rollout.testing.contract import PROBE_PROMPTS
+from rollout.testing.probes import PROBE_PROMPTS
 from rollout.testing.sampling import MASKED, REGEX
 
 TOLERANCE = 1e-3

@@ -35,6 +35,7 @@ from rollout import (BackendReleasedError, Capabilities, InvalidRequestError, Ro
 from rollout.kit.aio import engine_loop
 from rollout.testing.adapters import lora_adapter, merged_copy
 from rollout.testing.model_folders import load_weights, perturbed_copy, tiny_model_dir
+from rollout.testing.probes import PROBE_PROMPTS, probe, probe_requests, probe_versions
 from rollout.testing.sampling import SamplingContract
 from rollout.testing.strategies import invalid_requests, requests
 from rollout.testing.weight_streams import trainer_that_dies
@@ -46,26 +47,6 @@ HYPOTHESIS = settings(max_examples=EXAMPLES, deadline=None,
                       suppress_health_check=[HealthCheck.function_scoped_fixture,
                                              HealthCheck.too_slow,
                                              HealthCheck.differing_executors])
-PROBE_PROMPTS = ("the ka lo", "def x", "1 2 3 +", "mi ne su ta ri po")
-PROBE_TOKENS = 12
-
-
-def probe_requests(adapter: str | None = None) -> list[dict]:
-    return [{"id": f"probe-{i}-{adapter}", "prompt": p, "adapter": adapter,
-             "sampling": {"temperature": 0.0, "max_tokens": PROBE_TOKENS, "ignore_eos": True}}
-            for i, p in enumerate(PROBE_PROMPTS)]
-
-
-def probe(backend: Sampler, adapter: str | None = None) -> tuple[tuple[int, ...], ...]:
-    """Greedy tokens for fixed prompts: the fingerprint of the weights now loaded (with
-    `adapter`, of that LoRA adapter on them)."""
-    return tuple(c.unwrap()[0].token_ids for c in backend.generate(probe_requests(adapter)))
-
-
-def probe_versions(backend: Rollout) -> set[int | None]:
-    return {r.weight_version for c in backend.generate(probe_requests()) for r in c.unwrap()}
-
-
 def skip_unless(caps: Capabilities, capability: str) -> None:
     if not caps.supports(capability):
         pytest.skip(f"{capability} unsupported by this backend: {caps.unsupported[capability]}")

@@ -575,7 +575,7 @@ class ServerContract:
         if not ro.capabilities.supports("update_weights"):
             pytest.skip(f"update_weights: {ro.capabilities.unsupported['update_weights']}")
         from rollout.service.served import ServedRollout
-        from rollout.testing.contract import probe, probe_requests
+        from rollout.testing.probes import probe, probe_requests
         from rollout.testing.model_folders import load_weights, perturbed_copy
 
         base = load_weights(tiny_model)

@@ -6,7 +6,8 @@ from conftest import ENGINE
 import rollout
 from rollout.testing import BackendContract
 from rollout.testing.adapters import lora_adapter
-from rollout.testing.contract import ADAPTER, PROBE_PROMPTS, PROBE_TOKENS
+from rollout.testing.contract import ADAPTER
+from rollout.testing.probes import PROBE_PROMPTS, PROBE_TOKENS
 
 
 # Adapters on (with SGLang's LoRA layers in the model), so that the suite's adapter tests

@@ -98,3 +98,20 @@ class ShmEngine(Engine, Protocol):
         """Load the group packed in the shared-memory file that `message` names
         (`rollout.weights.transports.shm`); answers once the worker holds no view of the
         file. `timeout` bounds the worker's call."""
+
+
+class GroupEngine(Engine, Protocol):
+    """vLLM's server, which weights reach through a collective group by its weight-transfer
+    routes (`rollout_vllm.transport.GlooSender`)."""
+
+    async def init_weight_transfer(self, init_info: dict, timeout: float) -> None:
+        """Join the update group; answers once the trainer has joined too."""
+
+    async def start_weight_update(self, timeout: float) -> None: ...
+
+    async def update_weights_chunk(self, update_info: dict, timeout: float) -> None:
+        """Receive one announced group of tensors by broadcast, and load it."""
+
+    async def finish_weight_update(self, version: str | None, timeout: float) -> None: ...
+
+    async def shutdown_weight_transfer(self, timeout: float) -> None: ...

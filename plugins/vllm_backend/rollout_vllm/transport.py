@@ -38,8 +38,7 @@ from rollout.weights.transports.shm import ShmSender
 if TYPE_CHECKING:  # the engines import this module
     from rollout.kit.aio import LoopThread
 
-    from rollout_vllm.engine import ShmEngine
-    from rollout_vllm.server_engine import ServerEngine
+    from rollout_vllm.engine import GroupEngine, ShmEngine
 
 TRANSPORTS = ("shm", "gloo")
 ENGINE_NAME = "rollout_gloo"  # rollout_vllm.transfer_engine.NAME, without importing vLLM
@@ -90,9 +89,9 @@ class ShmPipeline:
 
 
 class GlooSender:
-    def __init__(self, engine: ServerEngine, loop: LoopThread, timeout: float,
+    def __init__(self, engine: GroupEngine, loop: LoopThread, timeout: float,
                  group_timeout: float):
-        self.engine, self.loop = engine, loop  # ServerEngine and the engine loop it runs on
+        self.engine, self.loop = engine, loop  # vLLM's server, and the engine loop it runs on
         self.timeout, self.group_timeout = timeout, group_timeout
         self.group: collective.Group | None = None
         self.updates = 0  # vLLM's weight version: this backend's count of full updates
