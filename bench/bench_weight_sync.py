@@ -171,7 +171,7 @@ def old_vllm_update(url: str, groups: list[dict]) -> None:
 def bench_vllm(model: Path, repeats: int) -> dict[str, list[float]]:
     import rollout
     from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, iter_buckets
-    from rollout_vllm.weights import layer_groups
+    from rollout_vllm.backend import layer_groups
 
     # The server imports this module (the old path's extension) from here.
     here = str(Path(__file__).resolve().parent)

@@ -43,6 +43,8 @@ MOVED = {
     "rollout.apps.judges.schemas": "rollout.apps.judges.verdicts",
     "rollout.apps.jobs.runner": "rollout.apps.jobs.chunked",
     "rollout.testing.weights": "rollout.testing.weight_streams",
+    # 0.2.x: the fan-out of an update in one place.
+    "rollout.weights.remote": "rollout.weights.fanout",
 }
 
 

@@ -15,7 +15,7 @@ from rollout.contract.errors import EngineDeadError, NoReplicaError, OverloadedE
     RolloutError, RolloutTimeoutError, WeightsDirtyError
 from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 from rollout.service.service import CALL
-from rollout.weights.remote import RemoteUpdate
+from rollout.weights.fanout import RemoteUpdate
 
 CALL_HEADER = "X-Rollout-Call"  # the sampler's id of the call a request belongs to (CALL)
 

@@ -28,7 +28,7 @@ from rollout.service.client import ReplicaDown
 from rollout.service.health import HealthMonitor
 from rollout.service.replica import MISSING, Replica
 from rollout.weights.lora import no_such_adapter
-from rollout.weights.receive import KeptAdapter, KeptWeights
+from rollout.weights.fanout import KeptAdapter, KeptWeights, PoolUpdate
 
 MAX_SESSIONS = 100_000  # sessions remembered (least recently used forgotten first)
 MAX_SENDS = 3  # a request that took down this many replicas fails instead of another
@@ -270,8 +270,6 @@ class ReplicaPool:
                            adapter: dict | None = None) -> PoolUpdate:
         await asyncio.wait_for(self.updating.acquire(), timeout)  # a catch-up may run
         try:
-            from rollout.weights.fanout import PoolUpdate
-
             update = PoolUpdate(self, version, timeout, adapter)
             await update.each(self._reachable(),
                               lambda r: r.service.begin_update(version, pause, timeout, adapter))

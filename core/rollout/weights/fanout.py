@@ -1,13 +1,21 @@
-"""One weight update over every replica of a pool, and the pool's own kept copy."""
+"""The fan-out of a weight update: over every replica of a pool at once (`PoolUpdate`),
+each replica's part stepped over HTTP (`RemoteUpdate`), and the pool's own kept copy
+(`KeepingUpdate` into `KeptWeights` / `KeptAdapter`), from which a replica that comes back
+is caught up."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import attrs
+
 from rollout.contract.errors import RolloutError
-from rollout.weights.receive import KeepingUpdate, KeptAdapter, KeptWeights
+from rollout.weights.buckets import unpack
+from rollout.weights.receive import Receiver
+from rollout.weights.transports.nodes import this_node
 
 # A replica of the pool: its `service` (with `url` and `begin_update`) is what an update uses.
 Replica = Any
@@ -141,3 +149,81 @@ class PoolUpdate:
         if self._open:
             self._open = False
             self.pool.update_ended()
+
+
+class KeptWeights:
+    """The weights a pool last pushed, by name, kept in the pool's process so that a
+    replica restarted on its checkpoint is brought to the pool's version before it serves.
+    Costs one copy of the model in memory (two while an update stages its tensors)."""
+
+    def __init__(self):
+        self.tensors: dict = {}
+        self.version: int | None = None
+
+
+@attrs.frozen
+class KeptAdapter:
+    """A LoRA adapter a pool pushed, kept for replicas that come back without it."""
+
+    config: dict
+    version: int | None
+    tensors: dict
+
+
+class KeepingUpdate(Receiver):
+    """The pool's own part in an update: one more receiver, which keeps what it receives
+    and, when the update ends, hands it to `keep` (the weights' tensors, or an adapter)."""
+
+    receivers = 1
+
+    def __init__(self, keep, timeout: float):
+        self.keep, self.timeout = keep, timeout
+        self.nodes = frozenset({this_node()})
+        self.staged: dict = {}
+
+    async def send(self, message: dict) -> None:
+        # In host memory: a copy kept on a GPU would take the engines' memory.
+        self.staged.update((n, t.cpu()) for n, t in unpack(await self._receive(message)))
+
+    async def end(self) -> None:
+        self.keep(self.staged)
+        self.staged = {}
+        self._leave()
+
+    async def cancel(self, reason: str) -> None:
+        self.staged = {}
+        self._leave()
+
+
+# A server's control route: (path, JSON body) -> its JSON answer, its failure raised typed.
+Control = Callable[[str, dict], Awaitable[dict]]
+
+
+class RemoteUpdate:
+    """A weight update open on a server, by the id the server gave it."""
+
+    def __init__(self, control: Control, update_id: str, receivers: int, nodes=()):
+        self.control = control
+        self.id = update_id
+        self.receivers = receivers  # the ranks its server brings to a collective group
+        self.nodes = frozenset(nodes)  # none from an older server: not known to be here
+
+    @classmethod
+    async def begin(cls, control: Control, version: int | None, pause: str,
+                    timeout: float, adapter: dict | None = None) -> RemoteUpdate:
+        body = {"version": version, "pause": pause, "timeout": timeout}
+        data = await control("/rollout/weights/begin",
+                             body if adapter is None else {**body, "adapter": adapter})
+        return cls(control, data["update"], data["receivers"], data.get("nodes", ()))
+
+    async def join(self, group: dict) -> None:
+        await self.control("/rollout/weights/group", {"update": self.id, **group})
+
+    async def send(self, message: dict) -> None:
+        await self.control("/rollout/weights/bucket", {"update": self.id, "bucket": message})
+
+    async def end(self) -> int | None:
+        return (await self.control("/rollout/weights/end", {"update": self.id}))["version"]
+
+    async def cancel(self, reason: str) -> None:
+        await self.control("/rollout/weights/cancel", {"update": self.id, "reason": reason})

@@ -14,11 +14,10 @@ import threading
 import time
 import uuid
 
-import attrs
 
 from rollout.contract.errors import InvalidRequestError, RolloutError, RolloutTimeoutError
 from rollout.contract.sampler import Sampler
-from rollout.weights.buckets import Bucket, unpack
+from rollout.weights.buckets import Bucket
 from rollout.weights.transports.collective import close, open_group, receive_bucket, require
 from rollout.weights.transports.cuda_ipc import receive_cuda_ipc
 from rollout.weights.transports.nodes import this_node
@@ -39,7 +38,7 @@ async def _receiving(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(_RECEIVING, fn, *args)
 
 
-class _Receiver:
+class Receiver:
     """A receiver's membership in the trainer's collective group, for one update."""
 
     timeout: float
@@ -74,7 +73,7 @@ class _Receiver:
             self._group = None
 
 
-class LocalUpdate(_Receiver):
+class LocalUpdate(Receiver):
     """An update of a Rollout in this process: of its weights, or with `adapter`
     ({name, config}) of that LoRA adapter."""
 
@@ -189,47 +188,3 @@ class OpenUpdates:
 
     def close(self, update_id: str) -> None:
         self._open.pop(update_id, None)
-
-
-class KeptWeights:
-    """The weights a pool last pushed, by name, kept in the pool's process so that a
-    replica restarted on its checkpoint is brought to the pool's version before it serves.
-    Costs one copy of the model in memory (two while an update stages its tensors)."""
-
-    def __init__(self):
-        self.tensors: dict = {}
-        self.version: int | None = None
-
-
-@attrs.frozen
-class KeptAdapter:
-    """A LoRA adapter a pool pushed, kept for replicas that come back without it."""
-
-    config: dict
-    version: int | None
-    tensors: dict
-
-
-class KeepingUpdate(_Receiver):
-    """The pool's own part in an update: one more receiver, which keeps what it receives
-    and, when the update ends, hands it to `keep` (the weights' tensors, or an adapter)."""
-
-    receivers = 1
-
-    def __init__(self, keep, timeout: float):
-        self.keep, self.timeout = keep, timeout
-        self.nodes = frozenset({this_node()})
-        self.staged: dict = {}
-
-    async def send(self, message: dict) -> None:
-        # In host memory: a copy kept on a GPU would take the engines' memory.
-        self.staged.update((n, t.cpu()) for n, t in unpack(await self._receive(message)))
-
-    async def end(self) -> None:
-        self.keep(self.staged)
-        self.staged = {}
-        self._leave()
-
-    async def cancel(self, reason: str) -> None:
-        self.staged = {}
-        self._leave()

@@ -7,15 +7,16 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Iterable, Iterator
 from contextlib import aclosing
 
 import rollout
 from rollout import Capabilities, EngineDeadError, InvalidRequestError, RolloutError
 from rollout.kit import options
 from rollout.kit.aio import engine_loop
-from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, iter_unpacked
+from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_unpacked
 from rollout.weights.lora import linear_modules, no_such_adapter, read_adapter
-from rollout.weights.checkpoint import checkpoint_shapes
+from rollout.weights.checkpoint import checked_tensors, checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
 from rollout.contract.schemas import PROMPT_LOGPROBS_MAX, SamplingParams, StructuredOutputs
 from rollout.kit.structured import constraint_error, structural_tag_grammar
@@ -28,7 +29,6 @@ from rollout_vllm.in_process import InProcessEngine
 from rollout_vllm.lora import lora_request
 from rollout_vllm.server_engine import ServerEngine
 from rollout_vllm.transport import ENGINE_NAME, TRANSPORTS, GlooSender, ShmPipeline
-from rollout_vllm.weights import layer_groups
 
 MODES = ("engine", "async", "server")
 # Vision-language model types whose prompts take images here: vLLM expands each image's one
@@ -349,3 +349,34 @@ def _extension() -> str:
     from rollout_vllm.worker import WeightUpdateExtension
 
     return f"{WeightUpdateExtension.__module__}.{WeightUpdateExtension.__qualname__}"
+
+
+# --- weights into vLLM ------------------------------------------------------------------
+# vLLM fuses q/k/v and gate/up projections, and one reload call must carry every piece of a
+# fused parameter: split across calls, the weights come out wrong with no error. So tensors
+# are regrouped by decoder layer, after the checkpoint's checks.
+
+LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
+
+
+def _group_of(name: str) -> str:
+    match = LAYER.match(name)
+    return match.group(1) if match else name
+
+
+def layer_groups(buckets: Iterable[Bucket], shapes: dict[str, tuple[int, ...]],
+                 max_bytes: int) -> Iterator[dict]:
+    """Checked tensors regrouped so that no decoder layer is split between two groups;
+    groups are merged up to about `max_bytes`."""
+    group: dict = {}
+    size, last = 0, None
+    for name, tensor in checked_tensors(buckets, shapes):
+        key = _group_of(name)
+        if group and key != last and size >= max_bytes:
+            yield group
+            group, size = {}, 0
+        group[name] = tensor.contiguous()
+        size += tensor.numel() * tensor.element_size()
+        last = key
+    if group:
+        yield group

@@ -1,6 +1,8 @@
 """What the vLLM engines share: a request's sampling as vLLM's SamplingParams, vLLM's delta
 outputs as chunks, its refusals as our typed errors, the prefix-cache reset's check, the
-counts of its multimodal processor cache in this process, and where its sockets go."""
+counts of its multimodal processor cache in this process, where its sockets go, and the
+step after any reload of its weights (in the worker extension and the gloo transfer
+engine alike)."""
 
 from __future__ import annotations
 
@@ -177,3 +179,17 @@ def counted_across_clear(counts: MMCacheCounts | None):
     finally:
         if counts is not None:
             counts.read()
+
+
+def refresh_tied_output(model, names) -> None:
+    """Pack a tied output layer again after its embedding was reloaded. vLLM's reload skips
+    `lm_head` when it shares the embedding's weight, and its CPU kernels run the output
+    layer from a packed copy made at load time: without this, a model with tied embeddings
+    (SmolLM2, for one) keeps computing its logits from the old embedding."""
+    head = getattr(model, "lm_head", None)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if head is None or not tied or not any(n.endswith("embed_tokens.weight") for n in names):
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)

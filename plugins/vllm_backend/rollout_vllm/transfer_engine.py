@@ -21,7 +21,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rollout_vllm.tied_output import refresh_tied_output
+from rollout_vllm.common import refresh_tied_output
 
 NAME = "rollout_gloo"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

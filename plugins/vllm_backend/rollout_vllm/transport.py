@@ -118,7 +118,7 @@ class GlooSender:
 
     def _send(self, group: dict) -> None:
         # vLLM answers once its worker has received and loaded every tensor; meanwhile the
-        # broadcasts go out (contiguous, checked tensors: `weights.layer_groups`).
+        # broadcasts go out (contiguous, checked tensors: `backend.layer_groups`).
         reply = asyncio.run_coroutine_threadsafe(
             self.engine.update_weights_chunk(update_info(group), self.timeout), self.loop.loop)
         try:

@@ -1,6 +1,6 @@
 """Runs inside vLLM's worker (`worker_extension_cls`). Weight updates arrive as tensors
 when the worker is in this process, and as a shared-memory bucket named by a JSON message
-(never pickle) when it is not. Every call carries whole decoder layers (`weights.layer_groups`),
+(never pickle) when it is not. Every call carries whole decoder layers (`backend.layer_groups`),
 so each `reload_weights` completes the layers it touches.
 
 Imported by each vLLM worker (as `worker_extension_cls`) before it builds its weight-transfer
@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 
 from rollout_vllm import lora
-from rollout_vllm.tied_output import refresh_tied_output
+from rollout_vllm.common import refresh_tied_output
 
 
 def _register_engines() -> None:
@@ -40,7 +40,7 @@ class WeightUpdateExtension:
         # whole model, as long as vLLM's reload itself). Safe because the sender reuses
         # its file only once we answer, and by then vLLM holds no view: each call is one
         # whole reload (vLLM's layer-wise reload ends in it, its buffered views dropped),
-        # and carries whole layers (`weights.layer_groups`), so every layer it touches is
+        # and carries whole layers (`backend.layer_groups`), so every layer it touches is
         # rebuilt and copied into the engine's own tensors before it returns.
         tensors = unpack(map_shm(message))
         names = [name for name, _ in tensors]
