@@ -292,23 +292,31 @@ def _adapter_class():
                     await self.server.load_adapter.remote(
                         tensors, _config_dict(peft_config), global_steps)
                 return
-            bucket, size = [], 0
-            for name, tensor in weights:  # every rank reads it: it may gather across ranks
-                if not self.owner:
-                    continue
-                if peft_config is not None:
-                    name = name.replace(".base_layer", "")
-                tensor = tensor.detach().to("cpu", copy=True)  # a full tensor, off the GPU
-                nbytes = tensor.numel() * tensor.element_size()
-                if bucket and size + nbytes > self.bucket_bytes:
-                    await self.server.update_weights.remote(bucket)
-                    bucket, size = [], 0
-                bucket.append((name, tensor))
-                size += nbytes
-            if self.owner:
-                await self.server.update_weights.remote(bucket, global_steps)
+            await _push_buckets(self, weights, global_steps,
+                                peft_wrapped=peft_config is not None)
 
     return ServerAdapter
+
+
+async def _push_buckets(adapter, weights, global_steps: int | None, peft_wrapped: bool
+                        ) -> None:
+    """The base model's (name, tensor) pairs to the adapter's server (from its owner rank
+    only), in buckets of its bucket size; the last bucket stamps `global_steps`."""
+    bucket, size = [], 0
+    for name, tensor in weights:  # every rank reads it: it may gather across ranks
+        if not adapter.owner:
+            continue
+        if peft_wrapped:  # verl gives the names in peft's wrapping
+            name = name.replace(".base_layer", "")
+        tensor = tensor.detach().to("cpu", copy=True)  # a full tensor, off the GPU
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > adapter.bucket_bytes:
+            await adapter.server.update_weights.remote(bucket)
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if adapter.owner:
+        await adapter.server.update_weights.remote(bucket, global_steps)
 
 
 def _config_dict(peft_config) -> dict:

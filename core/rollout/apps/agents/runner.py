@@ -227,54 +227,9 @@ class AgentRunner:
             sampling = self._sampling(row, index, messages, len(context), len(t.response_ids))
             if seed is not None:
                 sampling = attrs.evolve(sampling, seed=seed + index)
-            turn = Turn(index=index, prompt_tokens=len(context), sampled_tokens=0,
-                        finish_reason="abort", text="")
-            t.turns.append(turn)
-            if cfg.check_render:
-                turn.render, turn.render_differs_at = self.chat.check_render(messages, context)
-            t.images += new_images
-            turn.images_added = [image.id for image in new_images]
-            request = Request(id=f"{t.id}:{index}", prompt_token_ids=tuple(context),
-                              images=[None if i.id in sent else i.image for i in t.images],
-                              image_uuids=[i.id for i in t.images], sampling=sampling,
-                              session_id=t.id if cfg.sessions else None)
-            partial: list = []  # the results so far, kept if the turn is cut short
-            started = time.monotonic()
-            try:
-                completion = await self._step(running, self._sample_with_images(
-                    request, t.images, partial, running))
-            except _Stop:
-                for cut in partial:
-                    t.add(cut.token_ids, True, cut.logprobs, cut.weight_versions)
-                turn.sampled_tokens = sum(len(cut.token_ids) for cut in partial)
-                raise
-            finally:
-                turn.engine_s = time.monotonic() - started
-            result = completion.unwrap()[0]
-            sent.update(image.id for image in t.images)
-            if list(result.prompt_token_ids) != context:
-                raise PrefixMismatchError(index, context, result.prompt_token_ids)
-            sampled = list(result.token_ids)
-            t.add(sampled, True, result.logprobs, result.weight_versions)
-            turn.sampled_tokens, turn.finish_reason, turn.text = \
-                len(sampled), result.finish_reason, result.text
-            turn.cached_tokens = result.cached_tokens
-            self._check_limits(t, len(context) + len(sampled), cut=result.finish_reason)
-            # Without tools there is nothing to call: the text is the answer, whatever it holds.
-            parsed = self.parser.parse(result.text, None) if self.tools else \
-                ParsedMessage(result.text)
-            messages.append(Message("assistant", parsed.content, tool_calls=parsed.tool_calls))
-            if parsed.tool_calls or parsed.errors:
-                new = await self._call_tools(running, turn, parsed)
-            else:
-                reply = await self._step(running, _maybe(self.env.respond(row, messages)))
-                if not isinstance(reply, Reply):
-                    raise TypeError(f"the environment's respond() returned {reply!r}, "
-                                    "not a Reply")
-                t.reward = reply.reward if reply.reward is not None else t.reward
-                if reply.done:
-                    raise _Stop("done")
-                new = [_message(m) for m in reply.messages]
+            turn, sampled = await self._sample_turn(t, running, index, messages, context,
+                                                    sampling, new_images, sent)
+            new = await self._after_answer(row, t, running, turn, messages)
             new_images = await self._load_images(running, new)
             appended = self.chat.continuation(sampled, new)
             self._check_limits(t, len(context) + len(sampled) + len(appended),
@@ -284,6 +239,67 @@ class AgentRunner:
             messages += new
             context += sampled + appended
         raise _Stop("max_turns", f"{cfg.max_turns} turns")
+
+    async def _sample_turn(self, t: Trajectory, running: _Running, index: int,
+                           messages: list[Message], context: list[int],
+                           sampling: SamplingParams, new_images: list[PromptImage],
+                           sent: set[str]) -> tuple[Turn, list[int]]:
+        """One turn in the engine, recorded: its Turn joins the trajectory first, and what
+        it sampled (what it made so far, when it is stopped) joins the response."""
+        cfg = self.config
+        turn = Turn(index=index, prompt_tokens=len(context), sampled_tokens=0,
+                    finish_reason="abort", text="")
+        t.turns.append(turn)
+        if cfg.check_render:
+            turn.render, turn.render_differs_at = self.chat.check_render(messages, context)
+        t.images += new_images
+        turn.images_added = [image.id for image in new_images]
+        request = Request(id=f"{t.id}:{index}", prompt_token_ids=tuple(context),
+                          images=[None if i.id in sent else i.image for i in t.images],
+                          image_uuids=[i.id for i in t.images], sampling=sampling,
+                          session_id=t.id if cfg.sessions else None)
+        partial: list = []  # the results so far, kept if the turn is cut short
+        started = time.monotonic()
+        try:
+            completion = await self._step(running, self._sample_with_images(
+                request, t.images, partial, running))
+        except _Stop:
+            for cut in partial:
+                t.add(cut.token_ids, True, cut.logprobs, cut.weight_versions)
+            turn.sampled_tokens = sum(len(cut.token_ids) for cut in partial)
+            raise
+        finally:
+            turn.engine_s = time.monotonic() - started
+        result = completion.unwrap()[0]
+        sent.update(image.id for image in t.images)
+        if list(result.prompt_token_ids) != context:
+            raise PrefixMismatchError(index, context, result.prompt_token_ids)
+        sampled = list(result.token_ids)
+        t.add(sampled, True, result.logprobs, result.weight_versions)
+        turn.sampled_tokens, turn.finish_reason, turn.text = \
+            len(sampled), result.finish_reason, result.text
+        turn.cached_tokens = result.cached_tokens
+        self._check_limits(t, len(context) + len(sampled), cut=result.finish_reason)
+        return turn, sampled
+
+    async def _after_answer(self, row: dict, t: Trajectory, running: _Running, turn: Turn,
+                            messages: list[Message]) -> list[Message]:
+        """The model's answer joins the messages; what follows it: its tool calls' results,
+        or the environment's reply (which may end the trajectory)."""
+        # Without tools there is nothing to call: the text is the answer, whatever it holds.
+        parsed = self.parser.parse(turn.text, None) if self.tools else \
+            ParsedMessage(turn.text)
+        messages.append(Message("assistant", parsed.content, tool_calls=parsed.tool_calls))
+        if parsed.tool_calls or parsed.errors:
+            return await self._call_tools(running, turn, parsed)
+        reply = await self._step(running, _maybe(self.env.respond(row, messages)))
+        if not isinstance(reply, Reply):
+            raise TypeError(f"the environment's respond() returned {reply!r}, "
+                            "not a Reply")
+        t.reward = reply.reward if reply.reward is not None else t.reward
+        if reply.done:
+            raise _Stop("done")
+        return [_message(m) for m in reply.messages]
 
     def _sampling(self, row, index, messages, context: int, used: int) -> SamplingParams:
         """This turn's sampling: the runner's, the environment's overrides, and max_tokens

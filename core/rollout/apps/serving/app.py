@@ -330,25 +330,7 @@ class _Routes:
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         if step == "begin":
-            unknown = set(body) - {"version", "pause", "timeout", "adapter"}
-            if unknown:
-                raise ApiError(400, f"unknown fields {sorted(unknown)} (allowed: version, "
-                               "pause, timeout, adapter)", param=sorted(unknown)[0])
-            options = (body.get("version"), body.get("pause", "wait"),
-                       body.get("timeout", BUCKET_WAIT_S))
-            check_update_options(*options)
-            adapter = check_adapter(body.get("adapter"))
-            if adapter is not None and adapter["name"] == self.model_name:
-                raise bad_field("adapter.name", f"got {adapter['name']!r}, the base model's "
-                                "name", "another name")
-            opened = await self.updates.begin(self.service, *options, adapter)
-            if opened is None:
-                raise ApiError(409, "another weight update is open on this server",
-                               code="update_open")
-            update_id, update = opened
-            self.update_started = {update_id: (time.monotonic(), "")}  # the only one open
-            return web.json_response({"update": update_id, "receivers": update.receivers,
-                                      "nodes": sorted(update.nodes)})
+            return await self._begin_update(body)
         update_id = body.get("update")
         update = self.updates.get(update_id)
         if step not in WEIGHT_STEPS or update is None:
@@ -356,17 +338,7 @@ class _Routes:
                            f"{step!r} (steps: begin, {', '.join(WEIGHT_STEPS)})",
                            param="update")
         if step in ("bucket", "group"):
-            try:
-                if step == "group":
-                    await update.join(check_group(body))
-                else:
-                    await update.send(body.get("bucket"))
-                self.updates.touch(update_id)
-                self._note_transport(update_id, body)
-            except BaseException:  # a half-sent update: the backend stays dirty until a full one
-                self.updates.close(update_id)
-                await update.cancel(f"the {step} step failed")
-                raise
+            await self._feed_update(step, update_id, update, body)
             return web.json_response({})
         self.updates.close(update_id)
         began, transport = self.update_started.pop(update_id, (time.monotonic(), ""))
@@ -375,6 +347,47 @@ class _Routes:
             await update.cancel(reason)
             log.info("weight update cancelled: %s", reason)
             return web.json_response({})
+        return await self._end_update(update, began, transport)
+
+    async def _begin_update(self, body: dict) -> web.Response:
+        """The `begin` step: opens the server's one weight update."""
+        unknown = set(body) - {"version", "pause", "timeout", "adapter"}
+        if unknown:
+            raise ApiError(400, f"unknown fields {sorted(unknown)} (allowed: version, "
+                           "pause, timeout, adapter)", param=sorted(unknown)[0])
+        options = (body.get("version"), body.get("pause", "wait"),
+                   body.get("timeout", BUCKET_WAIT_S))
+        check_update_options(*options)
+        adapter = check_adapter(body.get("adapter"))
+        if adapter is not None and adapter["name"] == self.model_name:
+            raise bad_field("adapter.name", f"got {adapter['name']!r}, the base model's "
+                            "name", "another name")
+        opened = await self.updates.begin(self.service, *options, adapter)
+        if opened is None:
+            raise ApiError(409, "another weight update is open on this server",
+                           code="update_open")
+        update_id, update = opened
+        self.update_started = {update_id: (time.monotonic(), "")}  # the only one open
+        return web.json_response({"update": update_id, "receivers": update.receivers,
+                                  "nodes": sorted(update.nodes)})
+
+    async def _feed_update(self, step: str, update_id: str, update, body: dict) -> None:
+        """The `group` or `bucket` step; one that fails cancels the update."""
+        try:
+            if step == "group":
+                await update.join(check_group(body))
+            else:
+                await update.send(body.get("bucket"))
+            self.updates.touch(update_id)
+            self._note_transport(update_id, body)
+        except BaseException:  # a half-sent update: the backend stays dirty until a full one
+            self.updates.close(update_id)
+            await update.cancel(f"the {step} step failed")
+            raise
+
+    async def _end_update(self, update, began: float, transport: str) -> web.Response:
+        """The `end` step, logged (and, for the base model's weights, counted) with how
+        long the update took and by which transport."""
         version = await update.end()
         seconds = time.monotonic() - began
         adapter = getattr(update, "adapter", None)
@@ -531,16 +544,7 @@ async def _stream_response(request: web.Request, service: Service, call: Respons
     streams_text = call.chat.tools.mode == "none"
     stream = service.stream(one)
     try:
-        async for chunk in stream:
-            if not (streams_text and chunk.text):
-                continue
-            if where.get("item_id") is None:  # the first text opens the message
-                where["item_id"] = message_id
-                await send("response.output_item.added", output_index=0,
-                           item={**message_item("", "in_progress", message_id), "content": []})
-                await send("response.content_part.added", **where, part=output_text(""))
-            await send("response.output_text.delta", **where, delta=chunk.text, logprobs=[])
-        completion = stream.completion
+        completion = await _send_text(stream, streams_text, send, where, message_id)
     except RolloutError as exc:
         if not response.prepared:
             raise
@@ -559,12 +563,39 @@ async def _stream_response(request: web.Request, service: Service, call: Respons
                    param=error.param)
         await response.write_eof()
         return response
-    for index, item in enumerate(body["output"]):
+    await _send_output(body["output"], where.get("item_id"), send)
+    # `completed` also for an incomplete one (its status says so), as vLLM's server does:
+    # the openai SDK's and the Agents SDK's streams end on that event.
+    await send("response.completed", response=body)
+    await response.write_eof()
+    return response
+
+
+async def _send_text(stream, streams_text: bool, send, where: dict,
+                     message_id: str) -> Completion:
+    """The stream's completion, its text sent as it comes where `streams_text` (no tool
+    calls to read from it). The first text opens the message: `where` gets its item_id."""
+    async for chunk in stream:
+        if not (streams_text and chunk.text):
+            continue
+        if where.get("item_id") is None:  # the first text opens the message
+            where["item_id"] = message_id
+            await send("response.output_item.added", output_index=0,
+                       item={**message_item("", "in_progress", message_id), "content": []})
+            await send("response.content_part.added", **where, part=output_text(""))
+        await send("response.output_text.delta", **where, delta=chunk.text, logprobs=[])
+    return stream.completion
+
+
+async def _send_output(output: list, streamed_id: str | None, send) -> None:
+    """Each output item's events, from `added` to `done`; the message `streamed_id`, whose
+    text has gone out already, only from its `done` events."""
+    for index, item in enumerate(output):
         at = {"output_index": index}
         if item["type"] == "message":
             text = item["content"][0]["text"]
             part = {**at, "item_id": item["id"], "content_index": 0}
-            if item["id"] != where.get("item_id"):  # not streamed: all of it now
+            if item["id"] != streamed_id:  # not streamed: all of it now
                 await send("response.output_item.added", **at,
                            item={**item, "status": "in_progress", "content": []})
                 await send("response.content_part.added", **part, part=output_text(""))
@@ -579,11 +610,6 @@ async def _stream_response(request: web.Request, service: Service, call: Respons
             await send("response.function_call_arguments.done", **at, item_id=item["id"],
                        arguments=item["arguments"])
         await send("response.output_item.done", **at, item=item)
-    # `completed` also for an incomplete one (its status says so), as vLLM's server does:
-    # the openai SDK's and the Agents SDK's streams end on that event.
-    await send("response.completed", response=body)
-    await response.write_eof()
-    return response
 
 
 def _errors_middleware(metrics: ServerMetrics):

@@ -151,69 +151,92 @@ def _bounded_string(node: dict) -> dict:
 
 
 def _check(node: dict, path: str, root) -> None:
-    def refuse(key: str, message: str, allowed: str) -> None:
-        raise _Refused(f"{path}.{key}", message, allowed)
+    """A _Refused for the first thing in `node` the grammar cannot hold a value to."""
+    _check_keywords(node, path)
+    _check_string(node, path)
+    _check_object(node, path)
+    _check_values(node, path)
 
+
+def _refuse(path: str, key: str, message: str, allowed: str) -> None:
+    raise _Refused(f"{path}.{key}", message, allowed)
+
+
+def _check_keywords(node: dict, path: str) -> None:
+    """Keywords the grammar ignores, or enforces only in part."""
     for key, why in REFUSED.items():
         if key in node:
-            refuse(key, f"{why}{UNKEPT}", f"a schema without {key}")
-    types = _types(node)
+            _refuse(path, key, f"{why}{UNKEPT}", f"a schema without {key}")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-        refuse("allOf", f"the grammar does not intersect several allOf branches{UNKEPT}",
-               "one branch, or the branches merged into one schema")
+        _refuse(path, "allOf", f"the grammar does not intersect several allOf branches"
+                f"{UNKEPT}", "one branch, or the branches merged into one schema")
     if node.get("uniqueItems") is True:
-        refuse("uniqueItems", f"the grammar does not enforce uniqueItems{UNKEPT}",
-               "false, or left out")
-    if "multipleOf" in node and types != {"integer"}:
-        refuse("multipleOf", f"the grammar enforces multipleOf on integers only{UNKEPT}",
-               'type "integer"')
+        _refuse(path, "uniqueItems", f"the grammar does not enforce uniqueItems{UNKEPT}",
+                "false, or left out")
+    if "multipleOf" in node and _types(node) != {"integer"}:
+        _refuse(path, "multipleOf", f"the grammar enforces multipleOf on integers only"
+                f"{UNKEPT}", 'type "integer"')
     if node.get("unevaluatedProperties") not in (None, False):
-        refuse("unevaluatedProperties", "not supported", "false, or left out")
+        _refuse(path, "unevaluatedProperties", "not supported", "false, or left out")
+
+
+def _check_string(node: dict, path: str) -> None:
+    """A string's format, and its pattern: what the grammar writes for them must be valid
+    JSON, and held to the lengths."""
     if "format" in node and node["format"] not in FORMATS:
         why = _WRONG.get(node["format"], "the grammar does not know it")
-        refuse("format", f"format {node['format']!r}: {why}{UNKEPT}",
-               ", ".join(FORMATS) + "; or a pattern")
+        _refuse(path, "format", f"format {node['format']!r}: {why}{UNKEPT}",
+                ", ".join(FORMATS) + "; or a pattern")
     for key in ("pattern", "format"):
         if key in node and ("minLength" in node or "maxLength" in node):
-            refuse(key, f"the grammar ignores minLength/maxLength next to {key}",
-                   f"{key} alone (with the lengths in the pattern), or the lengths alone")
+            _refuse(path, key, f"the grammar ignores minLength/maxLength next to {key}",
+                    f"{key} alone (with the lengths in the pattern), or the lengths alone")
     pattern = node.get("pattern")
     if isinstance(pattern, str) and _QUOTE_OR_BACKSLASH.search(pattern):
-        refuse("pattern", "a literal quote or backslash in a pattern is written unescaped "
-               "by the grammar (invalid JSON)", "a pattern without \" or \\\\")
+        _refuse(path, "pattern", "a literal quote or backslash in a pattern is written "
+                "unescaped by the grammar (invalid JSON)", "a pattern without \" or \\\\")
     if isinstance(pattern, str) and "{" in pattern and _ANY_CHARACTER.search(pattern):
-        refuse("pattern", "the grammar matches a malformed multi-byte character as one "
-               "character of `.`, `[^...]`, `\\S`, `\\W` or `\\D` where the text holds "
-               "three, so a bounded count could be broken", "explicit character classes "
-               "([a-z], [0-9], ...) where a count is bounded")
+        _refuse(path, "pattern", "the grammar matches a malformed multi-byte character as "
+                "one character of `.`, `[^...]`, `\\S`, `\\W` or `\\D` where the text holds "
+                "three, so a bounded count could be broken", "explicit character classes "
+                "([a-z], [0-9], ...) where a count is bounded")
+
+
+def _check_object(node: dict, path: str) -> None:
+    """Property keywords in combinations the grammar does not write."""
     if "patternProperties" in node and ("properties" in node
                                         or len(node["patternProperties"] or {}) > 1):
-        refuse("patternProperties", "the grammar supports one patternProperties entry, "
-               "without properties", "one entry and no properties")
+        _refuse(path, "patternProperties", "the grammar supports one patternProperties "
+                "entry, without properties", "one entry and no properties")
     if "propertyNames" in node and any(k in node for k in ("properties", "patternProperties")):
-        refuse("propertyNames", "the grammar does not combine propertyNames with properties",
-               "propertyNames alone")
+        _refuse(path, "propertyNames", "the grammar does not combine propertyNames with "
+                "properties", "propertyNames alone")
     required = node.get("required")
     if isinstance(required, list) and required:
         properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
         missing = [name for name in required if name not in properties]
         if missing:
-            refuse("required", f"{missing[0]!r} is required but not among properties (the "
-                   "grammar writes only the properties named)", "required names that are "
-                   "in properties")
+            _refuse(path, "required", f"{missing[0]!r} is required but not among properties "
+                    "(the grammar writes only the properties named)", "required names that "
+                    "are in properties")
+
+
+def _check_values(node: dict, path: str) -> None:
+    """enum/const values the rest of the schema would refuse (the grammar writes any of
+    them), and a $ref outside the schema."""
     if ("enum" in node or "const" in node) and set(node) - _ANNOTATIONS:
         values = node["enum"] if "enum" in node else [node["const"]]
         rest = {k: v for k, v in node.items() if k not in ("enum", "const")}
         key = "enum" if "enum" in node else "const"
         if "$ref" in rest or not isinstance(values, list):
-            refuse(key, f"{key} next to $ref", f"{key} alone")
+            _refuse(path, key, f"{key} next to $ref", f"{key} alone")
         bad = [v for v in values if validate(v, rest) is not None]
         if bad:
-            refuse(key, f"{bad[0]!r} breaks the keywords next to {key} (the grammar writes "
-                   f"any {key} value)", f"values valid against the rest of the schema")
+            _refuse(path, key, f"{bad[0]!r} breaks the keywords next to {key} (the grammar "
+                    f"writes any {key} value)", "values valid against the rest of the schema")
     ref = node.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
-        refuse("$ref", f"{ref!r} is not a reference inside the schema", "#/$defs/NAME")
+        _refuse(path, "$ref", f"{ref!r} is not a reference inside the schema", "#/$defs/NAME")
 
 
 def validate(value, schema: dict) -> str | None:
