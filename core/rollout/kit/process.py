@@ -10,6 +10,7 @@ time, keeps it.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import random
 import signal
@@ -26,6 +27,8 @@ from rollout.contract.errors import EngineDeadError, RolloutTimeoutError
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
 GROUP_GRACE_S = 5.0
+REAP_WAIT_S = 60.0  # for a killed server to be gone
+log = logging.getLogger("rollout.process")
 
 
 def usable_cores() -> int:
@@ -219,8 +222,16 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        if self.alive():
-            self.proc.wait(10)
+        if self.proc.poll() is None:  # not reaped yet, so the pid is still its own
+            self.proc.kill()  # (had it left its group)
+        try:
+            self.proc.wait(REAP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            # SIGKILL cannot be refused: the kernel is still freeing its memory (gigabytes
+            # for an engine, slow on a loaded machine: once over 10 s in CI). It ends; the
+            # exit status is read later.
+            log.warning("%s server (pid %d) killed, not yet gone after %.0f s", self.name,
+                        self.proc.pid, REAP_WAIT_S)
         self._log.close()
         if stopped_running and not self.keep_log:
             self.log_path.unlink(missing_ok=True)
