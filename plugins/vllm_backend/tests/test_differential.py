@@ -7,6 +7,7 @@ server") or a named open one, none unexplained."""
 import asyncio
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,8 +24,23 @@ CLIENTS = {"openai", "trl", "bench", "agents", "langchain"}
 
 
 @pytest.fixture(scope="module")
-def corpus() -> list[Case]:
-    return diff.load_recording(RECORDING) + diff.draw_cases(GENERATED, seed=0)
+def corpus(tmp_path_factory) -> list[Case]:
+    """The recording and the drawn cases. They are drawn in a fresh process: the same
+    seed drew another corpus in a process that had run other tests first (CI,
+    2026-11-29: 62 Responses cases against 53), and the figures asserted below moved
+    with it."""
+    drawn = tmp_path_factory.mktemp("corpus") / "drawn.jsonl"
+    subprocess.run([sys.executable, "-c", DRAW, str(drawn), str(GENERATED)], check=True,
+                   timeout=600)
+    return diff.load_recording(RECORDING) + diff.load_recording(drawn)
+
+
+DRAW = """import sys
+from pathlib import Path
+from rollout.testing.differential import draw_cases
+cases = draw_cases(int(sys.argv[2]), seed=0)
+Path(sys.argv[1]).write_text("".join(c.to_json() + "\\n" for c in cases))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -163,11 +179,15 @@ def test_no_unexplained_difference(report):
 
 
 def test_the_servers_agree_on_most_requests(report):
-    """The suite compares answers, not refusals: most requests are accepted by both, and
-    a good share of the greedy or seeded answers agree in every compared field (the rest
-    carry a documented or open difference, most of them a prompt that differs)."""
+    """The suite compares answers, not refusals: most requests are accepted by both (of
+    those that no documented difference refuses on one side only: `skip_special_tokens`
+    false, strict fields, ...), and a good share of the greedy or seeded answers agree in
+    every compared field (the rest carry a documented or open difference, most of them a
+    prompt that differs)."""
     summary = report.summary()
-    assert summary["both_accepted"] >= 0.8 * summary["cases"], summary
+    one_sided = {d.case for d in report.differences if d.field == "accepted"}
+    assert summary["both_accepted"] >= 0.8 * (summary["cases"] - len(one_sided)), (
+        summary, len(one_sided))
     differing = {d.case for d in report.differences}
     exact = [i for i, (case, (a, b)) in enumerate(zip(report.cases, report.outcomes))
              if a.ok and b.ok and diff.deterministic(case)]
