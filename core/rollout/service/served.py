@@ -50,7 +50,7 @@ class ServedRollout(RequestFront):
         super().__init__(loop.loop)
         self.service = service
         self.name = service.name
-        self.model = model  # the model's folder, where this process can read it
+        self.model = model  # the model's folder (or a known model's name), where given
         self._encoder: PromptEncoder | None = None
         self.capabilities = capabilities  # what the backend behind the server supports
         self._thread = loop
@@ -92,15 +92,14 @@ class ServedRollout(RequestFront):
         except BaseException:
             loop.stop()
             raise
-        model = how.get("model")
-        return cls(service, loop, capabilities, None if model is None else resolve(model))
+        return cls(service, loop, capabilities, how.get("model"))
 
     @property
     def encoder(self) -> PromptEncoder | None:
         """The model's prompt encoder, read from its folder here on first use (None where
         this sampler was not told the folder)."""
-        if self._encoder is None and self.model is not None:
-            self._encoder = PromptEncoder.from_folder(self.model)
+        if self._encoder is None and self.model is not None:  # (a known name: its folder)
+            self._encoder = PromptEncoder.from_folder(resolve(self.model))
         return self._encoder
 
     def _wait(self, coro, what: str, timeout: float = CALL_TIMEOUT_S):
