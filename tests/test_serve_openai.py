@@ -220,7 +220,10 @@ def test_served_results_say_which_weights_made_their_tokens(tiny_model):
         assert result["weight_version"] == 8
         lines = _stream_lines(f"{url}/rollout/stream", {"request": go_on})
         chunks = [line["chunk"] for line in lines[:-1]]
-        assert [c["weight_version"] for c in chunks if c["token_ids"]] == [8, 8]
+        # The 2 new tokens, all from version 8 (one chunk or two: a busy machine may hand
+        # over both at once).
+        streamed = [(c["weight_version"], len(c["token_ids"])) for c in chunks if c["token_ids"]]
+        assert {v for v, _ in streamed} == {8} and sum(n for _, n in streamed) == 2, streamed
         assert lines[-1]["completion"]["results"][0]["weight_versions"] == mixed
 
 
