@@ -108,8 +108,11 @@ class Lifecycle:
         """Raise what keeps every request out for good, or until a full weight update."""
         with self._gate:
             self._check_open()
-            if self.dirty is not None:
-                raise WeightsDirtyError(f"backend {self.name!r}: {self.dirty}")
+            self._check_clean()
+
+    def _check_clean(self) -> None:
+        if self.dirty is not None:
+            raise WeightsDirtyError(f"backend {self.name!r}: {self.dirty}")
 
     def _check_open(self) -> None:
         if self._dead is not None:
@@ -131,8 +134,7 @@ class Lifecycle:
                 self._check_open()
                 waiting = self.busy
                 if not waiting:
-                    if self.dirty is not None:
-                        raise WeightsDirtyError(f"backend {self.name!r}: {self.dirty}")
+                    self._check_clean()
                     if not self.released:
                         self._running += 1
                         return
