@@ -32,6 +32,8 @@ from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, Completion
     bad_field, model_not_found
 from rollout.apps.serving.responses_api import STORE_SIZE, ResponsesCall, ResponseStore, \
     message_item, output_text
+from rollout.apps.serving import anthropic_api
+from rollout.apps.serving.anthropic_api import MessagesCall
 from rollout.service.client import CALL_HEADER
 from rollout.service.service import CALL, Service
 from rollout.weights.receive import OpenUpdates
@@ -42,6 +44,7 @@ from rollout.apps.tool_parsers import DEFAULT_PARSER, load_tool_parser
 log = logging.getLogger("rollout.serve")
 
 MAX_BODY_BYTES = 64 << 20
+ANTHROPIC_ROUTES = "/v1/messages"  # errors in Anthropic's shape
 SESSION_HEADER = "X-Session-ID"  # the requests of one session go to one replica
 SHUTDOWN_GRACE_S = 5.0
 WEIGHT_STEPS = ("group", "bucket", "end", "cancel")
@@ -78,6 +81,8 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
         web.post("/v1/chat/completions", routes.chat),
         web.post("/v1/responses", routes.responses),
         web.get("/v1/responses/{id}", routes.stored_response),
+        web.post("/v1/messages", routes.messages),
+        web.post("/v1/messages/count_tokens", routes.count_tokens),
         web.get("/v1/models", routes.models),
         web.get("/v1/models/{model}", routes.model),
         web.get("/health", routes.health),
@@ -133,20 +138,35 @@ class _Routes:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         call = ResponsesCall(await _json(request), self.model_name, self.tool_parser,
                              self.stored, adapters=self.service.adapters())
-        session = request.headers.get(SESSION_HEADER)
-        (one,) = [attrs.evolve(r, session_id=session) if session else r for r in call.requests]
+        (one,) = _in_session(request, call.requests)
         if call.stream:
             return await _stream_response(request, self.service, call, one)
         (completion,) = await _all([self.service.generate(one)])
         return web.json_response(call.response(completion))
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        call = MessagesCall(await _json(request), self.model_name, self.tool_parser,
+                            adapters=self.service.adapters())
+        (one,) = _in_session(request, call.requests)
+        if call.stream:
+            return await _messages_stream(request, self.service, call, one)
+        (completion,) = await _all([self.service.generate(one)])
+        return web.json_response(call.message(completion))
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """The prompt's length as the engine reads it: one token is made to learn it
+        (the server may front replicas and has no tokenizer of its own)."""
+        call = MessagesCall(await _json(request), self.model_name, self.tool_parser,
+                            adapters=self.service.adapters(), count=True)
+        (completion,) = await _all([self.service.generate(call.requests[0])])
+        call.check(completion)
+        return web.json_response({"input_tokens": completion.results[0].prompt_tokens})
+
     async def stored_response(self, request: web.Request) -> web.Response:
         return web.json_response(self.stored.get(request.match_info["id"], "id")[1])
 
     async def _openai(self, request: web.Request, call: Call) -> web.StreamResponse:
-        session = request.headers.get(SESSION_HEADER)
-        if session:
-            call.requests = [attrs.evolve(r, session_id=session) for r in call.requests]
+        call.requests = _in_session(request, call.requests)
         if call.stream:
             return await _stream(request, self.service, call)
         # A client that goes away cancels this handler, and so its requests in the engine.
@@ -421,6 +441,12 @@ async def _all(calls) -> list:
             task.cancel()
 
 
+def _in_session(request: web.Request, requests: list[Request]) -> list[Request]:
+    """The requests, labelled with the session that the call's header names."""
+    session = request.headers.get(SESSION_HEADER)
+    return [attrs.evolve(r, session_id=session) for r in requests] if session else requests
+
+
 def _tags_of(body) -> list[str] | None:
     if not isinstance(body, dict) or set(body) - {"tags"}:
         raise ApiError(400, 'the body must be {"tags": ["weights", "kv_cache"] or null}',
@@ -612,6 +638,57 @@ async def _send_output(output: list, streamed_id: str | None, send) -> None:
         await send("response.output_item.done", **at, item=item)
 
 
+async def _messages_stream(request: web.Request, service: Service, call: MessagesCall,
+                           one: Request) -> web.StreamResponse:
+    """A /v1/messages stream: Anthropic's events. Text comes as it is made (but for the
+    characters that may begin a stop sequence); an answer read for tool calls, when it is
+    done. Until the first event, a call that fails answers with an ordinary error."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+
+    async def send(kind: str, event: dict) -> None:
+        if not response.prepared:
+            await response.prepare(request)
+            await send("message_start", {"type": "message_start",
+                                         "message": call.skeleton()})
+        await response.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
+
+    text, sent = "", 0
+    stream = service.stream(one)
+    try:
+        async for chunk in stream:
+            text += chunk.text
+            ready = len(text) - call.held_back
+            if call.streams_text and ready > sent:
+                if not sent:
+                    await send(*anthropic_api.block_start(0, {"type": "text", "text": ""}))
+                await send(*anthropic_api.delta(0, {"type": "text_delta",
+                                                    "text": text[sent:ready]}))
+                sent = ready
+        completion = stream.completion
+    except RolloutError as exc:
+        if not response.prepared:
+            raise
+        completion = Completion(one.id, error=exc)
+    except ConnectionResetError:  # the client went away
+        return response
+    finally:
+        await stream.aclose()
+    try:
+        closing = anthropic_api.events(call, completion, sent)
+    except ApiError as error:
+        if not response.prepared:
+            raise
+        service.metrics.error(error, _error_kind(error, error))
+        await send("error", anthropic_api.error_body(error))
+        await response.write_eof()
+        return response
+    for kind, event in closing:
+        await send(kind, event)
+    await response.write_eof()
+    return response
+
+
 def _errors_middleware(metrics: ServerMetrics):
     @web.middleware
     async def errors(request: web.Request, handler) -> web.StreamResponse:
@@ -624,7 +701,9 @@ def _errors_middleware(metrics: ServerMetrics):
                 raise  # a redirect is no error
             error = _api_error(exc, request)
             metrics.error(exc, _error_kind(exc, error))
-        return web.json_response(error.body(), status=error.status, headers=error.headers)
+        body = anthropic_api.error_body(error) if request.path.startswith(ANTHROPIC_ROUTES) \
+            else error.body()
+        return web.json_response(body, status=error.status, headers=error.headers)
 
     return errors
 
@@ -649,15 +728,19 @@ def _error_kind(exc: Exception, error: ApiError) -> str:
 
 
 def _auth_middleware(api_key: str | None, public: set[str]):
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    """The key as OpenAI's clients send it (Authorization: Bearer) or Anthropic's
+    (x-api-key)."""
+    expected = api_key.encode() if api_key else None
 
     @web.middleware
     async def auth(request: web.Request, handler) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
-        if expected is not None and request.path not in public \
-                and not hmac.compare_digest(given, expected):
-            raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                           code="invalid_api_key")
+        if expected is not None and request.path not in public:
+            bearer = request.headers.get("Authorization", "")
+            given = bearer.removeprefix("Bearer ") if bearer.startswith("Bearer ") \
+                else request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(given.encode(), expected):
+                raise ApiError(401, "missing or wrong API key (send Authorization: Bearer "
+                               "KEY, or x-api-key: KEY)", code="invalid_api_key")
         return await handler(request)
 
     return auth
