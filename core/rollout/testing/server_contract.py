@@ -731,8 +731,8 @@ class ServerContract:
                                   max_output_tokens=2)
 
     @pytest.mark.parametrize("field, value", [
-        ("reasoning", {"effort": "high"}), ("tools", [{"type": "web_search"}]),
-        ("include", ["reasoning.encrypted_content"]), ("truncation", "auto"),
+        ("reasoning", {"effort": "extreme"}), ("tools", [{"type": "computer_use_preview"}]),
+        ("include", ["message.output_text.logprobs"]), ("truncation", "auto"),
         ("background", True)])
     def test_responses_refuse_what_they_do_not_offer_naming_it(self, server, field, value):
         status, body = http(f"{server.url}/v1/responses",

@@ -49,8 +49,11 @@ BLOCK_FIELDS = {
     "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
     "thinking": {"type", "thinking", "signature"},
     "redacted_thinking": {"type", "data"},
+    # In a tool search's result: the deferred tool it names is offered from then on.
+    "tool_reference": {"type", "tool_name"},
 }
-TOOL_FIELDS = ("type", "name", "description", "input_schema", "cache_control", "strict")
+TOOL_FIELDS = ("type", "name", "description", "input_schema", "cache_control", "strict",
+               "defer_loading")
 # Tools that Anthropic's servers run (web search and fetch, code execution): a harness
 # offers them for Claude; a model served here is not offered them (docs/serving.md).
 SERVER_TOOL = re.compile(r"(web_search|web_fetch|code_execution)_\d{8}$")
@@ -105,7 +108,7 @@ class MessagesCall:
         if fmt is not None:
             chat["response_format"] = fmt
         _context_management(body.get("context_management"))
-        tools = _tools(body.get("tools"))
+        tools = _tools(body.get("tools"), _referenced(body.get("messages")))
         if tools:
             chat["tools"] = tools
         chat.update(_tool_choice(body.get("tool_choice"), tools))
@@ -266,17 +269,17 @@ def _stop_sequences(given: Any) -> list[str]:
     return given
 
 
-def _system(system: Any) -> list[dict]:
+def _system(system: Any, where: str = "system") -> list[dict]:
     """`system`, a string or text blocks, as one system message (none if empty)."""
     if system is None or system == "":
         return []
     if isinstance(system, str):
         return [{"role": "system", "content": system}]
     if not isinstance(system, list):
-        raise bad_field("system", f"got {_short(system)}", "a string, or a list of text blocks")
+        raise bad_field(where, f"got {_short(system)}", "a string, or a list of text blocks")
     texts = []
     for i, block in enumerate(system):
-        _check_block(block, f"system[{i}]", ("text",))
+        _check_block(block, f"{where}[{i}]", ("text",))
         if not block["text"].startswith(BILLING_HEADER):
             texts.append(block["text"])
     return [{"role": "system", "content": "".join(texts)}] if texts else []
@@ -290,11 +293,13 @@ def _messages(given: Any) -> list[dict]:
     for i, message in enumerate(given):
         where = f"messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in ("user", "assistant") or set(message) - {"role", "content"}:
+        if role not in ("user", "assistant", "system") or set(message) - {"role", "content"}:
             raise bad_field(where, f"got {_short(message)}",
-                            '{"role": "user" or "assistant", "content"}')
+                            '{"role": "user", "assistant" or "system", "content"}')
         content = message.get("content")
-        if isinstance(content, str):
+        if role == "system":  # where Claude Code puts its context: a system message there
+            out.extend(_system(content, f"{where}.content"))
+        elif isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
             out.extend(_user_turn(content, where) if role == "user"
@@ -360,9 +365,10 @@ def _tool_result(block: dict, where: str) -> list[dict]:
         texts = []
         for k, part in enumerate(content):
             at = f"{where}.content[{k}]"
-            if _check_block(part, at, ("text", "image")) == "text":
+            kind = _check_block(part, at, ("text", "image", "tool_reference"))
+            if kind == "text":
                 texts.append(part["text"])
-            else:
+            elif kind == "image":
                 images.append(_part(part, at))
         text = "\n".join(texts)
     else:
@@ -405,8 +411,22 @@ def _part(block: dict, where: str) -> dict:
             "image_url": {"url": f"data:{source['media_type']};base64,{source['data']}"}}
 
 
-def _tools(given: Any) -> list[dict]:
-    """Client tools as chat function tools; Anthropic's server tools left out."""
+def _referenced(messages: Any) -> set[str]:
+    """The tools that tool_reference blocks in tool results name."""
+    names = set()
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for block in content if isinstance(content, list) else ():
+            if isinstance(block, dict) and block.get("type") == "tool_result" \
+                    and isinstance(block.get("content"), list):
+                names.update(p.get("tool_name") for p in block["content"]
+                             if isinstance(p, dict) and p.get("type") == "tool_reference")
+    return names
+
+
+def _tools(given: Any, referenced: set[str] = frozenset()) -> list[dict]:
+    """Client tools as chat function tools. As Anthropic's: a tool with `defer_loading`
+    is offered only once a tool search's result names it; server tools are left out."""
     if given is None:
         return []
     if not isinstance(given, list):
@@ -423,6 +443,12 @@ def _tools(given: Any) -> list[dict]:
         extra = sorted(set(tool) - set(TOOL_FIELDS))
         if extra:
             raise bad_field(f"tools[{i}].{extra[0]}", "unknown field", ", ".join(TOOL_FIELDS))
+        deferred = tool.get("defer_loading")
+        if deferred is not None and not isinstance(deferred, bool):
+            raise bad_field(f"tools[{i}].defer_loading", f"got {_short(deferred)}",
+                            "true or false")
+        if deferred and tool.get("name") not in referenced:
+            continue
         function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
         for key in ("description", "strict"):
             if tool.get(key) is not None:

@@ -23,7 +23,7 @@ FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_to
           "temperature", "top_p", "max_output_tokens", "stream", "previous_response_id",
           "store", "text", "include", "truncation", "seed", "top_k", "stop",
           "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p",
-          "ignore_eos", "logit_bias", "structured_outputs")
+          "ignore_eos", "logit_bias", "structured_outputs", "reasoning", "client_metadata")
 # Taken through to the chat call under the same name.
 PASSED = ("temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "stop",
           "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p",
@@ -32,13 +32,30 @@ REFUSED = {
     "conversation": ((None,), "conversations are not stored here; send previous_response_id "
                               "or the whole input"),
     "prompt": ((None,), "stored prompts are not supported"),
-    "reasoning": ((None, {}), "reasoning settings are not supported"),
     "background": ((None, False), "background responses are not supported"),
     "context_management": ((None,), "not supported"),
     "max_tool_calls": ((None,), "not supported; use tool_choice and parallel_tool_calls"),
     "top_logprobs": ((None, 0), "logprobs are not offered on /v1/responses; use "
                                 "/v1/chat/completions"),
 }
+
+
+# What a harness sends for a reasoning model, which changes nothing for one without
+# reasoning (docs/serving.md): checked, then taken.
+REASONING = {"effort": (None, "none", "minimal", "low", "medium", "high", "xhigh"),
+             "summary": (None, "auto", "concise", "detailed"),
+             "generate_summary": (None, "auto", "concise", "detailed")}
+VERBOSITY = (None, "low", "medium", "high")
+# `include` asks for extra output: of reasoning items and of tools run elsewhere, none is
+# ever made here, so there is nothing to include; logprobs are not offered on this route.
+INCLUDABLE = ("reasoning.encrypted_content", "web_search_call.action.sources",
+              "web_search_call.results", "file_search_call.results",
+              "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+              "message.input_image.image_url")
+# Tools that OpenAI's servers run, and Codex's namespaces of tools: a harness offers them
+# for OpenAI's models; the model served here is not offered them (docs/serving.md).
+NOT_OFFERED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter",
+                     "image_generation", "mcp", "namespace")
 
 
 class ResponseStore:
@@ -90,10 +107,12 @@ class ResponsesCall:
                 **{k: body[k] for k in PASSED if body.get(k) is not None}}
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
-        if body.get("tools"):
-            chat["tools"] = _tools(body["tools"])
-        if body.get("tool_choice") is not None:
-            chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        tools = _tools(body["tools"]) if body.get("tools") is not None else []
+        if tools:
+            chat["tools"] = tools
+        choice = body.get("tool_choice")
+        if choice is not None and (tools or choice not in ("auto", "none")):
+            chat["tool_choice"] = _tool_choice(choice)  # (auto among no tools: none)
         fmt = _format(body.get("text"))
         if fmt is not None:
             chat["response_format"] = fmt
@@ -179,9 +198,19 @@ def _usage(result: Result) -> dict:
 def _check_fields(body: dict) -> None:
     check_fields(body, FIELDS, {**UNSUPPORTED_FIELDS, **REFUSED})
     include = body.get("include")
-    if include not in (None, []):
-        raise bad_field("include", f"got {_short(include)}: no extra output is offered",
-                        "[] or left out")
+    if include is not None and (not isinstance(include, list) or not all(
+            i in INCLUDABLE for i in include)):
+        raise bad_field("include", f"got {_short(include)}: no other extra output is "
+                        "offered (logprobs are on /v1/chat/completions)",
+                        "a list of " + ", ".join(INCLUDABLE))
+    reasoning = body.get("reasoning")
+    if reasoning is not None and (not isinstance(reasoning, dict) or any(
+            reasoning.get(k) not in REASONING.get(k, ()) for k in reasoning)):
+        raise bad_field("reasoning", f"got {_short(reasoning)}", "an object with " + "; ".join(
+            f"{k}: {', '.join(map(str, v[1:]))}" for k, v in REASONING.items()))
+    metadata = body.get("client_metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad_field("client_metadata", f"got {_short(metadata)}", "an object")
     if body.get("truncation") not in (None, "disabled"):
         raise bad_field("truncation", f"got {_short(body['truncation'])}: a prompt too long "
                         "for the model is refused, not cut", "disabled")
@@ -247,9 +276,12 @@ def _tools(tools: Any) -> list[dict]:
         raise bad_field("tools", f"got {_short(tools)}", "a list of function tools")
     out = []
     for i, tool in enumerate(tools):
+        if isinstance(tool, dict) and tool.get("type") in NOT_OFFERED_TOOLS:
+            continue
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise bad_field(f"tools[{i}]", f"got {_short(tool)}: only function tools are "
-                            "served here", '{"type": "function", "name", "parameters"}')
+                            "served here", '{"type": "function", "name", "parameters"}, or '
+                            "one of " + ", ".join(NOT_OFFERED_TOOLS) + " (not offered)")
         function = {k: v for k, v in tool.items() if k != "type"}
         out.append({"type": "function", "function": function})
     return out
@@ -267,7 +299,7 @@ def _format(text: Any) -> dict | None:
         return None
     fmt = text.get("format") if isinstance(text, dict) else None
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or \
-            text.get("verbosity") not in (None, "medium"):
+            text.get("verbosity") not in VERBOSITY:
         raise bad_field("text", f"got {_short(text)}", '{"format": {...}}')
     if fmt is None:
         return None
