@@ -300,13 +300,17 @@ def _generate_settings(options: dict):
               help="A LoRA adapter (a PEFT folder) served as model NAME; repeatable. The "
                    "backend must take adapters (vllm: -o engine_args='{\"enable_lora\": "
                    "true}').")
+@click.option("--sessions-kept", type=int, default=1000, show_default=True,
+              help="Agent sessions recorded with their exact tokens (GET "
+                   "/rollout/sessions/ID; docs/agents.md), the least recently used "
+                   "going first; 0 records none.")
 @click.option("--watch-parent", type=int, hidden=True,
               help="Exit when this process is gone (for replicas started by a pool).")
 @ray_options
 def serve(backend, model, mode, replicas, placement, host, port, served_model_name, api_key,
           backend_option, tool_call_parser, replica_restarts, replica_keep_weights,
           max_running, max_waiting, responses_kept, public_metrics, log_format, log_level,
-          log_prompts, lora,
+          log_prompts, lora, sessions_kept,
           watch_parent, ray_address, ray_gpus, ray_cpus, ray_memory, ray_resource,
           ray_strategy) -> None:
     """Serve a backend over an OpenAI-compatible HTTP API."""
@@ -349,12 +353,22 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
         await serve_http(service, model_name=served_model_name or model,
                          api_key=api_key, tool_parser=tool_call_parser, sock=sock,
                          public_metrics=public_metrics, log_prompts=log_prompts,
-                         responses_kept=responses_kept, lora_modules=lora_modules)
+                         responses_kept=responses_kept, lora_modules=lora_modules,
+                         sessions_kept=sessions_kept, encoder=lambda: _encoder(service, model))
 
     try:
         _run_on_engine_loop(run())
     except RolloutError as exc:
         _fail(exc)
+
+
+def _encoder(service, model: str):
+    """The model's prompt encoder: the service's own, else read from the model's folder
+    (replicas run elsewhere)."""
+    from rollout.kit.models import resolve
+    from rollout.kit.prompts import PromptEncoder
+
+    return getattr(service, "encoder", None) or PromptEncoder.from_folder(resolve(model))
 
 
 def _run_on_engine_loop(coro) -> None:

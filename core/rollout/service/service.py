@@ -78,6 +78,7 @@ class LocalService:
 
     def __init__(self, rollout: Rollout, name: str, limits: Limits = UNBOUNDED):
         self.rollout = rollout
+        self.encoder = rollout.encoder  # the server's sessions continue prompts with it
         self.name = name
         self.gate = Gate(limits)
         self.stopped = StoppedCalls()

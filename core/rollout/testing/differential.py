@@ -31,7 +31,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
-          "/v1/responses": "responses"}
+          "/v1/responses": "responses", "/v1/messages": "messages"}
+# The routes of OpenAI's APIs (`draw_cases(api="openai")`, the recording); /v1/messages is
+# Anthropic's (`draw_cases(api="messages")`, the harnesses' recorded calls).
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 VOCAB = 512           # the tiny model's vocabulary (rollout.kit.tiny_model)
 LOGPROB_TOL = 2e-3    # float32 on one engine build; batches of other sizes move the last bits
 
@@ -65,6 +68,29 @@ def load_recording(path: str | Path, model: str = "tiny") -> list[Case]:
             if "model" in body:
                 body["model"] = model
             cases.append(Case(item["path"], body, item.get("source", "recorded")))
+    return cases
+
+
+# A recorded harness call's own token limit (Claude Code asks for 32,000) lowered, and its
+# sample made greedy, so that it runs fast and is compared exactly.
+HARNESS_MAX_TOKENS = 12
+
+
+def load_harness(paths, model: str = "tiny", max_tokens: int = HARNESS_MAX_TOKENS,
+                 plain_too: bool = True) -> list[Case]:
+    """The recorded calls of agent harnesses (tests/data/harnesses/*.json: method, path,
+    query, headers, body) as cases: the body, `model` set to the served name, `max_tokens`
+    lowered and `temperature` 0. A streamed call is also sent plain (`plain_too`). The
+    source is the file's name up to its first "-" (`claude_code`)."""
+    cases = []
+    for path in sorted(map(Path, paths)):
+        record = json.loads(path.read_text())
+        body = {**record["body"], "model": model, "max_tokens": max_tokens,
+                "temperature": 0.0}
+        source = path.name.split("-", 1)[0]
+        cases.append(Case(record["path"], body, source))
+        if plain_too and body.get("stream"):
+            cases.append(Case(record["path"], {**body, "stream": False}, source))
     return cases
 
 
@@ -271,17 +297,102 @@ def _strategies():
             body["top_p"] = draw(st.sampled_from([1.0, 0.5]))
         return Case("/v1/responses", body)
 
-    return st.one_of(completions(), completions(), chat(), chat(), responses())
+    # --- Anthropic's Messages API (/v1/messages) ---------------------------------------
+    # No `seed` there (on either server): a sample is compared exactly only when greedy
+    # (temperature 0), and otherwise by its shape (`_normalize_messages`).
+    block = st.builds(lambda t: {"type": "text", "text": t}, text)
+    blocks = st.lists(block, min_size=1, max_size=2)
+    said = text | blocks
+    system = st.one_of(text, blocks, st.builds(
+        lambda b: [{**b[0], "cache_control": {"type": "ephemeral"}}, *b[1:]], blocks))
+    plain_turn = st.builds(lambda role, c: [{"role": role, "content": c}],
+                           st.sampled_from(["user", "assistant"]), said)
+    result_content = st.one_of(text, blocks, st.just(""))
+
+    def exchange_turns(name, args, before, result, error, after):
+        use = {"type": "tool_use", "id": "toolu_1", "name": name, "input": args}
+        answer = {"type": "tool_result", "tool_use_id": "toolu_1", "content": result}
+        if error is not None:
+            answer["is_error"] = error
+        return [{"role": "assistant", "content": before + [use]},
+                {"role": "user", "content": [answer] + after}]
+
+    tool_exchange = st.builds(
+        exchange_turns, st.sampled_from(["get_weather", "add"]),
+        st.dictionaries(st.sampled_from(["a", "b"]), st.integers(0, 9), max_size=2),
+        st.lists(block, max_size=1), result_content, st.sampled_from([None, None, True]),
+        st.lists(block, max_size=1))
+    anthropic_history = st.lists(plain_turn | tool_exchange, max_size=2).map(
+        lambda turns: [m for t in turns for m in t])
+    anthropic_tool = st.builds(
+        lambda name, description, schema, strict: {
+            "name": name, **({"description": description} if description else {}),
+            "input_schema": schema, **({"strict": strict} if strict is not None else {})},
+        st.sampled_from(["get_weather", "add", "lookup", "f"]), st.none() | text,
+        object_schema, st.sampled_from([None, None, None, False, True]))
+    anthropic_tools = st.lists(anthropic_tool, min_size=1, max_size=2,
+                               unique_by=lambda t: t["name"])
+
+    def anthropic_choice(tools_):
+        return st.builds(
+            lambda choice, parallel: {**choice, **(
+                {"disable_parallel_tool_use": parallel} if parallel is not None else {})},
+            st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
+                             *({"type": "tool", "name": t["name"]} for t in tools_)]),
+            st.sampled_from([None, None, None, False, True]))
+
+    @st.composite
+    def messages_call(draw) -> Case:
+        body: dict = {"model": "tiny", "max_tokens": draw(st.integers(1, 10)),
+                      "messages": draw(anthropic_history) + [
+                          {"role": "user", "content": draw(said)}]}
+        if draw(st.booleans()):
+            body["system"] = draw(system)
+        # Greedy most of the time (compared exactly); else a free sample, at the default
+        # temperature (1) or a given one.
+        greedy = draw(st.sampled_from([True, True, True, False]))
+        if greedy:
+            body["temperature"] = 0.0
+        elif draw(st.booleans()):
+            body["temperature"] = draw(st.sampled_from([0.5, 1.0]))
+        optional = {
+            "top_p": st.sampled_from([1.0, 0.9, 0.5]),
+            "top_k": st.sampled_from([1, 5, 40]),
+            "stop_sequences": st.sampled_from([["a"], ["e", " "], ["xyz"], [], ["\n"]]),
+            "metadata": st.just({"user_id": "someone"}),
+        }
+        for name, strategy in optional.items():
+            if draw(st.integers(0, 3)) == 0:
+                body[name] = draw(strategy)
+        if draw(st.integers(0, 3)) == 0:
+            body["tools"] = draw(anthropic_tools)
+            if draw(st.integers(0, 3)) > 0:
+                body["tool_choice"] = draw(anthropic_choice(body["tools"]))
+        if draw(st.integers(0, 2)) == 0:
+            body["stream"] = True
+        # Rare ones on a middle value: Hypothesis favours the ends of a range.
+        rare = draw(st.integers(0, 40))
+        if rare == 17:  # a field neither knows (a typo, or OpenAI's)
+            body[draw(st.sampled_from(["temprature", "seed", "max_completion_tokens"]))] = 1
+        elif rare == 23:  # both refuse
+            body["max_tokens"] = 0
+        elif rare == 29:  # Claude Code's context: a system message among the others
+            body["messages"].insert(-1, {"role": "system", "content": draw(said)})
+        return Case("/v1/messages", body)
+
+    return {"openai": st.one_of(completions(), completions(), chat(), chat(), responses()),
+            "messages": messages_call()}
 
 
-def cases():
-    """A Hypothesis strategy of `Case`s over the three routes."""
-    return _strategies()
+def cases(api: str = "openai"):
+    """A Hypothesis strategy of `Case`s: over OpenAI's three routes (`api` "openai"), or
+    Anthropic's /v1/messages ("messages")."""
+    return _strategies()[api]
 
 
-def draw_cases(count: int, seed: int = 0) -> list[Case]:
-    """`count` distinct cases drawn by Hypothesis from `seed`: the same ones on every run
-    of one version of the strategies."""
+def draw_cases(count: int, seed: int = 0, api: str = "openai") -> list[Case]:
+    """`count` distinct cases of `api` (see `cases`) drawn by Hypothesis from `seed`: the
+    same ones on every run of one version of the strategies."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as seeded
 
@@ -291,7 +402,7 @@ def draw_cases(count: int, seed: int = 0) -> list[Case]:
     @seeded(seed)
     @settings(max_examples=2 * count, database=None, phases=[Phase.generate],
               deadline=None, suppress_health_check=list(HealthCheck))
-    @given(cases())
+    @given(cases(api))
     def collect(case):
         drawn.append(case)
 
@@ -360,6 +471,8 @@ def assemble(case: Case, events: list[dict]) -> dict:
     errors = [d for d in datas if "error" in d and "choices" not in d and "type" not in d]
     shape = {"ends_with_done": bool(events) and events[-1]["event"] == "[DONE]",
              "error_events": len(errors)}
+    if case.path == "/v1/messages":
+        return _assemble_message(events)
     if case.path == "/v1/responses":
         types = [e["event"] or e["data"].get("type") for e in events if e["data"] is not None]
         final = next((d["response"] for d in reversed(datas)
@@ -401,6 +514,68 @@ def assemble(case: Case, events: list[dict]) -> dict:
             "choices": [choices[i] for i in sorted(choices)], "usage": usage, "stream": shape}
     if prompt_ids is not None:
         body["prompt_token_ids"] = prompt_ids
+    return body
+
+
+def _assemble_message(events: list[dict]) -> dict:
+    """Anthropic's events as the message they add up to (as the anthropic SDK accumulates
+    them: message_start's message, each block from its start and deltas, message_delta's
+    stop_reason, stop_sequence and usage over message_start's), plus the stream's shape:
+    the events' order, each block started, changed and stopped in turn, an error event,
+    and message_start's usage (compared apart: it is what a client knows first)."""
+    message: dict | None = None
+    blocks: dict[int, dict] = {}
+    partial: dict[int, str] = {}
+    open_, order_ok, kinds = set(), True, []
+    start_usage = None
+    for e in events:
+        data = e["data"]
+        if not isinstance(data, dict):
+            continue
+        kind = e["event"] or data.get("type")
+        kinds.append(kind)
+        if kind == "message_start":
+            message = copy.deepcopy(data.get("message") or {})
+            start_usage = copy.deepcopy(message.get("usage"))
+            order_ok &= len(kinds) == 1 and message.get("content") == []
+        elif kind == "content_block_start":
+            index = data.get("index")
+            order_ok &= index == len(blocks) and not open_
+            blocks[index] = copy.deepcopy(data.get("content_block") or {})
+            open_.add(index)
+        elif kind == "content_block_delta":
+            index, change = data.get("index"), data.get("delta") or {}
+            order_ok &= index in open_
+            into = blocks.setdefault(index, {})
+            if change.get("type") == "text_delta":
+                into["text"] = into.get("text", "") + (change.get("text") or "")
+            elif change.get("type") == "input_json_delta":
+                partial[index] = partial.get(index, "") + (change.get("partial_json") or "")
+            else:
+                into.setdefault("other_deltas", []).append(change.get("type"))
+        elif kind == "content_block_stop":
+            index = data.get("index")
+            order_ok &= index in open_
+            open_.discard(index)
+        elif kind == "message_delta" and message is not None:
+            change = data.get("delta") or {}
+            for key in ("stop_reason", "stop_sequence"):
+                if key in change:
+                    message[key] = change[key]
+            message["usage"] = {**(message.get("usage") or {}), **(data.get("usage") or {})}
+    for index, text in partial.items():
+        try:
+            blocks[index]["input"] = json.loads(text) if text else {}
+        except ValueError:
+            blocks[index]["input"] = text   # not JSON: compared as the text it is
+    if message is not None:
+        message["content"] = [blocks[i] for i in sorted(blocks)]
+    body = message if message is not None else {}
+    body["stream"] = {
+        "event_order": order_ok and not open_ and kinds[-2:] == ["message_delta",
+                                                                "message_stop"],
+        "event_types": sorted(set(kinds)), "error_events": kinds.count("error"),
+        "start_usage": start_usage}
     return body
 
 
@@ -483,6 +658,10 @@ IGNORED = {
     "tool_call_errors": "rollout's extension",
     # The stream's own shape (event kinds) is compared under `stream`; the final response
     # of a Responses stream is compared like a plain one.
+    # /v1/messages: a call's id (vLLM's chat call id, rollout's toolu_... ), and rollout's
+    # extension, as on the OpenAI routes.
+    "content[].id": "a fresh id per call",
+    "weight_versions": "rollout's extension: which weights made which tokens",
 }
 
 
@@ -627,10 +806,57 @@ def _normalize_responses(case: Case, body: dict) -> dict:
     return body
 
 
+STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+
+
+def _anthropic_usage(usage: Any) -> Any:
+    """A Messages usage as the prompt's whole length and the tokens made. Anthropic's
+    `input_tokens` leaves out the prefix cache's part (`cache_read_input_tokens`,
+    `cache_creation_input_tokens`); vLLM counts the cache only with
+    --enable-prompt-tokens-details (else its input_tokens is the whole prompt and the cache
+    fields are left out), and each server's cache holds what it ran before: the sum is
+    compared."""
+    if not isinstance(usage, dict):
+        return usage
+    whole = sum(usage.get(k) or 0 for k in ("input_tokens", "cache_read_input_tokens",
+                                            "cache_creation_input_tokens"))
+    return {"input_tokens": whole, "output_tokens": usage.get("output_tokens")}
+
+
+def _normalize_messages(case: Case, body: dict) -> dict:
+    if "usage" in body:
+        body["usage"] = _anthropic_usage(body["usage"])
+    stream = body.get("stream")
+    if isinstance(stream, dict) and "start_usage" in stream:
+        stream["start_usage"] = _anthropic_usage(stream["start_usage"])
+    if deterministic(case):
+        return body
+    # A free sample (no seed on this route): its shape. Each block well formed, a stop
+    # reason of Anthropic's, a stop sequence of the request's, no more tokens than asked.
+    names = {t.get("name") for t in case.body.get("tools") or [] if isinstance(t, dict)}
+    stops = case.body.get("stop_sequences") or []
+    content = body.get("content")
+    if isinstance(content, list):
+        body["content"] = all(isinstance(b, dict) and (
+            (b.get("type") == "text" and isinstance(b.get("text"), str))
+            or (b.get("type") == "tool_use" and b.get("name") in names
+                and isinstance(b.get("input"), dict))) for b in content)
+    if body.get("stop_reason") in STOP_REASONS:
+        body["stop_reason"] = "one of Anthropic's"
+    if body.get("stop_sequence") in stops:
+        body["stop_sequence"] = None if body.get("stop_reason") is None else "the request's"
+    usage = body.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
+        usage["output_tokens"] = usage["output_tokens"] <= case.body.get("max_tokens", 0)
+    return body
+
+
 def normalize(case: Case, outcome: Outcome) -> Any:
     body = copy.deepcopy(outcome.body)
     if not outcome.ok or not isinstance(body, dict):
         return body
+    if case.path == "/v1/messages":
+        return _normalize_messages(case, body)
     if case.path == "/v1/responses":
         if case.body.get("stream"):
             stream = body.get("stream")
@@ -779,6 +1005,10 @@ CALL_JSON = "calls held by rollout's own grammar (compact JSON, held to the sche
 def _calls_held(case: Case) -> bool:
     body = case.body
     choice = body.get("tool_choice")
+    if case.path == "/v1/messages":
+        choice = choice if isinstance(choice, dict) else {}
+        return bool(body.get("tools")) and choice.get("type") != "none" and (
+            _forced(case) or _strict(case) or choice.get("disable_parallel_tool_use") is True)
     return bool(body.get("tools")) and choice != "none" and (
         _forced(case) or _strict(case) or body.get("parallel_tool_calls") is False)
 
@@ -876,6 +1106,9 @@ def compare(case: Case, ref: Outcome, got: Outcome, index: int = -1,
         if not isinstance(error, dict) or not {"message", "type"} <= set(error):
             return [Difference(kind, "error", f"not an OpenAI error body: {_short(got.body)}",
                                index)]
+        if case.path == "/v1/messages" and got.body.get("type") != "error":
+            return [Difference(kind, "error", f"not an Anthropic error body: "
+                                              f"{_short(got.body)}", index)]
         return []
     exact = deterministic(case)
     found: list[tuple[str, str]] = []
@@ -894,6 +1127,13 @@ def compare(case: Case, ref: Outcome, got: Outcome, index: int = -1,
         got_body["output"] = []
         if "stream" in got_body and "stream" in ref_body:
             got_body["stream"]["event_types"] = ref_body["stream"]["event_types"]
+    if case.path == "/v1/messages" and ref_body.get("content") == [] and isinstance(
+            got_body.get("content"), list) and len(got_body["content"]) == 1 and \
+            got_body["content"][0].get("type") == "text" and \
+            not got_body["content"][0].get("text", "").strip("\ufffd"):
+        # vLLM's streamed text was empty (one cut character) and it sent no block at all.
+        found.append(("content[].text", CUT_CHARACTER))
+        got_body["content"] = []
     if not exact:
         for body in (ref_body, got_body):
             for choice in body.get("choices") or []:
@@ -903,7 +1143,9 @@ def compare(case: Case, ref: Outcome, got: Outcome, index: int = -1,
     if not exact:
         found = [(p, d) for p, d in found if p not in _SAMPLED_COUNTS]
     if found and _calls_held(case):
-        found = [("choices[]" if "choices" in ref_body else "output[]", CALL_JSON)]
+        where = "content[]" if case.path == "/v1/messages" else (
+            "choices[]" if "choices" in ref_body else "output[]")
+        found = [(where, CALL_JSON)]
     return [Difference(kind, path, detail, index) for path, detail in found]
 
 
@@ -1018,6 +1260,8 @@ OPEN: dict[str, Callable[[Case, Difference], bool]] = {}
 
 def _forced(case: Case) -> bool:
     choice = case.body.get("tool_choice")
+    if case.path == "/v1/messages":   # Anthropic's: {"type": "any"} or {"type": "tool"}
+        return isinstance(choice, dict) and choice.get("type") in ("any", "tool")
     return choice == "required" or isinstance(choice, dict)
 
 
@@ -1112,15 +1356,16 @@ STRUCTURED_OUTPUTS_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": Tr
 # CPU build dies ("CPU Generator does not use offset") when a seeded request is prefilled in
 # chunks (its model runner rewinds the request's generator, which CPU generators cannot),
 # and a budget of vLLM's default lets a long tool prompt push the others into chunks. The
-# same engine runs behind rollout, so both get it.
-STEP_TOKENS = 16384
+# same engine runs behind rollout, so both get it. It is also the context (`CONTEXT`, below):
+# vLLM's CPU build prefills a prompt whole, in one step, so a step takes the longest prompt.
+STEP_TOKENS = 32768
 
 
 def server_argvs(python: str, model: str, served: str, vllm_port: int,
                  rollout_port: int) -> dict[str, list[str]]:
     """vLLM's OpenAI server and `rollout serve --backend vllm` on the same model, float32
     and eager, with the same tool-call parser (hermes, the tiny model's format) and the
-    same structured-outputs settings."""
+    same structured-outputs settings. (vLLM's OpenAI server serves /v1/messages too.)"""
     return {
         "vllm": [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                  "--served-model-name", served, "--port", str(vllm_port), "--host",
@@ -1136,6 +1381,29 @@ def server_argvs(python: str, model: str, served: str, vllm_port: int,
     }
 
 
+# The context both servers get: Claude Code's recorded calls (load_harness) take 9-15k
+# tokens of the tiny model's, whose own config says 2,048 positions.
+CONTEXT = STEP_TOKENS
+
+
+def long_context_copy(model: str | Path, out: str | Path, positions: int = CONTEXT) -> Path:
+    """`model` with room for `positions` tokens: its files linked into `out`, config.json
+    rewritten with max_position_embeddings = `positions` (both servers then default to that
+    max_model_len). The tiny model's RoPE is unscaled, so its logits at every position it
+    had are the same; vLLM sizes its RoPE cache by max_position_embeddings, so the config
+    is changed rather than --max-model-len given (VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+    src, dst = Path(model), Path(out)
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        if item.name == "config.json":
+            config = json.loads(item.read_text())
+            config["max_position_embeddings"] = positions
+            (dst / item.name).write_text(json.dumps(config, indent=2))
+        elif not (dst / item.name).exists():
+            (dst / item.name).symlink_to(item.resolve())
+    return dst
+
+
 def decoder(model: str) -> Callable[[list[int]], str]:
     """The model's token ids to text, special tokens left out (as both servers write it)."""
     from transformers import AutoTokenizer
@@ -1145,7 +1413,10 @@ def decoder(model: str) -> Callable[[list[int]], str]:
 
 
 def server_env(core: int) -> dict[str, str]:
-    """Each server's engine on one core of its own."""
+    """Each server's engine on one core of its own, with a KV cache of 1 GiB (2M tokens of
+    the tiny model's): vLLM's own server otherwise wants 92% of the machine's memory free
+    when it starts (gpu_memory_utilization), which the other server, or anything else
+    running, denies it."""
     return {"VLLM_CPU_OMP_THREADS_BIND": str(core), "OMP_NUM_THREADS": "1",
-            "VLLM_SERVER_DEV_MODE": "1"}
+            "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 

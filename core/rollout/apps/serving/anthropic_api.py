@@ -127,8 +127,8 @@ class MessagesCall:
         except ApiError as exc:
             raise _renamed(exc) from None
 
-    def answer(self, completion: Completion) -> tuple[list[dict], str | None, str | None,
-                                                      Result]:
+    def content(self, completion: Completion) -> tuple[list[dict], str | None, str | None,
+                                                       Result]:
         """(content blocks, stop_reason, stop_sequence, result) of the finished call."""
         self.check(completion)
         result, stop = self.cut_stop(completion.results[0])
@@ -148,8 +148,11 @@ class MessagesCall:
                     return attrs.evolve(result, text=result.text[:-len(stop)]), stop
         return result, None
 
+    def answer(self, result: Result):
+        return self.chat.answer(self.cut_stop(result)[0])
+
     def message(self, completion: Completion) -> dict:
-        blocks, reason, stop, result = self.answer(completion)
+        blocks, reason, stop, result = self.content(completion)
         # An empty answer is one empty text block, as Anthropic's own (clients read
         # content[0]).
         return {**self.skeleton(), "content": blocks or [{"type": "text", "text": ""}],
@@ -195,7 +198,7 @@ def usage(result: Result) -> dict:
 def events(call: MessagesCall, completion: Completion, streamed: int) -> list[tuple[str, dict]]:
     """The events that end a stream: the rest of the text (after the `streamed`
     characters sent as they came), each tool call, `message_delta` and `message_stop`."""
-    blocks, reason, stop, result = call.answer(completion)
+    blocks, reason, stop, result = call.content(completion)
     out: list[tuple[str, dict]] = []
     index = 0
     for block in blocks:

@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import signal
 import socket
 import threading
@@ -27,6 +28,7 @@ from rollout.contract.errors import EngineDeadError, InvalidRequestError, NoRepl
     RolloutError, RolloutTimeoutError
 from rollout.contract.schemas import Chunk, Completion, Request
 from rollout.kit.images import refuse_paths
+from rollout.kit.prompts import PromptEncoder
 from rollout.apps.serving.prometheus import CONTENT_TYPE, Metered, ServerMetrics
 from rollout.apps.serving.openai_api import ApiError, Call, ChatCall, CompletionsCall, api_error, \
     bad_field, model_not_found
@@ -34,6 +36,8 @@ from rollout.apps.serving.responses_api import STORE_SIZE, ResponsesCall, Respon
     message_item, output_text
 from rollout.apps.serving import anthropic_api
 from rollout.apps.serving.anthropic_api import MessagesCall
+from rollout.apps.serving.sessions import MAX_SESSIONS, Recording, SessionGone, Sessions, \
+    session_of
 from rollout.service.client import CALL_HEADER
 from rollout.service.service import CALL, Service
 from rollout.weights.receive import OpenUpdates
@@ -44,8 +48,7 @@ from rollout.apps.tool_parsers import DEFAULT_PARSER, load_tool_parser
 log = logging.getLogger("rollout.serve")
 
 MAX_BODY_BYTES = 64 << 20
-ANTHROPIC_ROUTES = "/v1/messages"  # errors in Anthropic's shape
-SESSION_HEADER = "X-Session-ID"  # the requests of one session go to one replica
+ANTHROPIC_ROUTE = re.compile(r"(/sessions/[^/]+)?/v1/messages")  # errors in Anthropic's shape
 SHUTDOWN_GRACE_S = 5.0
 WEIGHT_STEPS = ("group", "bucket", "end", "cancel")
 LORA_LOAD_FIELDS = {"lora_name", "lora_path", "load_inplace", "version"}
@@ -63,26 +66,38 @@ TRL_NCCL_REASON = ("weight sync through vLLM's NCCL weight-transfer routes (TRL'
 def make_app(service: Service, model_name: str, api_key: str | None = None,
              tool_parser: str = DEFAULT_PARSER, public_metrics: bool = False,
              log_prompts: bool = False, responses_kept: int = STORE_SIZE,
-             lora_modules: Mapping[str, str] | None = None) -> web.Application:
+             lora_modules: Mapping[str, str] | None = None,
+             sessions_kept: int = MAX_SESSIONS,
+             encoder: Callable[[], PromptEncoder | None] | None = None) -> web.Application:
     """`public_metrics`: /metrics answers without the API key (for a scraper that has
     none); `log_prompts`: the debug line of each finished request carries its prompt;
     `responses_kept`: how many /v1/responses answers previous_response_id can name;
-    `lora_modules`: LoRA adapters (name -> PEFT folder) loaded before the server listens."""
+    `lora_modules`: LoRA adapters (name -> PEFT folder) loaded before the server listens;
+    `sessions_kept`: how many agent sessions are recorded (0: none); `encoder`: gives the
+    model's prompt encoder, whose chat template continues a session's tokens (by default
+    the service's own, where it has one)."""
     load_tool_parser(tool_parser)  # an unknown parser stops the server before it starts
     metrics = ServerMetrics(service, model_name, log_prompts)
+    sessions = Sessions(encoder or (lambda: getattr(service, "encoder", None)),
+                        sessions_kept) if sessions_kept else None
     routes = _Routes(Metered(service, metrics), model_name, tool_parser,
-                     ResponseStore(responses_kept))
+                     ResponseStore(responses_kept), sessions)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[
         _errors_middleware(metrics),
         _auth_middleware(api_key, {"/metrics"} if public_metrics else set())])
+    # Each sampling route also under /sessions/{session}, for a harness that can set its
+    # base URL and nothing else.
+    sampling = [(prefix + path, handler) for prefix in ("", "/sessions/{session}")
+                for path, handler in (("/v1/completions", routes.completions),
+                                      ("/v1/chat/completions", routes.chat),
+                                      ("/v1/responses", routes.responses),
+                                      ("/v1/messages", routes.messages),
+                                      ("/v1/messages/count_tokens", routes.count_tokens))]
     app.add_routes([
         web.get("/metrics", routes.metrics),
-        web.post("/v1/completions", routes.completions),
-        web.post("/v1/chat/completions", routes.chat),
-        web.post("/v1/responses", routes.responses),
+        *(web.post(path, handler) for path, handler in sampling),
         web.get("/v1/responses/{id}", routes.stored_response),
-        web.post("/v1/messages", routes.messages),
-        web.post("/v1/messages/count_tokens", routes.count_tokens),
+        web.get("/rollout/sessions/{session}", routes.session),
         web.get("/v1/models", routes.models),
         web.get("/v1/models/{model}", routes.model),
         web.get("/health", routes.health),
@@ -116,8 +131,9 @@ async def _not_served(request: web.Request) -> web.Response:
 
 class _Routes:
     def __init__(self, service: Service, model_name: str, tool_parser: str,
-                 responses: ResponseStore):
+                 responses: ResponseStore, sessions: Sessions | None):
         self.service = service
+        self.sessions = sessions
         self.stored = responses
         self.model_name = model_name
         self.tool_parser = tool_parser
@@ -127,30 +143,33 @@ class _Routes:
         self.update_started: dict[str, tuple[float, str]] = {}  # id -> (began, transport)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, CompletionsCall(
-            await _json(request), self.model_name, adapters=self.service.adapters()))
+        call = CompletionsCall(await _json(request), self.model_name,
+                               adapters=self.service.adapters())
+        return await self._openai(request, call, self._session(request, call, "completions"))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, ChatCall(
-            await _json(request), self.model_name, self.tool_parser,
-            adapters=self.service.adapters()))
+        call = ChatCall(await _json(request), self.model_name, self.tool_parser,
+                        adapters=self.service.adapters())
+        return await self._openai(request, call, self._session(request, call, "chat"))
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         call = ResponsesCall(await _json(request), self.model_name, self.tool_parser,
                              self.stored, adapters=self.service.adapters())
-        (one,) = _in_session(request, call.requests)
+        service = self._session(request, call, "responses")
+        (one,) = call.requests
         if call.stream:
-            return await _stream_response(request, self.service, call, one)
-        (completion,) = await _all([self.service.generate(one)])
+            return await _stream_response(request, service, call, one)
+        (completion,) = await _all([service.generate(one)])
         return web.json_response(call.response(completion))
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         call = MessagesCall(await _json(request), self.model_name, self.tool_parser,
                             adapters=self.service.adapters())
-        (one,) = _in_session(request, call.requests)
+        service = self._session(request, call, "messages")
+        (one,) = call.requests
         if call.stream:
-            return await _messages_stream(request, self.service, call, one)
-        (completion,) = await _all([self.service.generate(one)])
+            return await _messages_stream(request, service, call, one)
+        (completion,) = await _all([service.generate(one)])
         return web.json_response(call.message(completion))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
@@ -165,13 +184,38 @@ class _Routes:
     async def stored_response(self, request: web.Request) -> web.Response:
         return web.json_response(self.stored.get(request.match_info["id"], "id")[1])
 
-    async def _openai(self, request: web.Request, call: Call) -> web.StreamResponse:
-        call.requests = _in_session(request, call.requests)
+    def _session(self, request: web.Request, call, route: str):
+        """The service for this call. Where it names a session, its requests carry it (a
+        pool keeps a session on one replica), and a chat-like call of one sample is
+        recorded into it (rollout.apps.serving.sessions)."""
+        session = session_of(request.headers, request.match_info.get("session"), call.body,
+                             route)
+        if session is None:
+            return self.service
+        call.requests = [attrs.evolve(r, session_id=session) for r in call.requests]
+        if self.sessions is None or route == "completions" or len(call.requests) != 1:
+            return self.service
+        ticket = self.sessions.begin(session, call.requests[0], route, call.answer)
+        call.requests = [ticket.request]
+        return Recording(self.service, self.sessions, ticket)
+
+    async def _openai(self, request: web.Request, call: Call, service) -> web.StreamResponse:
         if call.stream:
-            return await _stream(request, self.service, call)
+            return await _stream(request, service, call)
         # A client that goes away cancels this handler, and so its requests in the engine.
-        completions = await _all(self.service.generate(r) for r in call.requests)
+        completions = await _all(service.generate(r) for r in call.requests)
         return web.json_response(call.response(completions))
+
+    async def session(self, request: web.Request) -> web.Response:
+        """A recorded session's branches (`?pop=true`: and no longer kept here)."""
+        if self.sessions is None:
+            raise ApiError(404, "sessions are not recorded by this server (--sessions-kept 0)",
+                           code="session_not_found")
+        take = self.sessions.pop if request.query.get("pop") == "true" else self.sessions.get
+        try:
+            return web.json_response(take(request.match_info["session"]))
+        except SessionGone as exc:
+            raise ApiError(404, exc.message, param="session", code=exc.kind) from None
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.service.metrics.render(),
@@ -441,12 +485,6 @@ async def _all(calls) -> list:
             task.cancel()
 
 
-def _in_session(request: web.Request, requests: list[Request]) -> list[Request]:
-    """The requests, labelled with the session that the call's header names."""
-    session = request.headers.get(SESSION_HEADER)
-    return [attrs.evolve(r, session_id=session) for r in requests] if session else requests
-
-
 def _tags_of(body) -> list[str] | None:
     if not isinstance(body, dict) or set(body) - {"tags"}:
         raise ApiError(400, 'the body must be {"tags": ["weights", "kv_cache"] or null}',
@@ -701,7 +739,7 @@ def _errors_middleware(metrics: ServerMetrics):
                 raise  # a redirect is no error
             error = _api_error(exc, request)
             metrics.error(exc, _error_kind(exc, error))
-        body = anthropic_api.error_body(error) if request.path.startswith(ANTHROPIC_ROUTES) \
+        body = anthropic_api.error_body(error) if ANTHROPIC_ROUTE.match(request.path) \
             else error.body()
         return web.json_response(body, status=error.status, headers=error.headers)
 

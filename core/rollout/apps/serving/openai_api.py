@@ -32,7 +32,7 @@ from rollout.contract.errors import (
     UnsupportedError,
     WeightsDirtyError,
 )
-from rollout.contract.schemas import Chunk, Completion, Request, Result, Tool
+from rollout.contract.schemas import Chunk, Completion, Message, Request, Result, Tool, ToolCall
 from rollout.apps.tool_parsers import DEFAULT_PARSER, ToolCallError, forced, load_tool_parser
 from rollout.apps.tool_parsers import strict as strict_schemas
 
@@ -384,6 +384,13 @@ class ChatCall(Call):
         return {"index": self.index(i, result), "message": message,
                 "logprobs": chat_logprobs(result), "finish_reason": finish_reason,
                 **self.token_ids(i, result), "weight_versions": weight_spans(result)}
+
+    def answer(self, result: Result) -> Message:
+        """The assistant message a client sends back for this sample in its next turn."""
+        message, _ = self.tools.message(result)
+        return Message("assistant", message["content"] or "", tool_calls=[
+            ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+            for c in message.get("tool_calls", ())])
 
     def opening_chunks(self) -> list[dict]:
         return [self.chunk([{"index": k, "delta": {"role": "assistant", "content": ""},

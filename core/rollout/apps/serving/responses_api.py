@@ -130,6 +130,9 @@ class ResponsesCall:
         except ApiError as exc:
             raise _renamed(exc) from None
 
+    def answer(self, result: Result):
+        return self.chat.answer(result)
+
     def response(self, completion: Completion, message_id: str | None = None) -> dict:
         """The response object for the finished request (stored unless store=false);
         `message_id`: its message item's id, where a stream has given it already."""
