@@ -174,3 +174,26 @@ def test_sessions_are_bounded_and_a_gone_one_is_a_404(client, server):
     assert status == 404 and "keeps 3 sessions" in body["error"]["message"]
     assert session(server, "b4", pop=True)[0] == 200
     assert session(server, "b4")[0] == 404  # taken
+
+
+def test_a_served_sampler_reads_sessions_and_writes_them_to_parquet(client, server, tmp_path):
+    import pyarrow.parquet as pq
+
+    from rollout import ServedRollout
+    from rollout.apps.serving.sessions import write_parquet
+
+    tool_loop(client, "kept", turns=2)
+    sampler = ServedRollout.connect(server.url, api_key=KEY)
+    try:
+        taken = sampler.session("kept", pop=True)
+        assert len(taken["branches"][0]["calls"]) == 2
+        with pytest.raises(rollout.RolloutError, match="not kept here"):
+            sampler.session("kept")
+    finally:
+        sampler.close()
+    assert write_parquet([taken], str(tmp_path / "s.parquet")) == 1
+    (row,) = pq.read_table(tmp_path / "s.parquet").to_pylist()
+    branch = taken["branches"][0]
+    assert (row["session"], row["token_ids"], row["mask"]) == (
+        "kept", branch["token_ids"], branch["mask"])
+    assert json.loads(row["calls"]) == branch["calls"]

@@ -146,6 +146,23 @@ class RemoteService:
                 data = {"error": {"message": text}}
             raise _typed_refusal(self.url, status, data)
 
+    async def session(self, session_id: str, pop: bool = False) -> dict:
+        """An agent session that this server recorded (rollout.apps.serving.sessions);
+        `pop`: and no longer kept there."""
+        import aiohttp
+        from urllib.parse import quote
+
+        with self._reaching():
+            async with self._client().get(
+                    f"{self.url}/rollout/sessions/{quote(session_id, safe='')}",
+                    params={"pop": "true"} if pop else None,
+                    timeout=aiohttp.ClientTimeout(total=60)) as response:
+                data = await response.json(content_type=None)
+                status = response.status
+        if status != 200:
+            raise _typed_refusal(self.url, status, data)
+        return data
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from rollout.contract.errors import EngineDeadError, InvalidRequestError, NoReplicaError, \
-    OverloadedError, RolloutError
+    OverloadedError, RolloutError, UnsupportedError
 from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
 from rollout.service.admission import overloaded
 from rollout.service.catch_up import CatchUp
@@ -312,6 +312,19 @@ class ReplicaPool:
 
     def adapters(self) -> dict[str, int | None]:
         return {name: kept.version for name, kept in self.kept_adapters.items()}
+
+    async def session(self, session_id: str, pop: bool = False) -> dict:
+        """An agent session recorded by the server this pool fronts (`connect(url)`): the
+        first replica that has it."""
+        refusals = []
+        for replica in self.replicas:
+            try:
+                return await replica.service.session(session_id, pop)
+            except (AttributeError, RolloutError, ReplicaDown) as exc:  # not there
+                refusals.append(exc)
+        raise next((e for e in refusals if isinstance(e, RolloutError)), UnsupportedError(
+            "agent sessions", "they are recorded by a rollout serve that agents call over "
+            "HTTP; connect to one (ServedRollout.connect)"))
 
     def _reachable(self) -> list[Replica]:
         """Replicas whose process runs: a dirty one (out of rotation) needs the update most."""

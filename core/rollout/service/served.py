@@ -232,6 +232,12 @@ class ServedRollout(RequestFront):
         self._wait(self.service.unload_adapter(name), f"unloading adapter {name!r}")
         self.adapters.pop(name, None)
 
+    def session(self, session_id: str, pop: bool = False) -> dict:
+        """An agent session that the server recorded, with exact tokens: its branches'
+        token ids, mask, logprobs, weight versions and calls (docs/agents.md); `pop`: and
+        no longer kept there."""
+        return self._wait(self.service.session(session_id, pop), f"session {session_id!r}")
+
     def _own_address(self) -> str:
         """This host's address on the way to the first replica's server."""
         from urllib.parse import urlsplit

@@ -831,6 +831,11 @@ def _normalize_messages(case: Case, body: dict) -> dict:
         stream["start_usage"] = _anthropic_usage(stream["start_usage"])
     if deterministic(case):
         return body
+    if isinstance(stream, dict) and isinstance(stream.get("event_types"), list):
+        # Whether a block is sent follows the sample (none for a sample of one cut
+        # character on vLLM's side).
+        stream["event_types"] = [t for t in stream["event_types"]
+                                 if not str(t).startswith("content_block")]
     # A free sample (no seed on this route): its shape. Each block well formed, a stop
     # reason of Anthropic's, a stop sequence of the request's, no more tokens than asked.
     names = {t.get("name") for t in case.body.get("tools") or [] if isinstance(t, dict)}
@@ -843,11 +848,12 @@ def _normalize_messages(case: Case, body: dict) -> dict:
                 and isinstance(b.get("input"), dict))) for b in content)
     if body.get("stop_reason") in STOP_REASONS:
         body["stop_reason"] = "one of Anthropic's"
-    if body.get("stop_sequence") in stops:
-        body["stop_sequence"] = None if body.get("stop_reason") is None else "the request's"
+    if body.get("stop_sequence") is None or body.get("stop_sequence") in stops:
+        body["stop_sequence"] = "none, or one of the request's"
     usage = body.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
-        usage["output_tokens"] = usage["output_tokens"] <= case.body.get("max_tokens", 0)
+        usage["output_tokens"] = ("within" if usage["output_tokens"] <= case.body.get(
+            "max_tokens", 0) else "over") + " max_tokens"
     return body
 
 
@@ -1002,6 +1008,29 @@ SPECIAL_TEXT = "vLLM's text holds special tokens' text"
 CALL_JSON = "calls held by rollout's own grammar (compact JSON, held to the schema)"
 
 
+# A /v1/messages stream whose text (no tools offered) holds the tool parser's marker
+# (`<tool_call>`, hermes): vLLM's stream ends the text there, where its plain answer and its
+# chat stream go on; rollout's stream sends all of it (DOCUMENTED["tool-call marker in a
+# messages stream"]).
+MARKER_CUT = "vLLM's messages stream ends the text at a tool-call marker"
+MARKERS = ("<tool_call>",)
+
+
+def _marker_cut(ref: dict, got: dict) -> bool:
+    """Where rollout's streamed text is vLLM's and then a tool-call marker and more: such a
+    block takes vLLM's text on both sides; whether any did."""
+    found = False
+    blocks = zip(ref.get("content") or [], got.get("content") or []) if isinstance(
+        ref.get("content"), list) and isinstance(got.get("content"), list) else ()
+    for a, b in blocks:
+        mine, theirs = b.get("text"), a.get("text")
+        if isinstance(mine, str) and isinstance(theirs, str) and mine != theirs and \
+                mine.startswith(theirs) and mine[len(theirs):].startswith(MARKERS):
+            b["text"] = theirs
+            found = True
+    return found
+
+
 def _calls_held(case: Case) -> bool:
     body = case.body
     choice = body.get("tool_choice")
@@ -1011,6 +1040,20 @@ def _calls_held(case: Case) -> bool:
             _forced(case) or _strict(case) or choice.get("disable_parallel_tool_use") is True)
     return bool(body.get("tools")) and choice != "none" and (
         _forced(case) or _strict(case) or body.get("parallel_tool_calls") is False)
+
+
+def _special_text(body: dict) -> bool:
+    """Whether a message's text holds a special token's text, or ends with the start of
+    one (`<p` of `<pad>`: a stop sequence cut it)."""
+    from rollout.kit.tiny_model import SPECIAL
+
+    content = body.get("content") if isinstance(body, dict) else None
+    for block in content if isinstance(content, list) else []:
+        text = block.get("text") if isinstance(block, dict) else None
+        if isinstance(text, str) and (_without_special(text) != text or any(
+                text.endswith(token[:k]) for token in SPECIAL for k in range(2, len(token)))):
+            return True
+    return False
 
 
 def _without_special(text: str) -> str:
@@ -1134,14 +1177,25 @@ def compare(case: Case, ref: Outcome, got: Outcome, index: int = -1,
         # vLLM's streamed text was empty (one cut character) and it sent no block at all.
         found.append(("content[].text", CUT_CHARACTER))
         got_body["content"] = []
+        if "stream" in got_body and "stream" in ref_body:
+            for key in ("event_types", "event_order"):
+                got_body["stream"][key] = ref_body["stream"].get(key)
+    if case.path == "/v1/messages" and case.body.get("stream") and _marker_cut(ref_body,
+                                                                              got_body):
+        found.append(("content[].text", MARKER_CUT))
     if not exact:
         for body in (ref_body, got_body):
             for choice in body.get("choices") or []:
                 if isinstance(choice, dict) and choice.get("logprobs") is not None:
                     choice["logprobs"] = _sampled_shape(choice["logprobs"])
     _walk(ref_body, got_body, "", exact, found)
-    if not exact:
+    if not exact and case.path != "/v1/messages":  # (a sample's count: its shape there)
         found = [(p, d) for p, d in found if p not in _SAMPLED_COUNTS]
+    if found and case.path == "/v1/messages" and _has_tools(case) and _special_text(ref_body):
+        # vLLM's text holds a special token's text (or the start of one, cut by a stop
+        # sequence): the texts, and so where and why they stopped, part there.
+        found = [(p, d) for p, d in found if p.startswith("stream.start_usage")] + [
+            ("content[].text", SPECIAL_TEXT)]
     if found and _calls_held(case):
         where = "content[]" if case.path == "/v1/messages" else (
             "choices[]" if "choices" in ref_body else "output[]")
@@ -1177,6 +1231,28 @@ def _field(*patterns: str, kinds: tuple[str, ...] = ()):
         return any(fnmatch.fnmatchcase(diff.field, p) for p in patterns) and (
             not kinds or case.kind in kinds)
     return match
+
+
+def _deferred(case: Case) -> bool:
+    """A /v1/messages call with a tool deferred (`defer_loading`) that no tool_reference
+    names yet."""
+    named = {part.get("tool_name") for m in case.body.get("messages") or []
+             if isinstance(m, dict) and isinstance(m.get("content"), list)
+             for b in m["content"] if isinstance(b, dict) and isinstance(b.get("content"), list)
+             for part in b["content"] if isinstance(part, dict)}
+    return case.path == "/v1/messages" and any(
+        isinstance(t, dict) and t.get("defer_loading") is True and t.get("name") not in named
+        for t in case.body.get("tools") or [])
+
+
+def _joined_assistant_blocks(case: Case) -> bool:
+    """A /v1/messages call with an assistant turn of two text blocks or more."""
+    return case.path == "/v1/messages" and any(
+        isinstance(m, dict) and m.get("role") == "assistant"
+        and isinstance(m.get("content"), list)
+        and sum(isinstance(b, dict) and b.get("type") == "text" and bool(b.get("text"))
+                for b in m["content"]) >= 2
+        for m in case.body.get("messages") or [])
 
 
 def _has_tools(case: Case) -> bool:
@@ -1250,12 +1326,27 @@ DOCUMENTED: dict[str, Callable[[Case, Difference], bool]] = {
     "prompt_logprobs stream": lambda case, diff: (
         diff.field == "accepted" and case.body.get("prompt_logprobs") is not None
         and case.body.get("stream") is True),
+    # /v1/messages: a tool with defer_loading is left out of the prompt until a
+    # tool_reference names it (as Anthropic's tool search); vLLM hands it to the chat
+    # template with the others, so the prompts differ (Claude Code's recorded calls).
+    "deferred tools": lambda case, diff: _deferred(case) and not diff.field.startswith(
+        "stream.start_usage"),
+    "tool-call marker in a messages stream": lambda case, diff: diff.detail == MARKER_CUT,
 }
 
 # Known differences not fixed yet, each a defect to fix (docs/serving.md, "Open
 # differences"): listed by name so that a new difference stands out as unexplained, and
-# the test fails once an entry explains nothing any more. None now.
-OPEN: dict[str, Callable[[Case, Difference], bool]] = {}
+# the test fails once an entry explains nothing any more.
+OPEN: dict[str, Callable[[Case, Difference], bool]] = {
+    # A /v1/messages stream's message_start says input_tokens 0: the prompt's length comes
+    # in message_delta only. Anthropic's (and vLLM's) message_start carries it.
+    "message_start usage": lambda case, diff: (
+        case.path == "/v1/messages" and diff.field == "stream.start_usage.input_tokens"
+        and diff.detail.endswith(" vs 0")),
+    # An assistant turn's text blocks are joined with nothing between them, a user
+    # turn's (and vLLM's, both turns) with a newline: the prompts differ.
+    "assistant text blocks": lambda case, diff: _joined_assistant_blocks(case),
+}
 
 
 def _forced(case: Case) -> bool:

@@ -220,6 +220,24 @@ class Sessions:
             return list(self._kept)
 
 
+def write_parquet(sessions: list[dict], path: str) -> int:
+    """Sessions as `GET /rollout/sessions/{id}` gives them, one row per branch: session,
+    branch, token_ids, mask, logprobs, weight_versions, and calls as JSON. The row count."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"session": s["id"], "branch": i, **{k: b[k] for k in (
+                "token_ids", "mask", "logprobs", "weight_versions")},
+             "calls": json.dumps(b["calls"])}
+            for s in sessions for i, b in enumerate(s["branches"])]
+    schema = pa.schema([("session", pa.string()), ("branch", pa.int32()),
+                        ("token_ids", pa.list_(pa.int64())), ("mask", pa.list_(pa.int8())),
+                        ("logprobs", pa.list_(pa.float64())),
+                        ("weight_versions", pa.list_(pa.int64())), ("calls", pa.string())])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return len(rows)
+
+
 class Recording:
     """A service that records one call's request into its session (see `Sessions`)."""
 
