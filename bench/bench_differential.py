@@ -1,6 +1,8 @@
-"""The differential conformance suite against vLLM's own OpenAI server, as a report: the
-recorded client requests and `--generated` Hypothesis cases go to vLLM's server and to
-`rollout serve --backend vllm` on the tiny model (float32, eager), and the table of
+"""The differential conformance suite against vLLM's own server, as a report: the recorded
+client requests and `--generated` Hypothesis cases on OpenAI's routes, and on Anthropic's
+/v1/messages Claude Code's recorded calls (`--harnesses`) and `--messages` drawn ones, go
+to vLLM's server and to `rollout serve --backend vllm` on the tiny model (float32, eager,
+with room for 32k tokens: differential.long_context_copy), and the table of
 differences is printed: request kind x field x count, with what explains each
 (rollout.testing.differential: DOCUMENTED, OPEN, or UNEXPLAINED).
 
@@ -8,7 +10,8 @@ The servers start here, each engine on a core of its own, unless `--vllm-url` an
 `--rollout-url` name running ones (served as "tiny").
 
 Run in the vLLM environment (scripts/env.sh vllm):
-    python bench/bench_differential.py [--generated 500] [--seed 0] [--concurrency 1]
+    python bench/bench_differential.py [--generated 500] [--messages 150] [--seed 0]
+                                       [--concurrency 1] [--harnesses GLOB]
                                        [--vllm-url URL --rollout-url URL --model DIR]
                                        [--examples 10]
 Exits 1 when a difference is unexplained.
@@ -26,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDING = ROOT / "plugins" / "vllm_backend" / "tests" / "data" / "client_requests.jsonl"
+HARNESSES = "tests/data/harnesses/claude_code-*.json"   # under ROOT
 SERVED = "tiny"
 
 
@@ -53,6 +57,10 @@ def servers(model: str):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--generated", type=int, default=500)
+    parser.add_argument("--messages", type=int, default=150,
+                        help="drawn /v1/messages calls")
+    parser.add_argument("--harnesses", default=HARNESSES,
+                        help="recorded harness calls (a glob under the repository; '' for none)")
     parser.add_argument("--seed", type=int, default=0)
     # More than 1 is faster, but a seeded sample may then differ by a batch's last bits.
     parser.add_argument("--concurrency", type=int, default=1)
@@ -71,7 +79,12 @@ def main() -> None:
     from rollout.testing import differential as diff
 
     corpus = diff.load_recording(args.recording, SERVED) if args.recording else []
-    corpus += diff.draw_cases(args.generated, args.seed)
+    if args.generated:
+        corpus += diff.draw_cases(args.generated, args.seed)
+    if args.messages:
+        corpus += diff.draw_cases(args.messages, args.seed, api="messages")
+    if args.harnesses:
+        corpus += diff.load_harness(ROOT.glob(args.harnesses), SERVED)
     with contextlib.ExitStack() as stack:
         if args.vllm_url and args.rollout_url:
             urls = {"vllm": args.vllm_url, "rollout": args.rollout_url}
@@ -80,7 +93,7 @@ def main() -> None:
 
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
             build_tiny_model(Path(tmp) / "tiny", seed=0)
-            args.model = str(Path(tmp) / "tiny")
+            args.model = str(diff.long_context_copy(Path(tmp) / "tiny", Path(tmp) / "long"))
             urls = stack.enter_context(servers(args.model))
         start = time.monotonic()
         decode = diff.decoder(args.model) if args.model else None

@@ -28,14 +28,10 @@ import tracemalloc
 
 from common import add_model_argument, model_folder
 
+from rollout.testing.server_contract import CALL_REGEX, TOOLS
+
 KEY = "bench"
 MODEL = "model"
-DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "add two digits",
-    "parameters": {"type": "object", "properties": {"a": DIGIT, "b": DIGIT},
-                   "required": ["a", "b"], "additionalProperties": False}}}]
-CALL_REGEX = r'<tool_call>\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]\}\}</tool_call>'
 ids = itertools.count()
 
 

@@ -335,10 +335,11 @@ def _strategies():
 
     def anthropic_choice(tools_):
         return st.builds(
-            lambda choice, parallel: {**choice, **(
-                {"disable_parallel_tool_use": parallel} if parallel is not None else {})},
-            st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
-                             *({"type": "tool", "name": t["name"]} for t in tools_)]),
+            lambda kind, name, parallel: {
+                "type": kind, **({"name": name} if kind == "tool" else {}),
+                **({"disable_parallel_tool_use": parallel} if parallel is not None else {})},
+            st.sampled_from(["auto", "any", "tool", "none"]),
+            st.sampled_from([t["name"] for t in tools_]),
             st.sampled_from([None, None, None, False, True]))
 
     @st.composite
@@ -376,7 +377,7 @@ def _strategies():
             body[draw(st.sampled_from(["temprature", "seed", "max_completion_tokens"]))] = 1
         elif rare == 23:  # both refuse
             body["max_tokens"] = 0
-        elif rare == 29:  # Claude Code's context: a system message among the others
+        if draw(st.integers(0, 7)) == 5:  # Claude Code's context: a system message there
             body["messages"].insert(-1, {"role": "system", "content": draw(said)})
         return Case("/v1/messages", body)
 

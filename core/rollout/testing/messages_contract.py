@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from rollout.testing.server_contract import KEY, MAX_MODEL_LEN, MODEL, http
+from rollout.testing.server_contract import KEY, MODEL, ServedBackend, http
 
 PROMPT = [{"role": "user", "content": "def add(a, b):"}]
 ADD = {"name": "add", "description": "add two digits", "input_schema": {
@@ -26,28 +26,7 @@ def direct(ro, messages, **sampling):
     return ro.generate([{"messages": messages, "sampling": sampling}])[0].unwrap()[0]
 
 
-class MessagesContract:
-    @pytest.fixture(scope="class")
-    @classmethod
-    def make_rollout(cls):
-        raise NotImplementedError("override make_rollout: lambda model, max_model_len: Rollout")
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def ro(cls, make_rollout, tiny_model):
-        ro = make_rollout(str(tiny_model), MAX_MODEL_LEN)
-        yield ro
-        ro.close()
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def server(cls, ro):
-        from rollout.apps.serving.app import ServerThread
-        from rollout.service.service import LocalService
-
-        with ServerThread(LocalService(ro, MODEL), api_key=KEY) as server:
-            yield server
-
+class MessagesContract(ServedBackend):
     @pytest.fixture(scope="class")
     @classmethod
     def client(cls, server):

@@ -87,7 +87,11 @@ class BorrowedService(LocalService):
         pass
 
 
-class ServerContract:
+class ServedBackend:
+    """A backend on the tiny model (`make_rollout`, to override: a class-scoped fixture
+    giving `lambda model, max_model_len: rollout.Rollout`) behind a server in a thread of
+    the test process."""
+
     @pytest.fixture(scope="class")
     @classmethod
     def make_rollout(cls):
@@ -106,6 +110,8 @@ class ServerContract:
         with ServerThread(LocalService(ro, MODEL), api_key=KEY) as server:
             yield server
 
+
+class ServerContract(ServedBackend):
     @pytest.fixture(scope="class")
     @classmethod
     def client(cls, server):

@@ -21,7 +21,7 @@ import attrs
 
 from rollout.contract.schemas import Completion, Result
 from rollout.apps.serving.openai_api import ApiError, ChatCall, _short, bad_field, \
-    weight_spans
+    renamed, weight_spans
 
 FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences", "stream",
           "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking",
@@ -115,7 +115,7 @@ class MessagesCall:
         try:
             self.chat = ChatCall(chat, model_name, tool_parser, adapters)
         except ApiError as exc:
-            raise _renamed(exc) from None
+            raise renamed(exc, _RENAMES) from None
         self.model = self.chat.model
         self.requests = self.chat.requests
 
@@ -125,7 +125,7 @@ class MessagesCall:
         try:
             self.chat.check(completion, 0)
         except ApiError as exc:
-            raise _renamed(exc) from None
+            raise renamed(exc, _RENAMES) from None
 
     def content(self, completion: Completion) -> tuple[list[dict], str | None, str | None,
                                                        Result]:
@@ -542,15 +542,3 @@ def _context_management(given: Any) -> None:
 _RENAMES = ((r"^stop\b", "stop_sequences"), (r"^response_format", "output_config.format"),
             (r"^tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
             (r"^tools\[(\d+)\]\.function", r"tools[\1]"))
-
-
-def _renamed(exc: ApiError) -> ApiError:
-    """A chat call's error in the Messages call's field names. (Chat messages do not
-    line up with Anthropic's, so a message's error keeps the chat index.)"""
-    param = exc.param
-    if param:
-        for pattern, name in _RENAMES:
-            param = re.sub(pattern, name, param)
-        exc.message = exc.message.replace(exc.param, param, 1)
-        exc.param = param
-    return exc

@@ -48,6 +48,7 @@ from rollout.apps.tool_parsers import DEFAULT_PARSER, load_tool_parser
 log = logging.getLogger("rollout.serve")
 
 MAX_BODY_BYTES = 64 << 20
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 ANTHROPIC_ROUTE = re.compile(r"(/sessions/[^/]+)?/v1/messages")  # errors in Anthropic's shape
 SHUTDOWN_GRACE_S = 5.0
 WEIGHT_STEPS = ("group", "bucket", "end", "cancel")
@@ -506,8 +507,7 @@ async def _json(request: web.Request):
 async def _stream(request: web.Request, service: Service, call: Call) -> web.StreamResponse:
     """Server-sent events, token by token: each chunk a request's engine makes goes out as
     it comes. A client that goes away stops its requests in the engine."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers=SSE_HEADERS)
 
     async def send(data: str) -> None:
         if not response.prepared:
@@ -591,8 +591,7 @@ async def _stream_response(request: web.Request, service: Service, call: Respons
     """A /v1/responses stream: Responses events (`event:` and `data:` lines). Text comes
     as it is made; an answer read for tool calls, when it is done. Until the first event,
     a call that fails answers with an ordinary error response."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers=SSE_HEADERS)
     sequence = iter(range(1 << 62))
 
     async def send(kind: str, **fields) -> None:
@@ -606,9 +605,79 @@ async def _stream_response(request: web.Request, service: Service, call: Respons
     where = {"output_index": 0, "content_index": 0}
     message_id = f"msg_{uuid.uuid4().hex}"
     streams_text = call.chat.tools.mode == "none"
+
+    async def on_chunk(chunk: Chunk) -> None:
+        if not (streams_text and chunk.text):
+            return
+        if where.get("item_id") is None:  # the first text opens the message
+            where["item_id"] = message_id
+            await send("response.output_item.added", output_index=0,
+                       item={**message_item("", "in_progress", message_id), "content": []})
+            await send("response.content_part.added", **where, part=output_text(""))
+        await send("response.output_text.delta", **where, delta=chunk.text, logprobs=[])
+
+    async def finish(completion: Completion) -> None:
+        body = call.response(completion, message_id)
+        await _send_output(body["output"], where.get("item_id"), send)
+        # `completed` also for an incomplete one (its status says so), as vLLM's server
+        # does: the openai SDK's and the Agents SDK's streams end on that event.
+        await send("response.completed", response=body)
+
+    async def fail(error: ApiError) -> None:
+        await send("error", code=error.code or error.type, message=error.message,
+                   param=error.param)
+
+    return await _events(response, service, one, on_chunk, finish, fail)
+
+
+async def _messages_stream(request: web.Request, service: Service, call: MessagesCall,
+                           one: Request) -> web.StreamResponse:
+    """A /v1/messages stream: Anthropic's events. Text comes as it is made (but for the
+    characters that may begin a stop sequence); an answer read for tool calls, when it is
+    done. Until the first event, a call that fails answers with an ordinary error."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+
+    async def send(kind: str, event: dict) -> None:
+        if not response.prepared:
+            await response.prepare(request)
+            await send("message_start", {"type": "message_start",
+                                         "message": call.skeleton()})
+        await response.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
+
+    text, sent = "", 0
+
+    async def on_chunk(chunk: Chunk) -> None:
+        nonlocal text, sent
+        text += chunk.text
+        ready = len(text) - call.held_back
+        if call.streams_text and ready > sent:
+            if not sent:
+                await send(*anthropic_api.block_start(0, {"type": "text", "text": ""}))
+            await send(*anthropic_api.delta(0, {"type": "text_delta",
+                                                "text": text[sent:ready]}))
+            sent = ready
+
+    async def finish(completion: Completion) -> None:
+        for kind, event in anthropic_api.events(call, completion, sent):
+            await send(kind, event)
+
+    async def fail(error: ApiError) -> None:
+        await send("error", anthropic_api.error_body(error))
+
+    return await _events(response, service, one, on_chunk, finish, fail)
+
+
+async def _events(response: web.StreamResponse, service: Service, one: Request,
+                  on_chunk, finish, fail) -> web.StreamResponse:
+    """Run `one`'s stream: each chunk to `on_chunk`, then its completion to `finish`.
+    Until the response has started, a failure is raised (an ordinary error response);
+    after, the request's error is its completion's, and an answer that cannot be given
+    goes to `fail` as the stream's last event."""
     stream = service.stream(one)
     try:
-        completion = await _send_text(stream, streams_text, send, where, message_id)
+        async for chunk in stream:
+            await on_chunk(chunk)
+        completion = stream.completion
     except RolloutError as exc:
         if not response.prepared:
             raise
@@ -618,37 +687,14 @@ async def _stream_response(request: web.Request, service: Service, call: Respons
     finally:
         await stream.aclose()
     try:
-        body = call.response(completion, message_id)
+        await finish(completion)
     except ApiError as error:
         if not response.prepared:
             raise
         service.metrics.error(error, _error_kind(error, error))
-        await send("error", code=error.code or error.type, message=error.message,
-                   param=error.param)
-        await response.write_eof()
-        return response
-    await _send_output(body["output"], where.get("item_id"), send)
-    # `completed` also for an incomplete one (its status says so), as vLLM's server does:
-    # the openai SDK's and the Agents SDK's streams end on that event.
-    await send("response.completed", response=body)
+        await fail(error)
     await response.write_eof()
     return response
-
-
-async def _send_text(stream, streams_text: bool, send, where: dict,
-                     message_id: str) -> Completion:
-    """The stream's completion, its text sent as it comes where `streams_text` (no tool
-    calls to read from it). The first text opens the message: `where` gets its item_id."""
-    async for chunk in stream:
-        if not (streams_text and chunk.text):
-            continue
-        if where.get("item_id") is None:  # the first text opens the message
-            where["item_id"] = message_id
-            await send("response.output_item.added", output_index=0,
-                       item={**message_item("", "in_progress", message_id), "content": []})
-            await send("response.content_part.added", **where, part=output_text(""))
-        await send("response.output_text.delta", **where, delta=chunk.text, logprobs=[])
-    return stream.completion
 
 
 async def _send_output(output: list, streamed_id: str | None, send) -> None:
@@ -674,57 +720,6 @@ async def _send_output(output: list, streamed_id: str | None, send) -> None:
             await send("response.function_call_arguments.done", **at, item_id=item["id"],
                        arguments=item["arguments"])
         await send("response.output_item.done", **at, item=item)
-
-
-async def _messages_stream(request: web.Request, service: Service, call: MessagesCall,
-                           one: Request) -> web.StreamResponse:
-    """A /v1/messages stream: Anthropic's events. Text comes as it is made (but for the
-    characters that may begin a stop sequence); an answer read for tool calls, when it is
-    done. Until the first event, a call that fails answers with an ordinary error."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-
-    async def send(kind: str, event: dict) -> None:
-        if not response.prepared:
-            await response.prepare(request)
-            await send("message_start", {"type": "message_start",
-                                         "message": call.skeleton()})
-        await response.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
-
-    text, sent = "", 0
-    stream = service.stream(one)
-    try:
-        async for chunk in stream:
-            text += chunk.text
-            ready = len(text) - call.held_back
-            if call.streams_text and ready > sent:
-                if not sent:
-                    await send(*anthropic_api.block_start(0, {"type": "text", "text": ""}))
-                await send(*anthropic_api.delta(0, {"type": "text_delta",
-                                                    "text": text[sent:ready]}))
-                sent = ready
-        completion = stream.completion
-    except RolloutError as exc:
-        if not response.prepared:
-            raise
-        completion = Completion(one.id, error=exc)
-    except ConnectionResetError:  # the client went away
-        return response
-    finally:
-        await stream.aclose()
-    try:
-        closing = anthropic_api.events(call, completion, sent)
-    except ApiError as error:
-        if not response.prepared:
-            raise
-        service.metrics.error(error, _error_kind(error, error))
-        await send("error", anthropic_api.error_body(error))
-        await response.write_eof()
-        return response
-    for kind, event in closing:
-        await send(kind, event)
-    await response.write_eof()
-    return response
 
 
 def _errors_middleware(metrics: ServerMetrics):

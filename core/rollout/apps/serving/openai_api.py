@@ -565,6 +565,18 @@ class ToolUse:
             raise strict_violation(f"a call to strict tool {call.name!r}", why)
 
 
+def renamed(exc: ApiError, renames: tuple[tuple[str, str], ...]) -> ApiError:
+    """A chat call's error in the field names of the API it was made from (`renames`:
+    regex, replacement)."""
+    param = exc.param
+    if param:
+        for pattern, name in renames:
+            param = re.sub(pattern, name, param)
+        exc.message = exc.message.replace(exc.param, param, 1)
+        exc.param = param
+    return exc
+
+
 def strict_violation(what: str, why: str) -> ApiError:
     """The 500 of an output that its grammar should have held to its schema and did not."""
     return ApiError(500, f"{what} does not validate against its schema ({why}); it was not "

@@ -6,7 +6,6 @@ conversation of a response kept in a bounded store of recent ones.
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections import OrderedDict
@@ -15,7 +14,7 @@ from typing import Any
 
 from rollout.contract.schemas import Completion, Result
 from rollout.apps.serving.openai_api import UNSUPPORTED_FIELDS, ApiError, ChatCall, _short, \
-    bad_field, chosen_adapter
+    bad_field, chosen_adapter, renamed
 from rollout.apps.serving.openai_api import _check_fields as check_fields
 
 STORE_SIZE = 1000  # responses kept for previous_response_id; the oldest goes first
@@ -119,7 +118,7 @@ class ResponsesCall:
         try:
             self.chat = ChatCall(chat, model_name, tool_parser, adapters)
         except ApiError as exc:
-            raise _renamed(exc) from None
+            raise renamed(exc, _RENAMES) from None
         self.requests = self.chat.requests
 
     # --- the answer ---------------------------------------------------------------------
@@ -128,7 +127,7 @@ class ResponsesCall:
         try:
             self.chat.check(completion, 0)
         except ApiError as exc:
-            raise _renamed(exc) from None
+            raise renamed(exc, _RENAMES) from None
 
     def answer(self, result: Result):
         return self.chat.answer(result)
@@ -315,14 +314,3 @@ def _format(text: Any) -> dict | None:
 
 _RENAMES = ((r"^messages", "input"), (r"^max_tokens", "max_output_tokens"),
             (r"^response_format", "text.format"), (r"^tools\[(\d+)\]\.function", r"tools[\1]"))
-
-
-def _renamed(exc: ApiError) -> ApiError:
-    """A chat call's error in the Responses call's field names."""
-    param = exc.param
-    if param:
-        for pattern, name in _RENAMES:
-            param = re.sub(pattern, name, param)
-        exc.message = exc.message.replace(exc.param, param, 1)
-        exc.param = param
-    return exc
