@@ -25,6 +25,7 @@ import fnmatch
 import json
 import math
 import string
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1380,6 +1381,7 @@ class Report:
     cases: list[Case]
     outcomes: list[tuple[Outcome, Outcome]] = field(default_factory=list)
     differences: list[Difference] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)   # each case's, both servers'
 
     @property
     def unexplained(self) -> list[Difference]:
@@ -1401,8 +1403,12 @@ class Report:
     def summary(self) -> dict:
         accepted = sum(a.ok and b.ok for a, b in self.outcomes)
         refused = sum(not a.ok and not b.ok for a, b in self.outcomes)
+        seconds: Counter = Counter()
+        for case, took in zip(self.cases, self.seconds):
+            seconds[case.path] += round(took, 1)
         return {"cases": len(self.cases), "both_accepted": accepted, "both_refused": refused,
                 "kinds": dict(Counter(c.kind for c in self.cases)),
+                "seconds": {ROUTES[p]: round(t, 1) for p, t in seconds.items()},
                 "differences": len(self.differences),
                 "unexplained": len(self.unexplained)}
 
@@ -1426,12 +1432,16 @@ async def run(cases_: list[Case], vllm_url: str, rollout_url: str, concurrency: 
 
     async def one(session, case):
         async with limit:
-            return await asyncio.gather(exchange(session, vllm_url, case),
+            start = time.monotonic()
+            both = await asyncio.gather(exchange(session, vllm_url, case),
                                         exchange(session, rollout_url, case))
+            return both, time.monotonic() - start
 
     connector = aiohttp.TCPConnector(limit=4 * concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
-        report.outcomes = list(await asyncio.gather(*(one(session, c) for c in cases_)))
+        done = await asyncio.gather(*(one(session, c) for c in cases_))
+    report.outcomes = [tuple(both) for both, _ in done]
+    report.seconds = [took for _, took in done]
     for i, (case, (ref, got)) in enumerate(zip(cases_, report.outcomes)):
         report.differences += [classify(case, d) for d in compare(case, ref, got, i, decode)]
     return report

@@ -1,8 +1,9 @@
-"""Differential conformance against vLLM's own OpenAI server (rollout.testing.differential):
-the requests real clients sent (recorded by bench/record_client_requests.py) and 500
-Hypothesis-drawn ones go to vLLM's server and to `rollout serve --backend vllm` on the tiny
-model; every difference is a documented one (docs/serving.md, "Differences from vLLM's
-server") or a named open one, none unexplained."""
+"""Differential conformance against vLLM's own server (rollout.testing.differential): the
+requests real clients sent (recorded by bench/record_client_requests.py) and 500
+Hypothesis-drawn ones on OpenAI's routes, and on Anthropic's /v1/messages Claude Code's
+recorded calls and MESSAGES drawn ones, go to vLLM's server and to `rollout serve --backend
+vllm` on the tiny model; every difference is a documented one (docs/serving.md,
+"Differences from vLLM's server") or a named open one, none unexplained."""
 
 import asyncio
 import json
@@ -19,6 +20,9 @@ from rollout.testing.differential import Case, Outcome
 
 RECORDING = Path(__file__).parent / "data" / "client_requests.jsonl"
 GENERATED = 500
+MESSAGES = 150   # drawn /v1/messages calls
+GREEDY_MESSAGES_AGREEING = 50
+HARNESSES = Path(__file__).resolve().parents[3] / "tests" / "data" / "harnesses"
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "serving.md"
 CLIENTS = {"openai", "trl", "bench", "agents", "langchain"}
 
@@ -30,26 +34,30 @@ def corpus(tmp_path_factory) -> list[Case]:
     2026-11-29: 62 Responses cases against 53), and the figures asserted below moved
     with it."""
     drawn = tmp_path_factory.mktemp("corpus") / "drawn.jsonl"
-    subprocess.run([sys.executable, "-c", DRAW, str(drawn), str(GENERATED)], check=True,
-                   timeout=600)
-    return diff.load_recording(RECORDING) + diff.load_recording(drawn)
+    subprocess.run([sys.executable, "-c", DRAW, str(drawn), str(GENERATED), str(MESSAGES)],
+                   check=True, timeout=600)
+    return (diff.load_recording(RECORDING) + diff.load_recording(drawn)
+            + diff.load_harness(HARNESSES.glob("claude_code-*.json")))
 
 
 DRAW = """import sys
 from pathlib import Path
 from rollout.testing.differential import draw_cases
-cases = draw_cases(int(sys.argv[2]), seed=0)
+cases = draw_cases(int(sys.argv[2]), seed=0) + draw_cases(int(sys.argv[3]), seed=0,
+                                                           api="messages")
 Path(sys.argv[1]).write_text("".join(c.to_json() + "\\n" for c in cases))
 """
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model):
-    """Both servers on the tiny model, each engine on a core of its own, once healthy."""
+def servers(tiny_model, tmp_path_factory):
+    """Both servers on the tiny model (with room for Claude Code's prompts:
+    `long_context_copy`), each engine on a core of its own, once healthy."""
     from rollout.kit.process import ServerProcess, free_port
 
+    model = diff.long_context_copy(tiny_model, tmp_path_factory.mktemp("long") / "tiny")
     ports = {"vllm": free_port(), "rollout": free_port()}
-    argvs = diff.server_argvs(sys.executable, str(tiny_model), "tiny", ports["vllm"],
+    argvs = diff.server_argvs(sys.executable, str(model), "tiny", ports["vllm"],
                               ports["rollout"])
     started = {}
     try:
@@ -59,7 +67,7 @@ def servers(tiny_model):
         urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
         for name, server in started.items():
             server.wait_healthy(urls[name] + "/health", timeout=600)
-        yield {**urls, "model": str(tiny_model)}
+        yield {**urls, "model": str(model)}
     finally:
         for server in started.values():
             server.stop()
@@ -86,12 +94,21 @@ def test_recording_holds_every_client():
     cases = diff.load_recording(RECORDING)
     sources = {c.source for c in cases}
     assert len(cases) >= 100 and sources == CLIENTS, (len(cases), sources)
-    assert {c.path for c in cases} == set(diff.ROUTES)
+    assert {c.path for c in cases} == set(diff.OPENAI_ROUTES)
+
+
+def test_harness_calls_are_in_the_corpus(corpus):
+    """Claude Code's three recorded calls, each streamed (as sent) and plain, greedy and
+    cut short."""
+    calls = [c for c in corpus if c.source == "claude_code"]
+    assert len(calls) == 6 and {c.kind for c in calls} == {"messages", "messages+stream"}
+    assert all(c.body["max_tokens"] == diff.HARNESS_MAX_TOKENS and diff.deterministic(c)
+               and len(c.body["tools"]) >= 12 for c in calls)
 
 
 def test_generated_corpus_covers_the_schemas(corpus):
     generated = [c for c in corpus if c.source == "hypothesis"]
-    assert len(generated) == GENERATED
+    assert len(generated) == GENERATED + MESSAGES
     kinds = {c.kind for c in generated}
     assert kinds == {k + s for k in diff.ROUTES.values() for s in ("", "+stream")}
     fields = {k for c in generated for k in c.body}
@@ -101,6 +118,17 @@ def test_generated_corpus_covers_the_schemas(corpus):
                  "response_format", "tools", "tool_choice", "text", "instructions"):
         assert name in fields, name
     assert diff.draw_cases(20, seed=0) == diff.draw_cases(20, seed=0)  # the same each run
+    messages = [c for c in generated if c.path == "/v1/messages"]
+    fields = {k for c in messages for k in c.body}
+    for name in ("system", "stop_sequences", "temperature", "top_p", "top_k", "tools",
+                 "tool_choice", "stream", "metadata"):
+        assert name in fields, name
+    blocks = {b.get("type") for c in messages for m in c.body["messages"]
+              if isinstance(m["content"], list) for b in m["content"]}
+    assert blocks == {"text", "tool_use", "tool_result"}, blocks
+    choices = {c.body["tool_choice"]["type"] for c in messages if "tool_choice" in c.body}
+    assert choices == {"auto", "any", "tool", "none"}, choices
+    assert sum(diff.deterministic(c) for c in messages) >= MESSAGES // 2
 
 
 # --- the comparison -----------------------------------------------------------------------
@@ -161,6 +189,100 @@ def test_refusals_and_their_explanations():
     assert both == []
 
 
+GREEDY_MESSAGE = Case("/v1/messages", {"model": "tiny", "max_tokens": 4, "temperature": 0,
+                                       "messages": [{"role": "user", "content": "hi"}]})
+
+
+def _message(text="ab", reason="max_tokens", tokens=2, **extra) -> dict:
+    return {"id": "chatcmpl-1", "type": "message", "role": "assistant", "model": "tiny",
+            "content": [{"type": "text", "text": text}], "stop_reason": reason,
+            "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": tokens},
+            **extra}
+
+
+def test_messages_comparison():
+    def fields(ref, got, case=GREEDY_MESSAGE):
+        return {d.field for d in diff.compare(case, Outcome(200, ref), Outcome(200, got))}
+
+    ours = _message(id="msg_2", weight_versions=[{"version": None, "start": 0, "end": 2}])
+    # The prefix cache's part of the prompt, counted apart (rollout, as Anthropic) or not
+    # (vLLM without --enable-prompt-tokens-details): the prompt's length is compared.
+    ours["usage"] = {"input_tokens": 1, "output_tokens": 2, "cache_read_input_tokens": 4,
+                     "cache_creation_input_tokens": 0}
+    assert fields(_message(), ours) == set()
+    assert fields(_message(), _message(text="ac")) == {"content[].text"}
+    assert fields(_message(), _message(reason="end_turn")) == {"stop_reason"}
+    assert fields(_message(), _message(stop_sequence="a")) == {"stop_sequence"}
+    assert fields(_message(), _message(tokens=3)) == {"usage.output_tokens"}
+    call = {"type": "tool_use", "id": "chatcmpl-tool-1", "name": "f", "input": {"a": 1}}
+    ref, got = _message(), _message()
+    ref["content"].append(call)
+    got["content"].append({**call, "id": "toolu_2"})
+    assert fields(ref, got) == set()
+    got["content"][1]["input"] = {"a": 2}
+    assert fields(ref, got) == {"content[].input.a"}
+    # A free sample (no seed on this route): its shape only.
+    sampled = Case("/v1/messages", {**GREEDY_MESSAGE.body, "temperature": 1.0,
+                                    "stop_sequences": ["x"]})
+    assert fields(_message(), _message(text="zz", reason="stop_sequence", tokens=1,
+                                       stop_sequence="x"), sampled) == set()
+    assert fields(_message(), _message(reason="stop"), sampled) == {"stop_reason"}
+    assert fields(_message(), _message(tokens=9), sampled) == {"usage.output_tokens"}
+
+
+STREAM = """event: message_start
+data: {"type": "message_start", "message": {"id": "m", "type": "message", "role": "assistant", "content": [], "model": "tiny", "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 5, "output_tokens": 0}}}
+
+event: content_block_start
+data: {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+
+event: content_block_delta
+data: {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "a"}}
+
+event: content_block_delta
+data: {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "b"}}
+
+event: content_block_stop
+data: {"type": "content_block_stop", "index": 0}
+
+event: content_block_start
+data: {"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "t", "name": "f", "input": {}}}
+
+event: content_block_delta
+data: {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{\\"a\\": "}}
+
+event: content_block_delta
+data: {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "1}"}}
+
+event: content_block_stop
+data: {"type": "content_block_stop", "index": 1}
+
+event: message_delta
+data: {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": null}, "usage": {"output_tokens": 3}}
+
+event: message_stop
+data: {"type": "message_stop"}
+
+"""
+
+
+def test_anthropic_streams_add_up_to_their_message():
+    streamed = Case("/v1/messages", {**GREEDY_MESSAGE.body, "stream": True})
+    body = diff.assemble(streamed, diff.parse_events(STREAM))
+    assert body["content"] == [{"type": "text", "text": "ab"},
+                               {"type": "tool_use", "id": "t", "name": "f", "input": {"a": 1}}]
+    assert body["stop_reason"] == "tool_use" and body["stop_sequence"] is None
+    assert body["usage"] == {"input_tokens": 5, "output_tokens": 3}
+    assert body["stream"]["event_order"] is True and body["stream"]["error_events"] == 0
+    assert body["stream"]["start_usage"] == {"input_tokens": 5, "output_tokens": 0}
+    # A block's delta after its stop, or no message_stop: out of order.
+    events = diff.parse_events(STREAM)
+    late = [e for e in events if e["data"].get("index") == 0 and
+            e["event"] == "content_block_delta"][0]
+    assert not diff.assemble(streamed, events + [late])["stream"]["event_order"]
+    assert not diff.assemble(streamed, events[:-1])["stream"]["event_order"]
+
+
 def test_every_documented_difference_is_in_the_docs():
     text = DOCS.read_text()
     section = text[text.index("## Differences from vLLM's server"):]
@@ -193,6 +315,22 @@ def test_the_servers_agree_on_most_requests(report):
              if a.ok and b.ok and diff.deterministic(case)]
     agreeing = [i for i in exact if i not in differing]
     assert len(agreeing) >= 150, (len(agreeing), len(exact))
+
+
+def test_the_servers_agree_on_messages(report):
+    """Anthropic's /v1/messages: both servers accept most drawn calls and every one of
+    Claude Code's recorded calls, and many greedy answers agree in every compared field
+    (but message_start's usage, OPEN in every greedy stream; 79 of 120 in CI's corpus)."""
+    messages = [i for i, c in enumerate(report.cases) if c.path == "/v1/messages"]
+    both = {i for i in messages if all(o.ok for o in report.outcomes[i])}
+    one_sided = {d.case for d in report.differences if d.field == "accepted"}
+    assert len(both) >= 0.8 * len(set(messages) - one_sided), (len(both), len(messages))
+    assert {i for i in messages if report.cases[i].source == "claude_code"} <= both
+    differing = {d.case for d in report.differences
+                 if not d.field.startswith("stream.start_usage")}
+    greedy = [i for i in both if diff.deterministic(report.cases[i])]
+    agreeing = [i for i in greedy if i not in differing]
+    assert len(agreeing) >= GREEDY_MESSAGES_AGREEING, (len(agreeing), len(greedy))
 
 
 def test_open_entries_are_still_needed(report):
