@@ -339,7 +339,7 @@ def _strategies():
             lambda kind, name, parallel: {
                 "type": kind, **({"name": name} if kind == "tool" else {}),
                 **({"disable_parallel_tool_use": parallel} if parallel is not None else {})},
-            st.sampled_from(["auto", "any", "tool", "none"]),
+            st.integers(0, 3).map(lambda i: ("none", "auto", "any", "tool")[i]),
             st.sampled_from([t["name"] for t in tools_]),
             st.sampled_from([None, None, None, False, True]))
 

@@ -20,8 +20,8 @@ from typing import Any
 import attrs
 
 from rollout.contract.schemas import Completion, Result
-from rollout.apps.serving.openai_api import ApiError, ChatCall, _short, bad_field, \
-    renamed, weight_spans
+from rollout.apps.serving.openai_api import ApiError, OverChat, _short, bad_field, \
+    weight_spans
 
 FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences", "stream",
           "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking",
@@ -72,10 +72,14 @@ def error_body(error: ApiError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
-class MessagesCall:
+class MessagesCall(OverChat):
     """One /v1/messages call: the chat call it runs as, and its answer as a message.
     `count`: a count_tokens call (its fields, and one token made to read the prompt's
     length from the engine)."""
+
+    renames = ((r"^stop\b", "stop_sequences"), (r"^response_format", "output_config.format"),
+               (r"^tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
+               (r"^tools\[(\d+)\]\.function", r"tools[\1]"))
 
     def __init__(self, body: Any, model_name: str, tool_parser: str,
                  adapters: Collection[str] = (), count: bool = False):
@@ -112,20 +116,10 @@ class MessagesCall:
         if tools:
             chat["tools"] = tools
         chat.update(_tool_choice(body.get("tool_choice"), tools))
-        try:
-            self.chat = ChatCall(chat, model_name, tool_parser, adapters)
-        except ApiError as exc:
-            raise renamed(exc, _RENAMES) from None
+        self.run_as(chat, model_name, tool_parser, adapters)
         self.model = self.chat.model
-        self.requests = self.chat.requests
 
     # --- the answer ---------------------------------------------------------------------
-
-    def check(self, completion: Completion) -> None:
-        try:
-            self.chat.check(completion, 0)
-        except ApiError as exc:
-            raise renamed(exc, _RENAMES) from None
 
     def content(self, completion: Completion) -> tuple[list[dict], str | None, str | None,
                                                        Result]:
@@ -537,8 +531,3 @@ def _context_management(given: Any) -> None:
             raise bad_field(f"context_management.edits[{i}].type", f"got {_short(kind)}: "
                             "the prompt is not edited here; send the context to use",
                             ", ".join(CONTEXT_EDITS))
-
-
-_RENAMES = ((r"^stop\b", "stop_sequences"), (r"^response_format", "output_config.format"),
-            (r"^tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
-            (r"^tools\[(\d+)\]\.function", r"tools[\1]"))

@@ -565,6 +565,30 @@ class ToolUse:
             raise strict_violation(f"a call to strict tool {call.name!r}", why)
 
 
+class OverChat:
+    """A call of another API (Responses, Anthropic's Messages) that runs as a chat call;
+    errors come back in its own field names (`renames`: regex, replacement)."""
+
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def run_as(self, chat: dict, model_name: str, tool_parser: str,
+               adapters: Collection[str]) -> None:
+        try:
+            self.chat = ChatCall(chat, model_name, tool_parser, adapters)
+        except ApiError as exc:
+            raise renamed(exc, self.renames) from None
+        self.requests = self.chat.requests
+
+    def check(self, completion: Completion) -> None:
+        try:
+            self.chat.check(completion, 0)
+        except ApiError as exc:
+            raise renamed(exc, self.renames) from None
+
+    def answer(self, result: Result) -> Message:
+        return self.chat.answer(result)
+
+
 def renamed(exc: ApiError, renames: tuple[tuple[str, str], ...]) -> ApiError:
     """A chat call's error in the field names of the API it was made from (`renames`:
     regex, replacement)."""

@@ -13,8 +13,8 @@ from collections.abc import Collection
 from typing import Any
 
 from rollout.contract.schemas import Completion, Result
-from rollout.apps.serving.openai_api import UNSUPPORTED_FIELDS, ApiError, ChatCall, _short, \
-    bad_field, chosen_adapter, renamed
+from rollout.apps.serving.openai_api import UNSUPPORTED_FIELDS, ApiError, OverChat, _short, \
+    bad_field, chosen_adapter
 from rollout.apps.serving.openai_api import _check_fields as check_fields
 
 STORE_SIZE = 1000  # responses kept for previous_response_id; the oldest goes first
@@ -80,8 +80,12 @@ class ResponseStore:
         return self._kept[response_id]
 
 
-class ResponsesCall:
+class ResponsesCall(OverChat):
     """One /v1/responses call: the chat call it runs as, and its answer as a response."""
+
+    renames = ((r"^messages", "input"), (r"^max_tokens", "max_output_tokens"),
+               (r"^response_format", "text.format"),
+               (r"^tools\[(\d+)\]\.function", r"tools[\1]"))
 
     def __init__(self, body: Any, model_name: str, tool_parser: str, store: ResponseStore,
                  adapters: Collection[str] = ()):
@@ -115,22 +119,9 @@ class ResponsesCall:
         fmt = _format(body.get("text"))
         if fmt is not None:
             chat["response_format"] = fmt
-        try:
-            self.chat = ChatCall(chat, model_name, tool_parser, adapters)
-        except ApiError as exc:
-            raise renamed(exc, _RENAMES) from None
-        self.requests = self.chat.requests
+        self.run_as(chat, model_name, tool_parser, adapters)
 
     # --- the answer ---------------------------------------------------------------------
-
-    def check(self, completion: Completion) -> None:
-        try:
-            self.chat.check(completion, 0)
-        except ApiError as exc:
-            raise renamed(exc, _RENAMES) from None
-
-    def answer(self, result: Result):
-        return self.chat.answer(result)
 
     def response(self, completion: Completion, message_id: str | None = None) -> dict:
         """The response object for the finished request (stored unless store=false);
@@ -310,7 +301,3 @@ def _format(text: Any) -> dict | None:
         return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items()
                                                        if k != "strict"}}
     return fmt  # text, json_object (or what chat's check refuses)
-
-
-_RENAMES = ((r"^messages", "input"), (r"^max_tokens", "max_output_tokens"),
-            (r"^response_format", "text.format"), (r"^tools\[(\d+)\]\.function", r"tools[\1]"))
