@@ -33,6 +33,14 @@ export ROLLOUT_AGENTS_PYTHON ROLLOUT_VLLM_PYTHON
 "$ROLLOUT_VLLM_PYTHON" -m pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
 "$(python_of "${SGLANG[@]}")" -m pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/sglang_backend
 
+# Claude Code and Codex CLI, pinned, from npm into ~/.cache/rollout/npm (once per pin; see
+# tests/harnesses.py) for tests/test_harnesses_live.py, which is skipped without npm or node.
+if command -v npm >/dev/null && command -v node >/dev/null; then
+  "$ROLLOUT_AGENTS_PYTHON" tests/harnesses.py
+else
+  echo "npm or node missing: tests/test_harnesses_live.py will be skipped" >&2
+fi
+
 # The core; then the HF backend (transformers) and the example backend of
 # docs/writing-a-backend.md.
 core_tests() (

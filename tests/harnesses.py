@@ -94,6 +94,9 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"
 
 
 class Call:
+    """One HTTP call: what the client sent (headers by their lower-case names) and the
+    status and body it was answered with."""
+
     def __init__(self, method: str, path: str, headers: dict[str, str], body: bytes):
         self.method, self.path, self.headers, self.body = method, path, headers, body
         self.status: int | None = None
@@ -129,7 +132,8 @@ class CountingProxy:
             def _forward(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                call = Call(self.command, self.path, dict(self.headers.items()), body)
+                call = Call(self.command, self.path,
+                            {k.lower(): v for k, v in self.headers.items()}, body)
                 proxy.calls.append(call)  # (atomic)
                 sent = (rewrite(call) if rewrite else None) or body
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}

@@ -7,7 +7,9 @@ under is recorded as one branch whose masked tokens are exactly the ones it was 
 The CLIs come from npm (tests/harnesses.py installs them, pinned, into ~/.cache/rollout/npm;
 scripts/test.sh does so before the suite runs); without npm or node the test is skipped, a
 failed install fails it. The tiny model is random: its answers are gibberish, cut at a few
-tokens so that a run takes seconds."""
+tokens (CLAUDE_CODE_MAX_OUTPUT_TOKENS for Claude Code; Codex 0.169.0 has no such setting and
+sends no max_output_tokens, so the proxy adds one to its calls) so that a run takes seconds
+of sampling; most of the time goes to prefilling each call's 23-41k prompt tokens."""
 
 from __future__ import annotations
 
@@ -159,7 +161,7 @@ def test_claude_code(harnesses, server, tokenizer, tmp_path):
         assert (done.returncode, out["api_error"], out["api_error_status"]) == \
             (1, "max_output_tokens", None), (done.stdout, done.stderr[-3000:])
     name = out["session_id"]
-    assert {c.headers.get("X-Claude-Code-Session-Id") for c in calls} == {name}
+    assert {c.headers.get("x-claude-code-session-id") for c in calls} == {name}
     assert out["num_turns"] == len(calls)
     sampled = []
     for call in calls:
