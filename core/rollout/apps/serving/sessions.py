@@ -38,6 +38,7 @@ log = logging.getLogger("rollout.serve")
 SESSION_HEADER = "X-Session-ID"
 MAX_SESSIONS = 1000
 MAX_TOKENS = 20_000_000  # ids kept over all sessions (about 1 GB of Python lists at most)
+TOOL_SETS_KEPT = 64  # chat templates rendered with a set of tools, kept for the next turn
 
 
 class SessionGone(InvalidRequestError):
@@ -86,7 +87,7 @@ class Sessions:
         self.max_sessions, self.max_tokens = max_sessions, max_tokens
         self._kept: OrderedDict[str, list[Branch]] = OrderedDict()
         self._tokens = 0
-        self._chat_tokens: dict[str, ChatTokens] = {}  # per tool set
+        self._chat_tokens: OrderedDict[str, ChatTokens] = OrderedDict()  # per tool set
         self._lock = threading.Lock()
 
     # --- a call -----------------------------------------------------------------------
@@ -134,6 +135,9 @@ class Sessions:
                 return None
             tools = [t.as_openai() for t in request.tools] if request.tools else None
             self._chat_tokens[key] = ChatTokens(encoder.tokenizer, tools)
+            if len(self._chat_tokens) > TOOL_SETS_KEPT:
+                self._chat_tokens.popitem(last=False)
+        self._chat_tokens.move_to_end(key)
         return self._chat_tokens[key]
 
     def _read_encoder(self) -> PromptEncoder | None:
