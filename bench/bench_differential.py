@@ -83,6 +83,7 @@ def main() -> None:
         corpus += diff.draw_cases(args.generated, args.seed)
     if args.messages:
         corpus += diff.draw_cases(args.messages, args.seed, api="messages")
+        corpus += diff.pinned_messages(SERVED)
     if args.harnesses:
         corpus += diff.load_harness(ROOT.glob(args.harnesses), SERVED)
     with contextlib.ExitStack() as stack:

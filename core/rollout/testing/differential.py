@@ -95,6 +95,19 @@ def load_harness(paths, model: str = "tiny", max_tokens: int = HARNESS_MAX_TOKEN
     return cases
 
 
+def pinned_messages(model: str = "tiny") -> list[Case]:
+    """/v1/messages calls written out, each the smallest of a kind the drawn corpus may
+    miss on a seed: an assistant turn of two text blocks (OPEN["assistant text blocks"]),
+    greedy, plain and streamed."""
+    body = {"model": model, "max_tokens": 4, "temperature": 0.0, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "a"},
+                                          {"type": "text", "text": "b"}]},
+        {"role": "user", "content": "c"}]}
+    return [Case("/v1/messages", body, "pinned"),
+            Case("/v1/messages", {**body, "stream": True}, "pinned")]
+
+
 def _strategies():
     """The Hypothesis strategies, built on first use (hypothesis is a test dependency)."""
     from hypothesis import strategies as st

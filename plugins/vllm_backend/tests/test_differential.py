@@ -37,6 +37,7 @@ def corpus(tmp_path_factory) -> list[Case]:
     subprocess.run([sys.executable, "-c", DRAW, str(drawn), str(GENERATED), str(MESSAGES)],
                    check=True, timeout=600)
     return (diff.load_recording(RECORDING) + diff.load_recording(drawn)
+            + diff.pinned_messages()
             + diff.load_harness(HARNESSES.glob("claude_code-*.json")))
 
 
@@ -320,7 +321,7 @@ def test_the_servers_agree_on_most_requests(report):
 def test_the_servers_agree_on_messages(report):
     """Anthropic's /v1/messages: both servers accept most drawn calls and every one of
     Claude Code's recorded calls, and many greedy answers agree in every compared field
-    (but message_start's usage, OPEN in every greedy stream; 79 of 120 in CI's corpus)."""
+    (but message_start's usage, OPEN in every greedy stream)."""
     messages = [i for i, c in enumerate(report.cases) if c.path == "/v1/messages"]
     both = {i for i in messages if all(o.ok for o in report.outcomes[i])}
     one_sided = {d.case for d in report.differences if d.field == "accepted"}
