@@ -120,7 +120,7 @@ class CountingProxy:
     return another body to forward (the call keeps what the client sent)."""
 
     def __init__(self, target: str, rewrite: Callable[[Call], bytes | None] | None = None,
-                 timeout: float = 300.0):
+                 timeout: float = 900.0):
         parsed = urllib.parse.urlsplit(target)
         self.target = (parsed.hostname, parsed.port)
         self.calls: list[Call] = []

@@ -31,7 +31,7 @@ MODEL = "tiny"
 PROMPT = "What is 2+2?"
 CONTEXT = 65536  # Claude Code's prompt is about 41k tokens of this tokenizer, Codex's 23k
 LIMIT = 16  # tokens an answer may have
-CLI_TIMEOUT_S = 300
+CLI_TIMEOUT_S = 900  # a loaded machine prefills a 41k-token prompt slowly: no race
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_claude_code(harnesses, server, tokenizer, tmp_path):
     env = {**base_env(tmp_path / "home"), "ANTHROPIC_BASE_URL": "", "ANTHROPIC_API_KEY": KEY,
            "ANTHROPIC_MODEL": MODEL, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(LIMIT),
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
-           "DISABLE_TELEMETRY": "1"}
+           "DISABLE_TELEMETRY": "1", "API_TIMEOUT_MS": str(CLI_TIMEOUT_S * 1000)}
     before = counts(server)
     with CountingProxy(server.url) as proxy:
         env["ANTHROPIC_BASE_URL"] = proxy.url
@@ -198,7 +198,8 @@ def test_codex(harnesses, server, tokenizer, tmp_path):
         (home / ".codex" / "config.toml").write_text(
             f'model = "{MODEL}"\nmodel_provider = "local"\n'
             f'[model_providers.local]\nname = "local"\nbase_url = "{proxy.url}/v1"\n'
-            'wire_api = "responses"\nenv_key = "LOCAL_KEY"\n')
+            'wire_api = "responses"\nenv_key = "LOCAL_KEY"\n'
+            f"stream_idle_timeout_ms = {CLI_TIMEOUT_S * 1000}\n")
         done = run_cli([codex_binary(harnesses), "exec", "--json", "--skip-git-repo-check",
                         PROMPT], env, work)
     after = counts(server)
