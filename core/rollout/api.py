@@ -185,7 +185,8 @@ class Rollout(RequestFront):
             if s.max_tokens is None:  # the room left in the context
                 s = attrs.evolve(s, max_tokens=self.encoder.max_model_len - len(prompt))
                 request = attrs.evolve(request, sampling=s)
-            samples = [Sample(self.encoder.decode, s, sink is not None, i) for i in range(s.n)]
+            samples = [Sample(self.encoder.decode, s, sink is not None, i, len(prompt))
+                       for i in range(s.n)]
             if request.continue_from is not None:
                 samples[0].go_on_from(request.continue_from, prompt)
             # Decoding images takes a while: not on the loop.

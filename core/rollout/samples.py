@@ -14,8 +14,9 @@ from rollout.kit.text import TextStream, cut, final_text
 class Sample:
     """What one sample of a request has made so far, over one engine call or several."""
 
-    def __init__(self, decode, s, streaming: bool, index: int):
+    def __init__(self, decode, s, streaming: bool, index: int, prompt_tokens: int):
         self.decode, self.s, self.index = decode, s, index
+        self.prompt_tokens: int | None = prompt_tokens  # for the first chunk out, then None
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = [] if s.logprobs is not None else None
         self.top: list | None = [] if s.logprobs else None
@@ -95,7 +96,9 @@ class Sample:
         if self.finish:
             self.streamed_end = True
             text += self.stream.finish()
-        return attrs.evolve(chunk, index=self.index, text=text, weight_version=version)
+        first, self.prompt_tokens = self.prompt_tokens, None
+        return attrs.evolve(chunk, index=self.index, text=text, weight_version=version,
+                            prompt_tokens=first)
 
     def _cut_at_stop(self, chunk: Chunk) -> Chunk:
         """A continued engine call sees the earlier tokens as prompt: a stop string that

@@ -572,6 +572,9 @@ class Chunk:
     cached_tokens: int | None = None
     # The version of the weights that made its tokens; the core sets it.
     weight_version: int | None = None
+    # The prompt's length in tokens, on the first chunk a caller gets of each sample (the
+    # core sets it: a stream can report its usage before the end).
+    prompt_tokens: int | None = None
     # The prompt's scores (`sampling.prompt_logprobs`), as `Result.prompt_logprobs` and
     # `prompt_top_logprobs` hold them, for the prompt the engine was given: on any one
     # chunk of the request (a chunk may carry them and no token); None elsewhere.

@@ -97,8 +97,8 @@ def load_harness(paths, model: str = "tiny", max_tokens: int = HARNESS_MAX_TOKEN
 
 def pinned_messages(model: str = "tiny") -> list[Case]:
     """/v1/messages calls written out, each the smallest of a kind the drawn corpus may
-    miss on a seed: an assistant turn of two text blocks (OPEN["assistant text blocks"]),
-    greedy, plain and streamed."""
+    miss on a seed: an assistant turn of two text blocks (joined by a newline, as vLLM's
+    server joins them), greedy, plain and streamed."""
     body = {"model": model, "max_tokens": 4, "temperature": 0.0, "messages": [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": [{"type": "text", "text": "a"},
@@ -1260,16 +1260,6 @@ def _deferred(case: Case) -> bool:
         for t in case.body.get("tools") or [])
 
 
-def _joined_assistant_blocks(case: Case) -> bool:
-    """A /v1/messages call with an assistant turn of two text blocks or more."""
-    return case.path == "/v1/messages" and any(
-        isinstance(m, dict) and m.get("role") == "assistant"
-        and isinstance(m.get("content"), list)
-        and sum(isinstance(b, dict) and b.get("type") == "text" and bool(b.get("text"))
-                for b in m["content"]) >= 2
-        for m in case.body.get("messages") or [])
-
-
 def _has_tools(case: Case) -> bool:
     return bool(case.body.get("tools")) or any(
         m.get("tool_calls") or m.get("role") == "tool"
@@ -1352,16 +1342,7 @@ DOCUMENTED: dict[str, Callable[[Case, Difference], bool]] = {
 # Known differences not fixed yet, each a defect to fix (docs/serving.md, "Open
 # differences"): listed by name so that a new difference stands out as unexplained, and
 # the test fails once an entry explains nothing any more.
-OPEN: dict[str, Callable[[Case, Difference], bool]] = {
-    # A /v1/messages stream's message_start says input_tokens 0: the prompt's length comes
-    # in message_delta only. Anthropic's (and vLLM's) message_start carries it.
-    "message_start usage": lambda case, diff: (
-        case.path == "/v1/messages" and diff.field == "stream.start_usage.input_tokens"
-        and diff.detail.endswith(" vs 0")),
-    # An assistant turn's text blocks are joined with nothing between them, a user
-    # turn's (and vLLM's, both turns) with a newline: the prompts differ.
-    "assistant text blocks": lambda case, diff: _joined_assistant_blocks(case),
-}
+OPEN: dict[str, Callable[[Case, Difference], bool]] = {}
 
 
 def _forced(case: Case) -> bool:

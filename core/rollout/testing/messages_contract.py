@@ -54,8 +54,13 @@ class MessagesContract(ServedBackend):
         kwargs = dict(model=MODEL, messages=PROMPT, max_tokens=8, extra_body={"temperature": 0})
         whole = client.messages.create(**kwargs)
         with client.messages.stream(**kwargs) as stream:
-            kinds = [event.type for event in stream]
+            events = list(stream)
             final = stream.get_final_message()
+        kinds = [event.type for event in events]
+        # The prompt's length comes first, where clients read it.
+        start = events[0].message.usage
+        assert start.input_tokens + start.cache_read_input_tokens == \
+            whole.usage.input_tokens + whole.usage.cache_read_input_tokens
         assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
         assert kinds[1] == "content_block_start" and kinds[-3] == "content_block_stop"
         assert kinds.count("content_block_delta") >= 1

@@ -153,10 +153,12 @@ class MessagesCall(OverChat):
                 "stop_reason": reason, "stop_sequence": stop, "usage": usage(result),
                 "weight_versions": weight_spans(result)}
 
-    def skeleton(self) -> dict:
+    def skeleton(self, prompt_tokens: int = 0, cached: int = 0) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "content": [],
                 "model": self.model, "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": 0, "output_tokens": 0}}
+                "usage": {"input_tokens": prompt_tokens - cached, "output_tokens": 0,
+                          "cache_read_input_tokens": cached,
+                          "cache_creation_input_tokens": 0}}
 
     @property
     def streams_text(self) -> bool:
@@ -320,7 +322,7 @@ def _user_turn(blocks: list, where: str) -> list[dict]:
                 out.append({"role": "user", "content": parts})
                 parts = []
             out.extend(_tool_result(block, at))
-        else:
+        elif kind == "image" or block["text"]:  # (empty text left out, as vLLM's server)
             parts.append(_part(block, at))
     if parts:
         out.append({"role": "user", "content": parts})
@@ -335,7 +337,7 @@ def _assistant_turn(blocks: list, where: str) -> dict:
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         kind = _check_block(block, at, ("text", "tool_use", "thinking", "redacted_thinking"))
-        if kind == "text":
+        if kind == "text" and block["text"]:  # (empty ones left out, as vLLM's server)
             texts.append(block["text"])
         elif kind == "tool_use":
             if not isinstance(block.get("input"), dict) or not isinstance(block.get("name"), str):
@@ -343,7 +345,8 @@ def _assistant_turn(blocks: list, where: str) -> dict:
                                 '{"type": "tool_use", "id", "name", "input": {...}}')
             calls.append({"id": block.get("id"), "type": "function", "function": {
                 "name": block["name"], "arguments": json.dumps(block["input"])}})
-    message: dict = {"role": "assistant", "content": "".join(texts)}
+    # Joined by newlines, as a user turn's text parts (and as vLLM's server joins them).
+    message: dict = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
     return message

@@ -641,13 +641,16 @@ async def _messages_stream(request: web.Request, service: Service, call: Message
         if not response.prepared:
             await response.prepare(request)
             await send("message_start", {"type": "message_start",
-                                         "message": call.skeleton()})
+                                         "message": call.skeleton(*prompt)})
         await response.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
 
     text, sent = "", 0
+    prompt = [0, 0]  # its tokens and those the prefix cache gave, from the first chunk
 
     async def on_chunk(chunk: Chunk) -> None:
         nonlocal text, sent
+        if chunk.prompt_tokens is not None:
+            prompt[:] = chunk.prompt_tokens, chunk.cached_tokens or 0
         text += chunk.text
         ready = len(text) - call.held_back
         if call.streams_text and ready > sent:
