@@ -1334,8 +1334,7 @@ DOCUMENTED: dict[str, Callable[[Case, Difference], bool]] = {
     # /v1/messages: a tool with defer_loading is left out of the prompt until a
     # tool_reference names it (as Anthropic's tool search); vLLM hands it to the chat
     # template with the others, so the prompts differ (Claude Code's recorded calls).
-    "deferred tools": lambda case, diff: _deferred(case) and not diff.field.startswith(
-        "stream.start_usage"),
+    "deferred tools": lambda case, diff: _deferred(case),
     "tool-call marker in a messages stream": lambda case, diff: diff.detail == MARKER_CUT,
 }
 
