@@ -467,16 +467,17 @@ def _tool_choice(choice: Any, tools: list[dict]) -> dict:
     if kind not in ("auto", "any", "tool", "none") or \
             set(choice) - {"type", "name", "disable_parallel_tool_use"}:
         raise bad_field("tool_choice", f"got {_short(choice)}", allowed)
+    parallel = choice.get("disable_parallel_tool_use")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_field("tool_choice.disable_parallel_tool_use", f"got {_short(parallel)}",
+                        "true or false")
+    if kind in ("auto", "none") and not tools:
+        return {}  # (auto among no tools, say only server tools: none)
     out: dict = {"tool_choice": {"any": "required"}.get(kind, kind)}
     if kind == "tool":
         out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-    parallel = choice.get("disable_parallel_tool_use")
-    if parallel is not None:
-        if not isinstance(parallel, bool):
-            raise bad_field("tool_choice.disable_parallel_tool_use", f"got {_short(parallel)}",
-                            "true or false")
-        if kind != "none":
-            out["parallel_tool_calls"] = not parallel
+    if parallel is not None and kind != "none":
+        out["parallel_tool_calls"] = not parallel
     return out
 
 
