@@ -197,3 +197,14 @@ def test_a_served_sampler_reads_sessions_and_writes_them_to_parquet(client, serv
     assert (row["session"], row["token_ids"], row["mask"]) == (
         "kept", branch["token_ids"], branch["mask"])
     assert json.loads(row["calls"]) == branch["calls"]
+
+
+def test_a_session_base_url_serves_the_model_list_and_every_api(server):
+    base = f"{server.url}/sessions/by-url/v1"
+    assert [m.id for m in openai.OpenAI(base_url=base, api_key=KEY).models.list().data] == [
+        MODEL]
+    chat = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
+    chat.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+    chat.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    routes = [c["route"] for b in session(server, "by-url")[1]["branches"] for c in b["calls"]]
+    assert sorted(routes) == ["chat", "responses"]
