@@ -354,7 +354,7 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
                          api_key=api_key, tool_parser=tool_call_parser, sock=sock,
                          public_metrics=public_metrics, log_prompts=log_prompts,
                          responses_kept=responses_kept, lora_modules=lora_modules,
-                         sessions_kept=sessions_kept, encoder=lambda: _encoder(service, model))
+                         sessions_kept=sessions_kept, encoder=lambda: _encoder(model))
 
     try:
         _run_on_engine_loop(run())
@@ -362,13 +362,12 @@ def serve(backend, model, mode, replicas, placement, host, port, served_model_na
         _fail(exc)
 
 
-def _encoder(service, model: str):
-    """The model's prompt encoder: the service's own, else read from the model's folder
-    (replicas run elsewhere)."""
+def _encoder(model: str):
+    """The model's prompt encoder, read from its folder (for replicas run elsewhere)."""
     from rollout.kit.models import resolve
     from rollout.kit.prompts import PromptEncoder
 
-    return getattr(service, "encoder", None) or PromptEncoder.from_folder(resolve(model))
+    return PromptEncoder.from_folder(resolve(model))
 
 
 def _run_on_engine_loop(coro) -> None:

@@ -318,9 +318,12 @@ class ReplicaPool:
         first replica that has it."""
         refusals = []
         for replica in self.replicas:
+            ask = getattr(replica.service, "session", None)  # (a server's client only)
+            if ask is None:
+                continue
             try:
-                return await replica.service.session(session_id, pop)
-            except (AttributeError, RolloutError, ReplicaDown) as exc:  # not there
+                return await ask(session_id, pop)
+            except (RolloutError, ReplicaDown) as exc:  # not there
                 refusals.append(exc)
         raise next((e for e in refusals if isinstance(e, RolloutError)), UnsupportedError(
             "agent sessions", "they are recorded by a rollout serve that agents call over "

@@ -75,12 +75,12 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
     `responses_kept`: how many /v1/responses answers previous_response_id can name;
     `lora_modules`: LoRA adapters (name -> PEFT folder) loaded before the server listens;
     `sessions_kept`: how many agent sessions are recorded (0: none); `encoder`: gives the
-    model's prompt encoder, whose chat template continues a session's tokens (by default
-    the service's own, where it has one)."""
+    model's prompt encoder, whose chat template continues a session's tokens, where the
+    service has none of its own (replicas in other processes)."""
     load_tool_parser(tool_parser)  # an unknown parser stops the server before it starts
     metrics = ServerMetrics(service, model_name, log_prompts)
-    sessions = Sessions(encoder or (lambda: getattr(service, "encoder", None)),
-                        sessions_kept) if sessions_kept else None
+    sessions = Sessions(lambda: getattr(service, "encoder", None) or (
+        encoder() if encoder is not None else None), sessions_kept) if sessions_kept else None
     routes = _Routes(Metered(service, metrics), model_name, tool_parser,
                      ResponseStore(responses_kept), sessions)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[
@@ -158,22 +158,22 @@ class _Routes:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         call = ResponsesCall(await _json(request), self.model_name, self.tool_parser,
                              self.stored, adapters=self.service.adapters())
-        service = self._session(request, call, "responses")
-        (one,) = call.requests
-        if call.stream:
-            return await _stream_response(request, service, call, one)
-        (completion,) = await _all([service.generate(one)])
-        return web.json_response(call.response(completion))
+        return await self._one(request, call, "responses", _stream_response, call.response)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         call = MessagesCall(await _json(request), self.model_name, self.tool_parser,
                             adapters=self.service.adapters())
-        service = self._session(request, call, "messages")
+        return await self._one(request, call, "messages", _messages_stream, call.message)
+
+    async def _one(self, request: web.Request, call, route: str, stream, answer
+                   ) -> web.StreamResponse:
+        """A call of one request: streamed by `stream`, else its completion's `answer`."""
+        service = self._session(request, call, route)
         (one,) = call.requests
         if call.stream:
-            return await _messages_stream(request, service, call, one)
+            return await stream(request, service, call, one)
         (completion,) = await _all([service.generate(one)])
-        return web.json_response(call.message(completion))
+        return web.json_response(answer(completion))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """The prompt's length as the engine reads it: one token is made to learn it

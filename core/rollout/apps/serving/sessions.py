@@ -55,8 +55,9 @@ class Branch:
     logprobs: list[float | None]
     versions: list[int | None]
     calls: list[dict]
-    # The conversation as a client sends it back: the last call's messages and its answer.
-    messages: list[Any]
+    # The conversation as a client sends it back (the last call's messages and its
+    # answer), as the keys a message sent back must match (`_key`).
+    keys: list[Any]
     tools: Any
     sampled: list[int]
 
@@ -102,33 +103,34 @@ class Sessions:
             request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, logprobs=0))
         with self._lock:
             branches = self._kept.get(session, [])
+        tools = _tools(request)
         for branch in reversed(branches):
-            tail = self._tail(branch, messages, request)
+            tail = self._tail(branch, messages, request, tools)
             if tail is not None:
                 spliced = attrs.evolve(request, messages=None, tools=None,
                                        prompt_token_ids=(*branch.token_ids, *tail))
                 return Ticket(session, branch, spliced, messages, asked, route, answer)
         return Ticket(session, None, request, messages, asked, route, answer)
 
-    def _tail(self, branch: Branch, messages: list[Message], request: Request
-              ) -> list[int] | None:
+    def _tail(self, branch: Branch, messages: list[Message], request: Request,
+              tools: list) -> list[int] | None:
         """The tokens of what follows the branch's conversation, where `messages` continue
-        it with the same tools; None where they do not."""
-        known = branch.messages
-        if request.sampling.n != 1 or len(messages) <= len(known) or \
-                _tools(request) != branch.tools or any(m.images for m in messages) or \
-                any(_key(a) != _key(b) for a, b in zip(known, messages)):
+        it with the same `tools` (the request's); None where they do not."""
+        known = len(branch.keys)
+        if request.sampling.n != 1 or len(messages) <= known or tools != branch.tools or \
+                any(m.images for m in messages) or \
+                any(key != _key(m) for key, m in zip(branch.keys, messages)):
             return None
-        chat = self._chat(request)
+        chat = self._chat(request, tools)
         if chat is None:
             return None  # no tokenizer here: each call is rendered afresh, a new branch
         try:
-            return chat.continuation(branch.sampled, messages[len(known):])
+            return chat.continuation(branch.sampled, messages[known:])
         except TemplateError:
             return None  # the template cannot be used turn by turn: a new branch each time
 
-    def _chat(self, request: Request) -> ChatTokens | None:
-        key = json.dumps(_tools(request))
+    def _chat(self, request: Request, tools: list) -> ChatTokens | None:
+        key = json.dumps(tools)
         if key not in self._chat_tokens:
             encoder = self._read_encoder()
             if encoder is None:
@@ -184,8 +186,8 @@ class Sessions:
                 result.logprobs or [None] * len(sampled)),
             versions=(old.versions if old else []) + [None] * tail + versions,
             calls=(old.calls if old else []) + [call],
-            messages=ticket.messages + [answer], tools=_tools(ticket.request) if old is None
-            else old.tools, sampled=sampled)
+            keys=[_key(m) for m in ticket.messages + [answer]],
+            tools=_tools(ticket.request) if old is None else old.tools, sampled=sampled)
         with self._lock:
             branches = self._kept.pop(ticket.session, [])
             if old is not None and old in branches:  # continued: the branch grows
@@ -218,10 +220,6 @@ class Sessions:
             gone = self._kept.pop(session, [])
             self._tokens -= sum(len(b.token_ids) for b in gone)
         return taken
-
-    def ids(self) -> list[str]:
-        with self._lock:
-            return list(self._kept)
 
 
 def write_parquet(sessions: list[dict], path: str) -> int:
