@@ -18,7 +18,7 @@ requests a second than `--floor` (a change that halves the served path's through
 caught where the soak runs; bench/bench_replica_path.py says where the time goes).
 
     python bench/soak.py --duration 1800 --png soak.png         # the 30-minute soak
-    python bench/soak.py --duration 120 --check --floor 30      # what CI runs
+    python bench/soak.py --duration 120 --check                 # what CI runs
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """The two-minute soak (bench/soak.py --check): `rollout serve --replicas 2` under a mixed
 load with weight updates and a replica killed; fails on growth of memory, threads, open
-files or /dev/shm files after warm-up, on any 5xx, on any request lost, and below a floor of
-requests a second."""
+files or /dev/shm files after warm-up, on any 5xx and on any request lost.
+
+No floor of requests a second here: a rate is the machine's as much as the code's (CI once
+made 19.6/s where a quiet run makes 200), so a timed floor fails under load. The served
+path's speed is checked by bench/bench_replica_path.py, as a ratio in one process."""
 
 import subprocess
 import sys
@@ -10,16 +13,10 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-# CI runs this on one core, the other busy with another engine's tests: there the soak made
-# 92 requests/s (two cores, quiet: about 200). A third of that still catches a change that
-# costs the served path most of its throughput, and no slow spell of the machine reaches it.
-FLOOR = 30
-
-
 def test_two_minute_soak_grows_nothing_and_loses_nothing(tmp_path):
     png = tmp_path / "soak.png"
     run = subprocess.run([sys.executable, "soak.py", "--duration", "120", "--check",
-                          "--floor", str(FLOOR), "--png", str(png)], cwd=BENCH,
+                          "--png", str(png)], cwd=BENCH,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "FAIL" not in run.stdout and png.stat().st_size > 0
