@@ -8,8 +8,8 @@ SIGKILL once, early. Every `--sample-every` s it sums RSS, threads, open file de
 and /dev/shm files (open or mapped) over the server's process tree; at the end no weight
 file may be left in /dev/shm.
 
-It prints each resource's growth per 10k requests after the warm-up (a least-squares
-slope) and from the start of that window to its end (medians of its first and last
+It prints each resource's growth per 10k requests after the warm-up and the killed
+replica's return (whichever is later; a least-squares slope) and from the start of that window to its end (medians of its first and last
 quarters), the requests by kind and outcome, and writes a PNG of the samples over time.
 The front's own RSS and the GPU memory of the tree (replicas on CUDA, by nvidia-smi) are
 printed too, not checked.
@@ -208,8 +208,13 @@ def start_server(model: str, replicas: int):
 
 
 def replica_pids(front: int) -> list[int]:
-    return [pid for pid in tree(front)[1:]
-            if b"--watch-parent" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # it ended meanwhile
+            return b""
+
+    return [pid for pid in tree(front)[1:] if b"--watch-parent" in cmdline(pid)]
 
 
 def run(args) -> int:
@@ -235,11 +240,22 @@ def run(args) -> int:
                             **resources(server.proc.pid, ours)})
             stop_sampling.wait(args.sample_every)
 
+    def replica_back(gone: int) -> bool:
+        """The killed replica's successor runs and the pool serves from all replicas again
+        (a new process alone may still be loading, or be out of rotation)."""
+        pids = replica_pids(server.proc.pid)
+        if len(pids) < args.replicas or gone in pids:
+            return False
+        try:
+            return trainer.health().get("healthy") == args.replicas
+        except Exception:  # noqa: BLE001 - a slow answer under load: asked again soon
+            return False
+
     def chores():
         """Weight updates every few seconds, the first one early (it is warm-up: the
         front server then loads torch and keeps a copy of the weights); one replica killed
         once, early."""
-        version, killed = 0, False
+        version, killed, gone = 0, False, None
         next_update = min(args.update_every, args.warmup * args.duration / 2)
         while not stop_sampling.wait(0.5):
             elapsed = time.monotonic() - started
@@ -248,7 +264,11 @@ def run(args) -> int:
                 if pids:
                     os.killpg(pids[0], signal.SIGKILL)
                     events.append((elapsed, "replica killed"))
+                    gone = pids[0]
                 killed = True
+            if gone is not None and replica_back(gone):
+                events.append((time.monotonic() - started, "replica back"))
+                gone = None
             if elapsed > next_update:
                 version += 1
                 try:
@@ -295,15 +315,21 @@ def growth(window: list[dict], name: str) -> tuple[float, float]:
 
 
 def report(args, samples: list[dict], events, load: Load, left: list[str]) -> int:
-    window = [s for s in samples if s["t"] >= args.warmup * args.duration]
+    # Measured from the warm-up's end, and not before the killed replica is back: a new
+    # replica's memory, threads and files are not growth.
+    begin = max([args.warmup * args.duration,
+                 *(t for t, what in events if what == "replica back")])
+    window = [s for s in samples if s["t"] >= begin]
     failures = []
     rate = load.done / args.duration
     if rate < args.floor:
         failures.append(f"{rate:.1f} requests/s, below the floor of {args.floor:g}")
     print(f"{load.done} requests in {args.duration:.0f} s ({rate:.1f}/s), "
-          f"{len(samples)} samples, measured after {args.warmup * args.duration:.0f} s")
+          f"{len(samples)} samples, measured after {begin:.0f} s")
+    if len(window) < 4:
+        failures.append(f"{len(window)} samples after {begin:.0f} s: too few to measure")
     print(f"{'resource':<12} {'start':>10} {'end':>10} {'growth':>10} {'per 10k req':>12}")
-    for name in [*LIMITS, *SHOWN]:
+    for name in [*LIMITS, *SHOWN] if len(window) >= 4 else []:
         per_10k, grew = growth(window, name)
         start = statistics.median(s[name] for s in window[:max(1, len(window) // 4)])
         print(f"{name:<12} {start:>10.1f} {window[-1][name]:>10.1f} {grew:>10.1f} "
@@ -342,8 +368,9 @@ def plot(samples: list[dict], events, path: str) -> None:
         ax.plot(t, [s[name] for s in samples])
         ax.set_ylabel(name)
         for when, what in events:
-            ax.axvline(when, color="red" if "killed" in what else "0.8", lw=0.8)
-    axes[-1].set_xlabel("seconds (grey: weight updates, red: a replica killed)")
+            ax.axvline(when, color={"replica killed": "red", "replica back": "green"}
+                       .get(what, "0.8"), lw=0.8)
+    axes[-1].set_xlabel("seconds (grey: weight updates, red: a replica killed, green: back)")
     fig.suptitle("rollout serve --replicas 2 under a steady mixed load")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
