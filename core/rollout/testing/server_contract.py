@@ -263,14 +263,27 @@ class ServerContract(ServedBackend):
                                                        "return_token_ids": True})
         tokens = [choice.model_extra.get("token_ids") or []
                   for chunk in stream for choice in chunk.choices]
-        assert sum(1 for t in tokens if t) >= 8, "tokens came in a few pieces, not as made"
+        # An engine merges the deltas a lagging reader has not taken yet (a loaded machine):
+        # pieces, and all of them, not one per token.
+        assert sum(1 for t in tokens if t) >= 2, "the tokens came in one piece, at the end"
         assert [t for ts in tokens for t in ts] == list(
             direct(ro, prompt="def add", sampling={"max_tokens": 16, "temperature": 0,
                                                        "ignore_eos": True})[0].token_ids)
 
-    def test_a_dropped_client_stops_its_request(self, server, ro):
+    def test_a_dropped_client_stops_its_request(self, server, ro, monkeypatch):
         body = {"model": MODEL, "prompt": "the ka lo", "max_tokens": MAX_MODEL_LEN - 16,
                 "ignore_eos": True, "stream": True, "temperature": 1.0}
+        made = []  # the tokens the engine made for the request, stopped or not
+        run = ro._run
+
+        async def counted(flight, timeout, sink=None):
+            def counting(chunk):
+                made.append(len(chunk.token_ids))
+                sink(chunk)
+
+            return await run(flight, timeout, None if sink is None else counting)
+
+        monkeypatch.setattr(ro, "_run", counted)
 
         async def drop_after_two_chunks():
             async with aiohttp.ClientSession(
@@ -281,12 +294,13 @@ class ServerContract(ServedBackend):
                         seen += line.startswith(b"data: {")
                         if seen == 2:
                             break  # leaving the block closes the connection
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while ro.health()["running"] and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             return ro.health()["running"]
 
         assert asyncio.run(drop_after_two_chunks()) == 0, "the request ran on without a client"
+        assert 0 < sum(made) < body["max_tokens"], "the request ran to its end, not stopped"
 
     # --- chat -----------------------------------------------------------------------------------
 
