@@ -163,6 +163,23 @@ class RemoteService:
             raise _typed_refusal(self.url, status, data)
         return data
 
+    async def model(self) -> str:
+        """The name the server serves its model under (the first that /v1/models lists)."""
+        import aiohttp
+
+        with self._reaching():
+            async with self._client().get(f"{self.url}/v1/models",
+                                          timeout=aiohttp.ClientTimeout(total=60)) as response:
+                data = await response.json(content_type=None)
+                status = response.status
+        if status != 200:
+            raise _typed_refusal(self.url, status, data)
+        try:
+            return data["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise RolloutError(f"{self.url}/v1/models lists no model: {str(data)[:200]}") \
+                from None
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -27,6 +28,9 @@ from rollout.contract.schemas import Request, Result
 from rollout.kit.aio import engine_loop
 
 Score = Callable[[Request, Sequence[Result]], Sequence[float]]
+# How one sample is made, where not by one call of the sampler: e.g. an agent program's
+# episode (rollout.apps.rl.harness.Harness.run), whose tokens the server recorded.
+Sample = Callable[[Request], Awaitable[Any]]
 CLOSE_WAIT_S = 60.0
 
 
@@ -35,7 +39,7 @@ class Group:
     """The samples of one prompt, as the trainer gets them."""
 
     request: Request  # the prompt as given (each sample ran it with n=1)
-    results: tuple[Result, ...]
+    results: tuple[Result, ...]  # (or what `sample` made: e.g. harness Episodes)
     rewards: tuple[float, ...] | None  # from `score`, where one was given
     oldest: int  # the oldest weight version any of its tokens came from
     version: int  # the sampler's weight version when it was handed out
@@ -61,18 +65,22 @@ class GroupSampler:
     `oversample` extra groups in flight, the batches fill while some are dropped.
     `stale`: what happens to a group over the bound (`staleness.POLICIES`). Versions are
     the sampler's: the one it has when this starts (0 if none), plus one per update.
+    `sample`: makes one sample of a request (n=1) instead of the sampler, e.g. an agent
+    program's episode (`harness.Harness.run`); the trainer still updates the sampler's
+    weights, and a sample's `weight_versions` say which made its tokens.
     """
 
     def __init__(self, sampler: Sampler, prompts: Iterable[Request | Mapping], *,
                  group_size: int, batch_size: int, eta: int = 0, score: Score | None = None,
                  keep: Callable[[Group], bool] | None = None, stale: str = "drop",
-                 oversample: int = 0, max_running: int | None = None, pause: str = "keep"):
+                 oversample: int = 0, max_running: int | None = None, pause: str = "keep",
+                 sample: Sample | None = None):
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise InvalidRequestError("group_size", f"got {group_size!r}", "an integer >= 1")
         if pause not in ("keep", "abort"):
             raise InvalidRequestError("pause", f"got {pause!r}", "keep, abort")
         self.sampler, self.group_size, self.pause = sampler, group_size, pause
-        self.score, self.keep = score, keep
+        self.score, self.keep, self.sample = score, keep, sample
         start = sampler.weight_version
         self.version = start if isinstance(start, int) else 0
         self.bound = Staleness(batch_size, eta, stale, oversample, max_running, self.version)
@@ -220,6 +228,8 @@ class GroupSampler:
         s = request.sampling
         sample = attrs.evolve(request, id=f"{request.id}/{k}", sampling=attrs.evolve(
             s, n=1, seed=None if s.seed is None else s.seed + k))
+        if self.sample is not None:
+            return await self.sample(sample)
         with self._gate:
             self._ids.add(sample.id)
         try:
@@ -238,7 +248,7 @@ class GroupSampler:
         # Tokens made before any versioned update count as the starting version. An
         # adapter's sample is as old as its adapter: pushes change it, not the base weights.
         versions = [self.bound.first if v is None else v for r in results
-                    for v in ([r.adapter_version] if r.adapter is not None
+                    for v in ([r.adapter_version] if getattr(r, "adapter", None) is not None
                               else [x.version for x in r.weight_versions])]
         return min(versions, default=self.version)
 
