@@ -9,6 +9,7 @@ import pytest
 
 from rollout.kit.aio import engine_loop
 
+STEPS = 20  # engine steps after which an aborted request still in the core has leaked
 LONG = {"prompt": "the ka lo", "sampling": {"max_tokens": 2000, "ignore_eos": True, "n": 2}}
 
 
@@ -29,11 +30,15 @@ def unfinished(backend) -> int:
 
 async def _unfinished_async(llm) -> int:
     # The core takes messages in order, so it has seen every abort sent before this call;
-    # its scheduler may still hold a finished request for one step, hence the short wait
-    # (a leaked request, 2000 tokens, runs for about 10 s here).
-    deadline = time.monotonic() + 1.0
+    # its scheduler may still hold a finished request for one step. The core answers a call
+    # between two steps and steps whenever it has work, so each answer "has work" after the
+    # first means one step more: a leaked request (2000 tokens) still has work after
+    # STEPS; a held one not. Counted in steps, not seconds: a loaded machine's step may
+    # take one (60 s only keeps a stuck core from hanging the test).
+    answers, deadline = 0, time.monotonic() + 60
     while await llm.engine_core.call_utility_async("has_work"):
-        if time.monotonic() > deadline:
+        answers += 1
+        if answers > STEPS or time.monotonic() > deadline:
             return 1 + llm.get_num_unfinished_requests()
         await asyncio.sleep(0.05)
     return llm.get_num_unfinished_requests()
