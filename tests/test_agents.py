@@ -69,8 +69,11 @@ CASES = {  # the call the model writes -> the outcome it must get
 
 @pytest.mark.parametrize("on_tool_error", ["message", "end"])
 def test_each_tool_failure_has_its_outcome_and_spares_the_others(ro, on_tool_error):
+    # A short tool timeout only where it is the subject: a loaded machine may take a second
+    # to run the others.
     runners = {kind: AgentRunner(ro, Scripted(call, (add, boom, slow)), AgentConfig(
-        sampling=GREEDY, tool_timeout=1.0, on_tool_error=on_tool_error))
+        sampling=GREEDY, tool_timeout=1.0 if kind == "timeout" else 60.0,
+        on_tool_error=on_tool_error))
         for kind, (call, _, _) in CASES.items()}
 
     async def main():
@@ -152,22 +155,42 @@ def test_a_failing_environment_ends_only_its_trajectory(ro):
 def test_a_timeout_and_an_abort_stop_the_running_turn_and_keep_what_it_made(ro):
     long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 
+    class FirstToken:
+        """The backend, streamed: `made` is set when a turn's first token has come."""
+
+        encoder = ro.encoder
+        abort = ro.abort
+
+        def __init__(self):
+            self.made = asyncio.Event()
+
+        async def agenerate(self, request):
+            stream = ro.stream(request)
+            async for chunk in stream:
+                if chunk.token_ids:
+                    self.made.set()
+            return stream.completion
+
     async def main():
         runner = AgentRunner(ro, Chatty(), AgentConfig(sampling=long, timeout=0.5))
         timed = await runner.run({"prompt": "a"})
-        aborter = AgentRunner(ro, Chatty(), AgentConfig(sampling=long))
+        sampler = FirstToken()
+        aborter = AgentRunner(sampler, Chatty(), AgentConfig(sampling=long))
         task = asyncio.ensure_future(aborter.run({"prompt": "b"}, id="victim"))
         bystander = AgentRunner(ro, Chatty(), AgentConfig(sampling=SHORT))
         other = asyncio.ensure_future(bystander.run({"prompt": "c"}, id="other"))
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(sampler.made.wait(), 120)
         assert aborter.abort("victim") and not aborter.abort("nobody")
         return timed, await task, await other
 
     timed, aborted, other = asyncio.run(main())
     assert timed.end_reason == "timeout"
     assert aborted.end_reason == "aborted"
+    # The abort comes after the first token; the timeout's 0.5 s may end before it (a loaded
+    # machine), even before the turn was sent.
+    assert 0 < sum(aborted.mask)
     for t in (timed, aborted):
-        assert 0 < sum(t.mask) < 900 and t.turns[-1].finish_reason == "abort"
+        assert sum(t.mask) < 900 and all(turn.finish_reason == "abort" for turn in t.turns[-1:])
         check_lined_up(t)
         check_spans(t)  # the cut turn's tokens too
     assert other.end_reason == "done"
