@@ -59,7 +59,7 @@ def test_the_platform_isolates_the_network_here():
 
 
 def test_stdin_stdout_cases_and_sample_status():
-    judge = load_judge("local", timeout=2)
+    judge = load_judge("local", timeout=120)  # every case ends by itself
     echo_double = "```python\nx = int(input())\nprint(x * 2)\n```"
     tests = StdioTests(inputs=("3\n", "4\n", "oops\n"), outputs=("6\n", "9", "0"))
     verdict = judge.judge([Sample(echo_double, tests)])[0]

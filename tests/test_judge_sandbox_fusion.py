@@ -95,9 +95,8 @@ def free_port() -> int:
 
 def test_unreachable_server_is_api_error_with_the_cause_quickly():
     judge = load_judge("sandbox-fusion", endpoint=f"http://127.0.0.1:{free_port()}", retries=1)
-    started = time.monotonic()
     verdict = judge.judge([ANSWER])[0]
-    assert time.monotonic() - started < 5
+    # Refused, not timed out: each try ended at once, without waiting out its request timeout.
     assert verdict.status == "api_error" and "refused" in verdict.detail.lower(), verdict.detail
     assert "2 tries" in verdict.detail
 
@@ -113,12 +112,12 @@ def test_server_errors_are_retried_a_bounded_number_of_times(fake):
 
 
 def test_a_hung_server_times_out(fake):
-    slow = fake([(200, passed)], delay=3)
+    slow = fake([(200, passed)], delay=120)  # far past the bound below: no race with it
     judge = load_judge("sandbox-fusion", endpoint=slow.url, retries=0, request_timeout=0.5)
     started = time.monotonic()
     verdict = judge.judge([ANSWER])[0]
-    assert time.monotonic() - started < 2.5
-    assert verdict.status == "api_error" and "timed out" in verdict.detail
+    assert verdict.status == "api_error" and "timed out" in verdict.detail, verdict.detail
+    assert time.monotonic() - started < 60  # it gave up; it did not wait for the answer
 
 
 def test_status_mapping(fake):
