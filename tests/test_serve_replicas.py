@@ -94,13 +94,13 @@ def test_replicas_behind_one_server_survive_one_death_and_503_after_all(front, t
     os.kill(first, signal.SIGKILL)
     for i in range(6):  # the other replica answers, whichever the balancer tried first
         client.completions.create(model="tiny", prompt=f"x {i}", max_tokens=2)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while health(url)[1].get("healthy") != 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert health(url)[1]["healthy"] == 1
 
     os.kill(second, signal.SIGKILL)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while health(url)[0] != 503 and time.monotonic() < deadline:
         time.sleep(0.2)
     status, body = health(url)

@@ -51,7 +51,7 @@ def test_close_stops_the_engine_core_and_its_workers(tiny_model):
     workers = children(core.pid)
     assert workers  # the executor's worker
     backend.close()
-    assert wait_gone([core.pid, *workers], 5)
+    assert wait_gone([core.pid, *workers], 60)
 
 
 def test_a_killed_owner_leaves_no_engine_core(tiny_model, tmp_path):
