@@ -76,10 +76,11 @@ def test_a_chunk_the_server_refuses_mid_broadcast(server, monkeypatch):
         return info
 
     monkeypatch.setattr(transport, "update_info", refused_second)
-    started = time.monotonic()
-    with pytest.raises(GenerationError):
+    # vLLM's refusal of the chunk is what ends the broadcast, not the group's timeout (that
+    # would raise a TimeoutError): the cause, which no slow machine changes.
+    with pytest.raises(GenerationError, match="on /update_weights"):
         backend.update_weights(other.items())
-    assert time.monotonic() - started < 30 and len(sent) == 2
+    assert len(sent) == 2
     assert backend._backend.gloo.group is None  # dropped: the next update opens a new one
     monkeypatch.undo()
     repaired(backend, base, baseline)
@@ -93,10 +94,12 @@ def test_a_group_name_used_before_is_refused_at_once(server, monkeypatch):
     gloo.drop()
     backend.update_weights(base.items(), version=2)  # first use of the name: joined
     gloo.drop()
+    # A join timeout far past the bound: a refusal that waited it out cannot pass.
+    monkeypatch.setattr(transport, "JOIN_TIMEOUT_S", 600.0)
     started = time.monotonic()
     with pytest.raises(GenerationError, match="used before"):
         backend.update_weights(base.items())
-    assert time.monotonic() - started < transport.JOIN_TIMEOUT_S / 2
+    assert time.monotonic() - started < 60
     monkeypatch.undo()
     repaired(backend, base, baseline)
 
