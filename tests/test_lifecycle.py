@@ -232,7 +232,7 @@ def test_two_keep_calls_in_line_hold_requests_until_both_have_run():
         def keep(i):
             with life.call("keep"):
                 entered.append(i)
-                gates[i].wait(5)
+                gates[i].wait(120)  # the test opens it
 
         calls = [threading.Thread(target=keep, args=(i,)) for i in (0, 1)]
         for call in calls:
@@ -276,7 +276,7 @@ def test_every_wait_is_bounded():
 
         def stays():
             with life.call():
-                stuck.wait(5)
+                stuck.wait(120)  # the test ends it
 
         holder = threading.Thread(target=stays)
         holder.start()

@@ -110,15 +110,32 @@ def test_gpu_transports_are_refused_with_their_reason_where_there_is_no_gpu(serv
     assert probe(trainer) == fresh["base"]
 
 
-def test_a_served_rollout_awaits_and_streams_requests(served):
+def test_a_served_rollout_awaits_and_streams_requests(served, monkeypatch):
     trainer, _, _, _, rollout = served
     requests = probe_requests()
     expected = [c.unwrap()[0].token_ids for c in trainer.generate(requests)]
-    long = {"prompt": "a", "sampling": {"n": 4, "max_tokens": 2000, "ignore_eos": True}}
+    # 48 tokens, so that the stream comes in pieces even where a loaded machine merges some.
+    streamed = {**requests[0], "id": "streamed",
+                "sampling": {**requests[0]["sampling"], "max_tokens": 48}}
+    expected_stream = trainer.generate([streamed])[0].unwrap()[0].token_ids
+    long = {"id": "left", "prompt": "a",
+            "sampling": {"n": 4, "max_tokens": 2000, "ignore_eos": True}}
+    made = []  # the tokens the server's engine made for the stream left early
+    run = rollout._run
+
+    async def counted(flight, timeout, sink=None):
+        def counting(chunk):
+            made.append(len(chunk.token_ids))
+            sink(chunk)
+
+        left = sink is not None and flight.request.id == "left"
+        return await run(flight, timeout, counting if left else sink)
+
+    monkeypatch.setattr(rollout, "_run", counted)
 
     async def calls():
         completions = await asyncio.gather(*(trainer.agenerate(r) for r in requests))
-        stream = trainer.stream(requests[0])
+        stream = trainer.stream(streamed)
         chunks = [chunk async for chunk in stream]
         left = trainer.stream(long)
         async for _ in left:  # one chunk, then the caller leaves
@@ -130,12 +147,12 @@ def test_a_served_rollout_awaits_and_streams_requests(served):
     assert [c.unwrap()[0].token_ids for c in completions] == expected
     assert len(chunks) > 1
     assert [t for c in chunks for t in c.token_ids] == list(completion.unwrap()[0].token_ids) \
-        == list(expected[0])
-    deadline = time.monotonic() + 5  # the request left early stops on the server (it
-    # would run for over 15 s)
+        == list(expected_stream)
+    deadline = time.monotonic() + 60  # the request left early stops on the server
     while rollout._flights and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not rollout._flights
+    assert 0 < sum(made) < 4 * 2000, "the request left early ran to its end"
 
 
 def test_release_and_resume_reach_the_served_backend(served):

@@ -323,7 +323,7 @@ def check_look(ro, reference, vlm_dir) -> None:
 
 
 def metrics(ro) -> str:
-    with urllib.request.urlopen(ro._backend.engine.url + "/metrics", timeout=10) as r:
+    with urllib.request.urlopen(ro._backend.engine.url + "/metrics", timeout=60) as r:
         return r.read().decode()
 
 

@@ -30,7 +30,7 @@ def backend(tiny_model):
 
 def running(backend) -> float:
     """The server's own count of requests running or waiting."""
-    with urllib.request.urlopen(backend._backend.engine.url + "/metrics", timeout=10) as r:
+    with urllib.request.urlopen(backend._backend.engine.url + "/metrics", timeout=60) as r:
         text = r.read().decode()
     return sum(float(m) for m in re.findall(
         r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M))
