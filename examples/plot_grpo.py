@@ -1,4 +1,4 @@
-"""Reward curves from examples/grpo.py's `--log` files: one line per run (engine and mode),
+"""Reward curves from examples/grpo.py's (and grpo_agent.py's) `--log` files: one line per run (engine and mode),
 training reward per step (a moving mean over `--window` steps) and held-out greedy accuracy,
 saved as a PNG; and a Markdown table of what each run measured.
 
@@ -20,6 +20,7 @@ def read_run(path: str) -> dict:
         eta = entry.get("eta", eta)  # (on step lines only)
         label = entry["backend"] + (f", {replicas} replicas" if replicas else ", in process")
         label += f", async {eta}" if eta else ""
+        label += f", through {entry['agent']}" if entry.get("agent") else ""
         (evals if "accuracy" in entry else steps).append(entry)
     return {"label": label, "steps": steps, "evals": evals}
 

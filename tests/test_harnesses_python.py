@@ -1,0 +1,212 @@
+"""Agent programs and libraries from PyPI, run unchanged through `rollout.apps.rl.Harness`
+against a gateway over the HF backend on the tiny model: the `llm` CLI (a command), and the
+OpenAI Agents SDK, pydantic-ai and smolagents (functions). Every HTTP call passes through a
+counting proxy (tests/harnesses.py) and must be answered with a 2xx; each episode's
+branches hold exactly the tokens the calls were answered with (one run of sampled tokens
+per call, decoding to the text the library received), and where sampling was free their
+logprobs are a trainer's forward pass."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import rollout
+from harnesses import CountingProxy
+from rollout.apps.rl import Harness, gateway, largest_gap
+from rollout.contract.convert import structure
+from rollout.kit.aio import engine_loop
+
+CONTEXT = 65536  # smolagents' system prompt is about 11k tokens of the tiny tokenizer
+LIMIT = 16
+TASK = structure({"id": "task", "messages": [{"role": "user", "content": "What is 2+2?"}]},
+                 rollout.Request)
+SAMPLING = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
+
+
+@pytest.fixture(scope="module")
+def ro(tiny_model):
+    ro = rollout.load_backend("hf", model=str(tiny_model), max_model_len=CONTEXT)
+    yield ro
+    ro.close()
+
+
+@pytest.fixture(scope="module")
+def url(ro):
+    with gateway(ro) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+def episode_through_proxy(url: str, agent, **options):
+    """One episode of the task, every call of it through a counting proxy."""
+    with CountingProxy(url) as proxy:
+        episode = engine_loop().run(Harness(agent, proxy.url, **options).run(TASK), 900,
+                                    "an agent's episode")
+    return episode, proxy.calls
+
+
+def answered(call) -> tuple[str | None, int]:
+    """A sampling call's answer as its client got it: the text (None where it was a tool
+    call) and the count of sampled tokens, from any of the three APIs, streamed or not."""
+    body = call.json()
+    if body.get("stream"):
+        events = call.events()
+        if call.path.endswith("/v1/chat/completions"):
+            deltas = [c["choices"][0]["delta"] for c in events if c.get("choices")]
+            text = "".join(d.get("content") or "" for d in deltas)
+            tools = any(d.get("tool_calls") for d in deltas)
+            return (None if tools else text), events[-1]["usage"]["completion_tokens"]
+        if call.path.endswith("/v1/messages"):
+            text = "".join(e["delta"].get("text", "") for e in events
+                           if e["type"] == "content_block_delta")
+            (end,) = [e for e in events if e["type"] == "message_delta"]
+            return text, end["usage"]["output_tokens"]
+        (end,) = [e for e in events if e["type"] in ("response.completed",
+                                                      "response.incomplete")]
+        answer = end["response"]
+    else:
+        answer = json.loads(call.answer)
+    if "choices" in answer:
+        message = answer["choices"][0]["message"]
+        return (None if message.get("tool_calls") else message["content"] or "",
+                answer["usage"]["completion_tokens"])
+    if "content" in answer:  # a Messages answer
+        blocks = answer["content"]
+        tools = any(b["type"] == "tool_use" for b in blocks)
+        return (None if tools else "".join(b.get("text", "") for b in blocks),
+                answer["usage"]["output_tokens"])
+    items = answer["output"]  # a Responses answer
+    tools = any(i["type"] == "function_call" for i in items)
+    text = "".join(c.get("text", "") for i in items if i["type"] == "message"
+                   for c in i["content"])
+    return (None if tools else text), answer["usage"]["output_tokens"]
+
+
+def sampled_runs(episode) -> list[list[int]]:
+    """Each branch's runs of sampled tokens (mask 1): one per call, since a call's new
+    messages always put template tokens between two answers."""
+    runs = []
+    for branch in episode.branches:
+        run = []
+        for token, sampled in zip(branch.response_ids, branch.mask):
+            if sampled:
+                run.append(token)
+            elif run:
+                runs.append(run)
+                run = []
+        if run:
+            runs.append(run)
+    return runs
+
+
+def check(episode, calls, trainer, free: bool) -> None:
+    model, tokenizer = trainer
+    assert episode.error is None, episode.error
+    assert calls and all(200 <= (c.status or 0) < 300 for c in calls), calls
+    sampling = [c for c in calls if c.method == "POST" and c.path.endswith(SAMPLING)]
+    # Besides them only model lists, and the harness's own: the model's name, the session.
+    assert {c.path.split("?")[0] for c in calls} - {c.path.split("?")[0] for c in sampling} \
+        <= {"/v1/models", f"/sessions/{episode.session}/v1/models",
+            f"/rollout/sessions/{episode.session}"}
+    assert all(f"/sessions/{episode.session}/" in c.path for c in sampling)
+    answers = [answered(c) for c in sampling]
+    runs = sampled_runs(episode)
+    # One run of sampled tokens per call, as many as each call was answered with.
+    assert sorted(len(r) for r in runs) == sorted(n for _, n in answers)
+    assert all(n <= LIMIT for _, n in answers)
+    # The texts the library got are the recorded tokens' (tool calls aside).
+    decoded = sorted(tokenizer.decode(r, skip_special_tokens=True) for r in runs)
+    for text, _ in answers:
+        if text is not None:
+            assert any(text == d or text == d.strip() for d in decoded), (text, decoded)
+    if free:  # (under a grammar the engine's logprobs are the constrained ones)
+        assert largest_gap(list(episode.branches), forward(model)) < 1e-4
+
+
+def forward(model):
+    def under(version, trajectories):
+        out = []
+        for t in trajectories:
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([t.prompt_ids + t.response_ids])
+                               ).logits[0].float()
+            picked = torch.log_softmax(logits[len(t.prompt_ids) - 1:-1], -1)
+            out.append(picked.gather(1, torch.tensor(t.response_ids)[:, None])[:, 0])
+        return out
+    return under
+
+
+def test_the_llm_cli(url, trainer, tmp_path):
+    llm = shutil.which("llm", path=str(Path(sys.executable).parent))
+    assert llm, "llm is not installed beside this Python (requirements/agents.txt)"
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        "- model_id: rollout\n  model_name: policy\n")
+    (tmp_path / "logs.db").touch()
+    episode, calls = episode_through_proxy(
+        url, [llm, "-m", "rollout", "-n", "-o", "max_tokens", str(LIMIT), "{task}"],
+        env={"LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": ""})
+    check(episode, calls, trainer, free=True)
+    (text, _), = [answered(c) for c in calls if c.method == "POST"]
+    assert episode.output == text + "\n"  # what it printed is what it was answered
+
+
+def test_the_openai_agents_sdk(url, trainer):
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, \
+        set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # (its traces go to OpenAI)
+
+    async def agent(call):
+        client = AsyncOpenAI(base_url=call.openai_base_url, api_key=call.api_key,
+                             max_retries=0)
+        assistant = Agent(name="assistant", instructions="Answer briefly.",
+                          model=OpenAIChatCompletionsModel(call.model, client),
+                          model_settings=ModelSettings(max_tokens=LIMIT))
+        return (await Runner.run(assistant, call.task, max_turns=2)).final_output
+
+    episode, calls = episode_through_proxy(url, agent)
+    check(episode, calls, trainer, free=True)
+
+
+def test_pydantic_ai(url, trainer):
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    def agent(call):
+        model = OpenAIChatModel(call.model, provider=OpenAIProvider(
+            base_url=call.openai_base_url, api_key=call.api_key))
+        assistant = Agent(model, instructions="Answer briefly.",
+                          model_settings={"max_tokens": LIMIT})
+        return assistant.run_sync(call.task).output
+
+    episode, calls = episode_through_proxy(url, agent)
+    check(episode, calls, trainer, free=True)
+
+
+def test_smolagents(url, trainer):
+    """A tool-calling agent: smolagents asks for a tool call on every step (tool_choice
+    "required"), so its tokens are sampled under the call grammar."""
+    from smolagents import OpenAIServerModel, ToolCallingAgent
+
+    def agent(call):
+        model = OpenAIServerModel(model_id=call.model, api_base=call.openai_base_url,
+                                  api_key=call.api_key, max_tokens=LIMIT)
+        return ToolCallingAgent(tools=[], model=model, max_steps=2).run(call.task)
+
+    episode, calls = episode_through_proxy(url, agent)
+    check(episode, calls, trainer, free=False)
