@@ -19,14 +19,14 @@ def test_training_through_the_llm_cli(tiny_model):
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"],
            "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(tiny_model),
-                           "--steps", "4", "--prompts", "2", "--group-size", "3",
+                           "--steps", "2", "--prompts", "2", "--group-size", "3",
                            "--max-tokens", "8", "--lr", "3e-3"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
     steps = [line for line in lines if line.startswith("step ")]
-    assert len(steps) == 4 and summary["failed_runs"] == 0
+    assert len(steps) == 2 and summary["failed_runs"] == 0
     # 6 runs a step, one branch each (llm makes one call), 8 tokens each at most.
     assert all("6 runs, 6 branches" in line for line in steps), steps
     # Each step's logprobs are the trainer's forward pass under its current weights, which
