@@ -279,7 +279,12 @@ def accuracy(sampler, task, max_tokens: int, adapter: str | None) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return with_model(parse_args(argv), train)
+
+
+def with_model(args: argparse.Namespace, train) -> int:
+    """`train(args, folder)` on `--model`, or else the task's: smollm2 for the sums, the
+    tiny model (built here) for the letter task."""
     if args.model is not None:
         return train(args, rollout.kit.models.resolve(args.model))
     if args.task == "sums":

@@ -40,7 +40,6 @@ from types import SimpleNamespace
 
 import grpo  # examples/grpo.py: the tasks, the trainer's forward pass, the kept versions
 
-import rollout.kit.models
 from rollout.apps.rl import GroupSampler, Harness, gateway, largest_gap
 from rollout.service.served import open_sampler
 
@@ -116,15 +115,7 @@ class Branch:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.model is not None:
-        return train(args, rollout.kit.models.resolve(args.model))
-    if args.task == "sums":
-        return train(args, rollout.kit.models.resolve("smollm2"))
-    from rollout.kit.tiny_model import build_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="grpo-agent-tiny-") as tmp:
-        return train(args, str(build_tiny_model(tmp)))
+    return grpo.with_model(parse_args(argv), train)
 
 
 def train(args: argparse.Namespace, model_dir: str) -> int:

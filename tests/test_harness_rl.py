@@ -17,6 +17,7 @@ import rollout
 from rollout.apps.rl import GroupSampler, Harness, gateway, largest_gap
 from rollout.contract.convert import structure
 from rollout.kit.aio import engine_loop
+from rollout.testing.forward import logprobs_under
 
 MODEL = "policy"
 TASKS = [{"id": f"t{i}", "messages": [{"role": "user", "content": f"what is {i} + 3?"}],
@@ -61,22 +62,6 @@ def chat_agent(call, between=None) -> str:
         if between is not None and turn == 0:
             between()
     return json.dumps(turns)
-
-
-def logprobs_under(model):
-    """`largest_gap`'s callable over trajectories: the model's logprob of every response
-    token (whatever the version asked: the caller loads the weights first)."""
-    def under(version, trajectories):
-        out = []
-        for t in trajectories:
-            ids = torch.tensor([t.prompt_ids + t.response_ids])
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[0].float()
-            start = len(t.prompt_ids)
-            picked = torch.log_softmax(logits[start - 1:-1], -1)
-            out.append(picked.gather(1, torch.tensor(t.response_ids)[:, None])[:, 0])
-        return out
-    return under
 
 
 def test_groups_of_agent_episodes_are_the_engines_tokens_scored_as_a_trainer_scores(ro, url,

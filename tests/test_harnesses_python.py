@@ -21,6 +21,7 @@ from harnesses import CountingProxy
 from rollout.apps.rl import Harness, gateway, largest_gap
 from rollout.contract.convert import structure
 from rollout.kit.aio import engine_loop
+from rollout.testing.forward import logprobs_under
 
 CONTEXT = 65536  # smolagents' system prompt is about 11k tokens of the tiny tokenizer
 LIMIT = 16
@@ -133,20 +134,7 @@ def check(episode, calls, trainer, free: bool) -> None:
         if text is not None:
             assert any(text == d or text == d.strip() for d in decoded), (text, decoded)
     if free:  # (under a grammar the engine's logprobs are the constrained ones)
-        assert largest_gap(list(episode.branches), forward(model)) < 1e-4
-
-
-def forward(model):
-    def under(version, trajectories):
-        out = []
-        for t in trajectories:
-            with torch.no_grad():
-                logits = model(input_ids=torch.tensor([t.prompt_ids + t.response_ids])
-                               ).logits[0].float()
-            picked = torch.log_softmax(logits[len(t.prompt_ids) - 1:-1], -1)
-            out.append(picked.gather(1, torch.tensor(t.response_ids)[:, None])[:, 0])
-        return out
-    return under
+        assert largest_gap(list(episode.branches), logprobs_under(model)) < 1e-4
 
 
 def test_the_llm_cli(url, trainer, tmp_path):

@@ -89,7 +89,7 @@ class Episode:
         return sum(sum(b.mask) for b in self.branches)
 
 
-Agent = Sequence[str] | Callable[[AgentCall], "str | None | Awaitable[str | None]"]
+Agent = Sequence[str] | Callable[[AgentCall], str | None | Awaitable[str | None]]
 
 
 class Harness:
