@@ -47,7 +47,11 @@ def table(runs: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def plot(runs: list[dict], out: str, window: int, by_time: bool = False) -> None:
+TITLE = "GRPO on SmolLM2-135M-Instruct: small sums (examples/grpo.py --task sums)"
+
+
+def plot(runs: list[dict], out: str, window: int, by_time: bool = False,
+         title: str = TITLE) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,7 +80,7 @@ def plot(runs: list[dict], out: str, window: int, by_time: bool = False) -> None
     for ax in (left, right):
         ax.grid(alpha=0.3)
     right.legend(loc="lower right")
-    fig.suptitle("GRPO on SmolLM2-135M-Instruct: small sums (examples/grpo.py --task sums)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -88,9 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--by-time", action="store_true",
                         help="against the seconds the steps took, not the step number")
+    parser.add_argument("--title", default=TITLE)
     args = parser.parse_args(argv)
     runs = [read_run(path) for path in args.logs]
-    plot(runs, args.output, args.window, args.by_time)
+    plot(runs, args.output, args.window, args.by_time, args.title)
     print(table(runs))
     print(f"wrote {args.output}")
 
