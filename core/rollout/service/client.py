@@ -149,36 +149,31 @@ class RemoteService:
     async def session(self, session_id: str, pop: bool = False) -> dict:
         """An agent session that this server recorded (rollout.apps.serving.sessions);
         `pop`: and no longer kept there."""
-        import aiohttp
         from urllib.parse import quote
 
-        with self._reaching():
-            async with self._client().get(
-                    f"{self.url}/rollout/sessions/{quote(session_id, safe='')}",
-                    params={"pop": "true"} if pop else None,
-                    timeout=aiohttp.ClientTimeout(total=60)) as response:
-                data = await response.json(content_type=None)
-                status = response.status
-        if status != 200:
-            raise _typed_refusal(self.url, status, data)
-        return data
+        return await self._get(f"/rollout/sessions/{quote(session_id, safe='')}",
+                               {"pop": "true"} if pop else None)
 
     async def model(self) -> str:
         """The name the server serves its model under (the first that /v1/models lists)."""
-        import aiohttp
-
-        with self._reaching():
-            async with self._client().get(f"{self.url}/v1/models",
-                                          timeout=aiohttp.ClientTimeout(total=60)) as response:
-                data = await response.json(content_type=None)
-                status = response.status
-        if status != 200:
-            raise _typed_refusal(self.url, status, data)
+        data = await self._get("/v1/models")
         try:
             return data["data"][0]["id"]
         except (KeyError, IndexError, TypeError):
             raise RolloutError(f"{self.url}/v1/models lists no model: {str(data)[:200]}") \
                 from None
+
+    async def _get(self, path: str, params: dict | None = None) -> dict:
+        import aiohttp
+
+        with self._reaching():
+            async with self._client().get(f"{self.url}{path}", params=params,
+                                          timeout=aiohttp.ClientTimeout(total=60)) as response:
+                data = await response.json(content_type=None)
+                status = response.status
+        if status != 200:
+            raise _typed_refusal(self.url, status, data)
+        return data
 
     async def close(self) -> None:
         if self._session is not None:
