@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 import attrs
 
 from rollout.apps.agents.trajectory import Trajectory
-from rollout.contract.errors import InvalidRequestError, RolloutTimeoutError
+from rollout.contract.errors import InvalidRequestError
 from rollout.contract.schemas import Request, WeightSpan, add_span
 
 AGENT_TIMEOUT_S = 600.0
@@ -97,7 +97,8 @@ class Harness:
     `gateway(rollout)`): `run` is a `GroupSampler`'s `sample`. `model`: the served model's
     name (default: the server's first); `env`: more variables for a command;
     `timeout`: seconds an agent may run before it is killed (its episode then ends with
-    that error, and what it sampled so far is kept)."""
+    that error, and what it sampled so far is kept; a function that is not a coroutine
+    runs in a thread, which cannot be killed: it is left to end by itself)."""
 
     def __init__(self, agent: Agent, url: str, *, api_key: str | None = None,
                  model: str | None = None, env: Mapping[str, str] | None = None,
@@ -131,11 +132,10 @@ class Harness:
             if callable(self.agent):
                 return await asyncio.wait_for(_call(self.agent, call), self.timeout), None
             return await _run_command(self.agent, call, self.env, self.timeout)
-        except (asyncio.TimeoutError, RolloutTimeoutError):
+        except asyncio.TimeoutError:
             return "", f"timed out after {self.timeout:g} s"
         except Exception as exc:  # noqa: BLE001 - the agent's failure ends its episode
             return "", f"{type(exc).__name__}: {exc}"
-
 
 
 def task_of(request: Request) -> str:
