@@ -1,6 +1,6 @@
 """Real agent harnesses for tests/test_harnesses_live.py: Claude Code and Codex CLI, pinned,
 installed from npm into a cache folder outside the clone (keyed by the pins, so a second run
-installs nothing), and a counting proxy that sees every HTTP call a CLI makes.
+installs nothing). (The proxy that sees every call they make: rollout.testing.proxy.)
 
 `python tests/harnesses.py` installs them (scripts/test.sh does) and prints the folder.
 Standard library only."""
@@ -8,8 +8,6 @@ Standard library only."""
 from __future__ import annotations
 
 import hashlib
-import http.client
-import http.server
 import json
 import os
 import platform
@@ -17,9 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
-import urllib.parse
-from collections.abc import Callable
 from pathlib import Path
 
 PACKAGES = {"@anthropic-ai/claude-code": "2.1.328", "@openai/codex": "0.169.0"}
@@ -85,98 +80,6 @@ def claude_binary(root: Path) -> Path:
 
 def codex_binary(root: Path) -> Path:
     return _one("node_modules/@openai/codex-*/vendor/*/bin/codex", root)
-
-
-# --- a proxy that counts ----------------------------------------------------------------------
-
-HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
-       "proxy-connection", "te", "upgrade"}
-
-
-class Call:
-    """One HTTP call: what the client sent (headers by their lower-case names) and the
-    status and body it was answered with."""
-
-    def __init__(self, method: str, path: str, headers: dict[str, str], body: bytes):
-        self.method, self.path, self.headers, self.body = method, path, headers, body
-        self.status: int | None = None
-        self.answer = b""  # the body it was answered with, as streamed
-
-    def json(self):
-        return json.loads(self.body) if self.body else None
-
-    def events(self) -> list[dict]:
-        """The JSON events of its answer, where that was a server-sent event stream."""
-        return [json.loads(line[5:]) for line in self.answer.decode().splitlines()
-                if line.startswith("data:") and line[5:].strip().startswith("{")]
-
-    def __repr__(self) -> str:
-        return f"{self.method} {self.path} -> {self.status}"
-
-
-class CountingProxy:
-    """Forwards every request to `target` (http://host:port) and records it with the status
-    it was answered with; streams (SSE) are passed on as they come. `rewrite(call)` may
-    return another body to forward (the call keeps what the client sent)."""
-
-    def __init__(self, target: str, rewrite: Callable[[Call], bytes | None] | None = None,
-                 timeout: float = 900.0):
-        parsed = urllib.parse.urlsplit(target)
-        self.target = (parsed.hostname, parsed.port)
-        self.calls: list[Call] = []
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.0"  # one call a connection; a stream ends at close
-
-            def _forward(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
-                call = Call(self.command, self.path,
-                            {k.lower(): v for k, v in self.headers.items()}, body)
-                proxy.calls.append(call)  # (atomic)
-                sent = (rewrite(call) if rewrite else None) or body
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
-                if sent or self.command in ("POST", "PUT", "PATCH"):
-                    headers["Content-Length"] = str(len(sent))
-                upstream = http.client.HTTPConnection(*proxy.target, timeout=timeout)
-                try:
-                    upstream.request(self.command, self.path, body=sent or None,
-                                     headers=headers)
-                    answer = upstream.getresponse()
-                    call.status = answer.status
-                    self.send_response(answer.status, answer.reason)
-                    for key, value in answer.getheaders():
-                        if key.lower() not in HOP or key.lower() == "content-length":
-                            self.send_header(key, value)
-                    self.end_headers()
-                    if self.command != "HEAD":
-                        while chunk := answer.read1(65536):
-                            call.answer += chunk
-                            self.wfile.write(chunk)
-                            self.wfile.flush()
-                finally:
-                    upstream.close()
-
-            do_GET = do_POST = do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _forward
-
-            def log_message(self, *args):
-                pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="counting-proxy")
-
-    def __enter__(self) -> CountingProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
 
 
 if __name__ == "__main__":

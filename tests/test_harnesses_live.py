@@ -21,9 +21,10 @@ import subprocess
 import pytest
 
 import rollout
-from harnesses import CountingProxy, NoNpm, claude_binary, codex_binary, install
+from harnesses import NoNpm, claude_binary, codex_binary, install
 from rollout.apps.serving.app import ServerThread
 from rollout.service.service import LocalService
+from rollout.testing.proxy import CountingProxy
 from rollout.testing.server_contract import metric, scrape
 
 KEY = "harness-key"

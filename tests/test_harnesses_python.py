@@ -1,10 +1,10 @@
 """Agent programs and libraries from PyPI, run unchanged through `rollout.apps.rl.Harness`
 against a gateway over the HF backend on the tiny model: the `llm` CLI (a command), and the
 OpenAI Agents SDK, pydantic-ai and smolagents (functions). Every HTTP call passes through a
-counting proxy (tests/harnesses.py) and must be answered with a 2xx; each episode's
-branches hold exactly the tokens the calls were answered with (one run of sampled tokens
-per call, decoding to the text the library received), and where sampling was free their
-logprobs are a trainer's forward pass."""
+counting proxy (rollout.testing.proxy), which also asks each for its sampled ids, and must
+be answered with a 2xx; each episode's branches hold exactly the ids the calls sampled (one
+run of sampled tokens per call, decoding to the text the library received), and where
+sampling was free their logprobs are a trainer's forward pass."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import rollout
-from harnesses import CountingProxy
 from rollout.apps.rl import Harness, gateway, largest_gap
 from rollout.contract.convert import structure
 from rollout.kit.aio import engine_loop
+from rollout.testing.proxy import CountingProxy, answered
 from rollout.testing.forward import logprobs_under
 
 CONTEXT = 65536  # smolagents' system prompt is about 11k tokens of the tiny tokenizer
@@ -51,49 +51,21 @@ def trainer(tiny_model):
     return model, AutoTokenizer.from_pretrained(str(tiny_model))
 
 
+def ask_ids(call):
+    """A chat call as sent, asking for its sampled ids too (vLLM's `return_token_ids`):
+    what the engine sampled, to hold the recording to."""
+    body = call.json()
+    if call.path.endswith("/v1/chat/completions") and isinstance(body, dict):
+        return json.dumps({**body, "return_token_ids": True}).encode()
+    return None
+
+
 def episode_through_proxy(url: str, agent, **options):
     """One episode of the task, every call of it through a counting proxy."""
-    with CountingProxy(url) as proxy:
+    with CountingProxy(url, rewrite=ask_ids) as proxy:
         episode = engine_loop().run(Harness(agent, proxy.url, **options).run(TASK), 900,
                                     "an agent's episode")
     return episode, proxy.calls
-
-
-def answered(call) -> tuple[str | None, int]:
-    """A sampling call's answer as its client got it: the text (None where it was a tool
-    call) and the count of sampled tokens, from any of the three APIs, streamed or not."""
-    body = call.json()
-    if body.get("stream"):
-        events = call.events()
-        if call.path.endswith("/v1/chat/completions"):
-            deltas = [c["choices"][0]["delta"] for c in events if c.get("choices")]
-            text = "".join(d.get("content") or "" for d in deltas)
-            tools = any(d.get("tool_calls") for d in deltas)
-            return (None if tools else text), events[-1]["usage"]["completion_tokens"]
-        if call.path.endswith("/v1/messages"):
-            text = "".join(e["delta"].get("text", "") for e in events
-                           if e["type"] == "content_block_delta")
-            (end,) = [e for e in events if e["type"] == "message_delta"]
-            return text, end["usage"]["output_tokens"]
-        (end,) = [e for e in events if e["type"] in ("response.completed",
-                                                      "response.incomplete")]
-        answer = end["response"]
-    else:
-        answer = json.loads(call.answer)
-    if "choices" in answer:
-        message = answer["choices"][0]["message"]
-        return (None if message.get("tool_calls") else message["content"] or "",
-                answer["usage"]["completion_tokens"])
-    if "content" in answer:  # a Messages answer
-        blocks = answer["content"]
-        tools = any(b["type"] == "tool_use" for b in blocks)
-        return (None if tools else "".join(b.get("text", "") for b in blocks),
-                answer["usage"]["output_tokens"])
-    items = answer["output"]  # a Responses answer
-    tools = any(i["type"] == "function_call" for i in items)
-    text = "".join(c.get("text", "") for i in items if i["type"] == "message"
-                   for c in i["content"])
-    return (None if tools else text), answer["usage"]["output_tokens"]
 
 
 def sampled_runs(episode) -> list[list[int]]:
@@ -125,12 +97,15 @@ def check(episode, calls, trainer, free: bool) -> None:
     assert all(f"/sessions/{episode.session}/" in c.path for c in sampling)
     answers = [answered(c) for c in sampling]
     runs = sampled_runs(episode)
-    # One run of sampled tokens per call, as many as each call was answered with.
-    assert sorted(len(r) for r in runs) == sorted(n for _, n in answers)
-    assert all(n <= LIMIT for _, n in answers)
+    # One run of sampled tokens per call, as many as each call was answered with, and
+    # exactly the ids the engine sampled for it.
+    assert sorted(len(r) for r in runs) == sorted(n for _, n, _ in answers)
+    assert all(n <= LIMIT for _, n, _ in answers)
+    assert all(ids is not None for *_, ids in answers)  # (every call here is a chat call)
+    assert sorted(runs) == sorted(ids for *_, ids in answers)
     # The texts the library got are the recorded tokens' (tool calls aside).
     decoded = sorted(tokenizer.decode(r, skip_special_tokens=True) for r in runs)
-    for text, _ in answers:
+    for text, *_ in answers:
         if text is not None:
             assert any(text == d or text == d.strip() for d in decoded), (text, decoded)
     if free:  # (under a grammar the engine's logprobs are the constrained ones)
@@ -147,7 +122,7 @@ def test_the_llm_cli(url, trainer, tmp_path):
         url, [llm, "-m", "rollout", "-n", "-o", "max_tokens", str(LIMIT), "{task}"],
         env={"LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": ""})
     check(episode, calls, trainer, free=True)
-    (text, _), = [answered(c) for c in calls if c.method == "POST"]
+    (text, _, _), = [answered(c) for c in calls if c.method == "POST"]
     assert episode.output == text + "\n"  # what it printed is what it was answered
 
 
