@@ -148,18 +148,6 @@ def rewrite(call):
     return None
 
 
-def runs_of(branch) -> list[list[int]]:
-    """The branch's runs of sampled tokens: one per call."""
-    runs, run = [], []
-    for token, sampled in zip(branch.response_ids, branch.mask):
-        if sampled:
-            run.append(token)
-        elif run:
-            runs.append(run)
-            run = []
-    return runs + ([run] if run else [])
-
-
 def first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -182,7 +170,7 @@ def measure(name: str, episodes, calls, tokenizer) -> dict:
         stats["failed"] += episode.error is not None
         stats["first_error"] = stats["first_error"] or (episode.error or "")[-300:] or None
         stats["branches"] += len(episode.branches)
-        runs = [r for b in episode.branches for r in runs_of(b)]
+        runs = episode.calls
         answers = by_session.get(episode.session, [])
         stats["multi_call_sessions"] += len(answers) > 1
         # Recorded: each call's sampled ids (or, without them, its text) in the recording.

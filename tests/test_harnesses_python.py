@@ -68,23 +68,6 @@ def episode_through_proxy(url: str, agent, **options):
     return episode, proxy.calls
 
 
-def sampled_runs(episode) -> list[list[int]]:
-    """Each branch's runs of sampled tokens (mask 1): one per call, since a call's new
-    messages always put template tokens between two answers."""
-    runs = []
-    for branch in episode.branches:
-        run = []
-        for token, sampled in zip(branch.response_ids, branch.mask):
-            if sampled:
-                run.append(token)
-            elif run:
-                runs.append(run)
-                run = []
-        if run:
-            runs.append(run)
-    return runs
-
-
 def check(episode, calls, trainer, free: bool) -> None:
     model, tokenizer = trainer
     assert episode.error is None, episode.error
@@ -96,7 +79,7 @@ def check(episode, calls, trainer, free: bool) -> None:
             f"/rollout/sessions/{episode.session}"}
     assert all(f"/sessions/{episode.session}/" in c.path for c in sampling)
     answers = [answered(c) for c in sampling]
-    runs = sampled_runs(episode)
+    runs = episode.calls
     # One run of sampled tokens per call, as many as each call was answered with, and
     # exactly the ids the engine sampled for it.
     assert sorted(len(r) for r in runs) == sorted(n for _, n, _ in answers)

@@ -88,6 +88,22 @@ class Episode:
     def sampled_tokens(self) -> int:
         return sum(sum(b.mask) for b in self.branches)
 
+    @property
+    def calls(self) -> list[list[int]]:
+        """Each call's sampled ids, branch by branch: the runs of mask 1 (a call's new
+        messages always put the template's tokens between two answers)."""
+        runs = []
+        for branch in self.branches:
+            run: list[int] = []
+            for token, sampled in zip(branch.response_ids, branch.mask):
+                if sampled:
+                    run.append(token)
+                elif run:
+                    runs.append(run)
+                    run = []
+            runs += [run] if run else []
+        return runs
+
 
 Agent = Sequence[str] | Callable[[AgentCall], str | None | Awaitable[str | None]]
 
