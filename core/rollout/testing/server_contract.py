@@ -302,6 +302,30 @@ class ServerContract(ServedBackend):
         assert asyncio.run(drop_after_two_chunks()) == 0, "the request ran on without a client"
         assert 0 < sum(made) < body["max_tokens"], "the request ran to its end, not stopped"
 
+    # --- agent sessions -------------------------------------------------------------------------
+
+    def test_a_session_is_one_sequence_of_the_ids_each_turn_sampled(self, client, server):
+        """Two chat turns of one session, the first answer sent back as it came: one branch,
+        whose sampled tokens are exactly the ids each turn returned, with logprobs there
+        only (rollout.apps.serving.sessions, on every backend)."""
+        messages, returned = list(CHAT), []
+        for turn in range(2):
+            answer = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=8, temperature=1.0,
+                extra_headers={"X-Session-ID": "contract"},
+                extra_body={"return_token_ids": True})
+            (choice,) = answer.choices
+            returned.append(choice.model_dump()["token_ids"])
+            messages += [choice.message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "go on"}]
+        status, recorded = http(f"{server.url}/rollout/sessions/contract?pop=true")
+        assert status == 200
+        (branch,) = recorded["branches"]
+        assert len(branch["calls"]) == 2
+        assert [t for t, m in zip(branch["token_ids"], branch["mask"]) if m] == \
+            returned[0] + returned[1]
+        assert [p is not None for p in branch["logprobs"]] == [bool(m) for m in branch["mask"]]
+
     # --- chat -----------------------------------------------------------------------------------
 
     def test_chat_matches_the_engine(self, client, ro):
