@@ -4,7 +4,8 @@ load against two servers in front of one HF backend in this process, one recordi
 
 Each of `--clients` clients runs sessions of `--turns` chat turns, one call after the other,
 every call naming its session (`X-Session-ID`): a tool call in the hermes format (held by a
-regex, as a random model would not write one), its result sent back, then free text. Printed:
+regex, as a random model would not write one), its result sent back, then free text; on a
+model whose template takes no tools (SmolLM2's), free text at every turn. Printed:
 calls/s of each server and their ratio (target >= 0.98), the server's memory per 1,000
 sessions recorded, and the drift: over the recorded sessions, the tokens where the
 conversation rebuilt from its text by the chat template differs from the ids the engine
@@ -35,17 +36,18 @@ MODEL = "model"
 ids = itertools.count()
 
 
-async def one_session(http, url: str, turns: int, record: list | None) -> int:
-    """A session's turns; their answers (with token ids) appended to `record`."""
+async def one_session(http, url: str, turns: int, record: list | None, tools: bool) -> int:
+    """A session's turns; their answers (with token ids) appended to `record`. Without
+    `tools` (a template that takes none, as SmolLM2's) every turn is free text."""
     name = f"s{next(ids)}"
     messages = [{"role": "user", "content": "what is 2 + 3?"}]
     answers = []
     for turn in range(turns):
-        tool = turn % 2 == 0
-        body = {"model": MODEL, "messages": messages, "tools": TOOLS, "temperature": 1.0,
-                "return_token_ids": True, **({"structured_outputs": {"regex": CALL_REGEX},
-                                              "max_tokens": 64} if tool else
-                                             {"tool_choice": "none", "max_tokens": 16})}
+        tool = tools and turn % 2 == 0
+        body = {"model": MODEL, "messages": messages, "temperature": 1.0,
+                "return_token_ids": True, **({"tools": TOOLS} if tools else {}),
+                **({"structured_outputs": {"regex": CALL_REGEX}, "max_tokens": 64} if tool
+                   else {"max_tokens": 16, **({"tool_choice": "none"} if tools else {})})}
         async with http.post(f"{url}/v1/chat/completions", json=body,
                              headers={"X-Session-ID": name}) as response:
             answer = await response.json()
@@ -64,7 +66,7 @@ async def one_session(http, url: str, turns: int, record: list | None) -> int:
     return turns
 
 
-async def run_load(url: str, clients: int, turns: int, seconds: float,
+async def run_load(url: str, clients: int, turns: int, seconds: float, tools: bool,
                    record: list | None = None) -> float:
     """Calls/s over `seconds`."""
     import aiohttp
@@ -75,14 +77,20 @@ async def run_load(url: str, clients: int, turns: int, seconds: float,
 
         async def client():
             while time.monotonic() < deadline:
-                done[0] += await one_session(http, url, turns, record)
+                done[0] += await one_session(http, url, turns, record, tools)
 
         started = time.monotonic()
         await asyncio.gather(*(client() for _ in range(clients)))
         return done[0] / (time.monotonic() - started)
 
 
-def drift(server, tokenizer, recorded: list) -> tuple[int, int, int, int]:
+def takes_tools(tokenizer) -> bool:
+    ask = [{"role": "user", "content": "what is 2 + 3?"}]
+    return tokenizer.apply_chat_template(ask, tools=TOOLS, tokenize=False) != \
+        tokenizer.apply_chat_template(ask, tokenize=False)
+
+
+def drift(server, tokenizer, recorded: list, tools: bool) -> tuple[int, int, int, int]:
     """(sessions, tokens, sessions whose text rebuild differs, tokens that differ) over
     `recorded`; raises if a session does not hold its calls' sampled ids."""
     import urllib.request
@@ -101,7 +109,8 @@ def drift(server, tokenizer, recorded: list) -> tuple[int, int, int, int]:
         for message in messages:  # as a template takes a call: arguments as an object
             for call in message.get("tool_calls") or ():
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-        text = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=TOOLS if tools else None,
+                                             tokenize=False)
         rebuilt = tokenizer(text, add_special_tokens=False).input_ids
         end = branch["calls"][-1]["end"]
         first = first_difference(rebuilt, held[:end])
@@ -132,27 +141,29 @@ def main() -> None:
     folder = model_folder(args.model, tempfile.mkdtemp())
     ro = rollout.load_backend("hf", model=folder, max_model_len=2048)
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    tools = takes_tools(tokenizer)
     rates: dict[str, list[float]] = {"recorded": [], "not recorded": []}
     with ServerThread(BorrowedService(ro, MODEL), api_key=KEY) as recording, \
             ServerThread(BorrowedService(ro, MODEL), api_key=KEY, sessions_kept=0) as plain:
         servers = {"recorded": recording, "not recorded": plain}
         for server in servers.values():  # warm both
-            asyncio.run(run_load(server.url, args.clients, args.turns, 2.0))
+            asyncio.run(run_load(server.url, args.clients, args.turns, 2.0, tools))
         for round_ in range(args.rounds):
             order = list(servers) if round_ % 2 == 0 else list(servers)[::-1]
             for name in order:
                 rate = asyncio.run(run_load(servers[name].url, args.clients, args.turns,
-                                            args.seconds))
+                                            args.seconds, tools))
                 rates[name].append(rate)
                 print(f"round {round_ + 1} {name:>12}: {rate:7.2f} calls/s", flush=True)
         # Memory per 1,000 sessions, and the drift, over sessions recorded for that.
         record: list = []
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
-        asyncio.run(run_load(recording.url, args.clients, args.turns, args.seconds, record))
+        asyncio.run(run_load(recording.url, args.clients, args.turns, args.seconds, tools,
+                             record))
         grown = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
-        sessions, tokens, drifted, drifted_tokens = drift(recording, tokenizer, record)
+        sessions, tokens, drifted, drifted_tokens = drift(recording, tokenizer, record, tools)
     ro.close()
     ratio = statistics.median(rates["recorded"]) / statistics.median(rates["not recorded"])
     print(f"sessions recorded / not: {ratio:.3f} of the calls/s (target >= 0.98); "
