@@ -1,6 +1,6 @@
 """Agent programs and libraries from PyPI, run unchanged through `rollout.apps.rl.Harness`
-against a gateway over the HF backend on the tiny model: the `llm` CLI (a command), and the
-OpenAI Agents SDK, pydantic-ai and smolagents (functions). Every HTTP call passes through a
+against a gateway over the HF backend on the tiny model: the `llm` CLI and mini-swe-agent's
+`mini` (commands), and the OpenAI Agents SDK, pydantic-ai and smolagents (functions). Every HTTP call passes through a
 counting proxy (rollout.testing.proxy), which also asks each for its sampled ids, and must
 be answered with a 2xx; each episode's branches hold exactly the ids the calls sampled (one
 run of sampled tokens per call, decoding to the text the library received), and where
@@ -156,3 +156,24 @@ def test_smolagents(url, trainer):
 
     episode, calls = episode_through_proxy(url, agent)
     check(episode, calls, trainer, free=False)
+
+
+def test_mini_swe_agent(url, trainer, tmp_path):
+    """mini-swe-agent's `mini` CLI, through litellm, as its users run it headless: a bash
+    tool offered on every call; the random model's answers carry no call, so each is a
+    format error, which it sends back in place of the answer, until three end the run."""
+    mini = shutil.which("mini", path=str(Path(sys.executable).parent))
+    assert mini, "mini-swe-agent is not installed beside this Python (requirements/agents.txt)"
+    episode, calls = episode_through_proxy(
+        url, [mini, "--yolo", "--exit-immediately", "-m", "openai/{model}", "-t", "{task}",
+              "-c", "mini.yaml", "-c", f"model.model_kwargs.max_tokens={LIMIT}",
+              "-c", "agent.step_limit=4", "-o", str(tmp_path / "run.traj.json")],
+        env={"MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path), "MSWEA_CONFIGURED": "true",
+             "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_SILENT_STARTUP": "1",
+             "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+    check(episode, calls, trainer, free=True)
+    run = json.loads((tmp_path / "run.traj.json").read_text())
+    assert run["info"]["exit_status"] in ("RepeatedFormatError", "LimitsExceeded"), run["info"]
+    # A format error sends back the error, not the answer that caused it: each call's
+    # history drops the last answer, so each call starts a branch (never spliced).
+    assert len(episode.calls) >= 3 and len(episode.branches) == len(episode.calls)
