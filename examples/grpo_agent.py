@@ -101,8 +101,7 @@ def agent_command(args: argparse.Namespace, scratch: str, model: str
 def said(episode) -> SimpleNamespace:
     """An episode as grpo.py's tasks score a sample: what the agent printed, and the ids
     it sampled."""
-    ids = [i for b in episode.branches for i, m in zip(b.response_ids, b.mask) if m]
-    return SimpleNamespace(text=episode.output, token_ids=ids)
+    return SimpleNamespace(text=episode.output, token_ids=[i for c in episode.calls for i in c])
 
 
 class Branch:
@@ -131,7 +130,7 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     sampler = open_sampler(args.backend, model_dir, grpo.backend_options(args.backend_option),
                            server=args.server, api_key=args.api_key)
     task = grpo.TASKS[args.task](args, tokenizer)
-    log = open(args.log, "w") if args.log else None
+    log = None
     program = Path(shlex.split(args.agent or LLM)[0]).name
 
     def record(entry: dict) -> None:
@@ -160,9 +159,10 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     rewards, worst, failed, groups = [], 0.0, 0, None
     with contextlib.ExitStack() as stack:
         stack.callback(sampler.close)
+        log = stack.enter_context(open(args.log, "w")) if args.log else None
         url = args.server or stack.enter_context(gateway(sampler))
         scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="agent-"))
-        command, env = agent_command(args, scratch, _served_name(args, url))
+        command, env = agent_command(args, scratch, _served_name(url, args.api_key))
         harness = Harness(command, url, api_key=args.api_key, env=env,
                           timeout=args.agent_timeout)
         before = evaluate(0)
@@ -226,8 +226,6 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
                 evaluate(step)
         groups.close()
         after = evaluate(args.steps)
-    if log:
-        log.close()
     window = max(1, min(5, len(rewards) // 3))
     first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
     print(json.dumps({"backend": args.backend, "task": args.task, "steps": args.steps,
@@ -242,16 +240,19 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     return 0
 
 
-def _served_name(args: argparse.Namespace, url: str) -> str:
-    """The name the agent asks for: the gateway's, or the server's own."""
-    if not args.server:
-        return "policy"
-    import urllib.request
+def _served_name(url: str, api_key: str | None) -> str:
+    """The name the agent asks for: the one the server (or the gateway) serves."""
+    from rollout.kit.aio import engine_loop
+    from rollout.service.client import RemoteService
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers),
-                                timeout=60) as response:
-        return json.loads(response.read())["data"][0]["id"]
+    async def ask() -> str:
+        server = RemoteService(url, api_key)
+        try:
+            return await server.model()
+        finally:
+            await server.close()
+
+    return engine_loop().run(ask(), 60, "the served model's name")
 
 
 if __name__ == "__main__":

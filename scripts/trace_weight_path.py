@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import tempfile
 import textwrap
 import time
