@@ -1,6 +1,7 @@
 """What recording agent sessions costs `rollout serve`, and what it saves: the same multi-turn
-load against two servers in front of one HF backend in this process, one recording sessions
-(the default) and one not (`sessions_kept=0`), side by side, rounds alternating.
+load against two servers in front of one backend in this process (HF by default), one
+recording sessions (the default) and one not (`sessions_kept=0`), side by side, rounds
+alternating.
 
 Each of `--clients` clients runs sessions of `--turns` chat turns, one call after the other,
 every call naming its session (`X-Session-ID`): a tool call in the hermes format (held by a
@@ -12,8 +13,8 @@ conversation rebuilt from its text by the chat template differs from the ids the
 sampled (a trainer that re-tokenizes trains on those), against 0 in the recording (each
 call's sampled ids are checked to sit in the session as sampled).
 
-    python bench/bench_sessions.py [--model tiny|smollm2] [--clients 8] [--turns 4]
-        [--seconds 20] [--rounds 2]
+    python bench/bench_sessions.py [--model tiny|smollm2] [--backend hf|vllm|sglang]
+        [-o KEY=VALUE] [--clients 8] [--turns 4] [--seconds 20] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import tempfile
 import time
 import tracemalloc
 
-from common import add_model_argument, model_folder
+from bench_concurrency import backend_option
+from common import add_model_argument, model_folder, prepare_engine
 
 from rollout.testing.server_contract import CALL_REGEX, TOOLS
 
@@ -126,11 +128,16 @@ def drift(server, tokenizer, recorded: list, tools: bool) -> tuple[int, int, int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
+    parser.add_argument("--backend", default="hf")
+    parser.add_argument("-o", "--option", dest="options", action="append", default=[],
+                        type=backend_option, metavar="KEY=VALUE",
+                        help="a backend option (repeat for several)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    prepare_engine(args.backend)
 
     import rollout
     from transformers import AutoTokenizer
@@ -139,7 +146,8 @@ def main() -> None:
     from rollout.testing.server_contract import BorrowedService
 
     folder = model_folder(args.model, tempfile.mkdtemp())
-    ro = rollout.load_backend("hf", model=folder, max_model_len=2048)
+    ro = rollout.load_backend(args.backend, model=folder,
+                              **{"max_model_len": 2048, **dict(args.options)})
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tools = takes_tools(tokenizer)
     rates: dict[str, list[float]] = {"recorded": [], "not recorded": []}
