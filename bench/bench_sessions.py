@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+from collections import Counter
 import json
 import statistics
 import tempfile
@@ -38,8 +39,10 @@ MODEL = "model"
 ids = itertools.count()
 
 
-async def one_session(http, url: str, turns: int, record: list | None, tools: bool) -> int:
-    """A session's turns; their answers (with token ids) appended to `record`. Without
+async def one_session(http, url: str, turns: int, record: list | None, tools: bool,
+                      tokens: Counter) -> int:
+    """A session's turns; their answers (with token ids) appended to `record`, their prompt
+    tokens (and the engine's cached ones) counted in `tokens`. Without
     `tools` (a template that takes none, as SmolLM2's) every turn is free text."""
     name = f"s{next(ids)}"
     messages = [{"role": "user", "content": "what is 2 + 3?"}]
@@ -54,6 +57,10 @@ async def one_session(http, url: str, turns: int, record: list | None, tools: bo
                              headers={"X-Session-ID": name}) as response:
             answer = await response.json()
             assert response.status == 200, answer
+        usage = answer.get("usage") or {}
+        tokens["calls"] += 1
+        tokens["prompt"] += usage.get("prompt_tokens") or 0
+        tokens["cached"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         choice = answer["choices"][0]
         answers.append(choice)
         messages.append({k: v for k, v in choice["message"].items()
@@ -69,7 +76,7 @@ async def one_session(http, url: str, turns: int, record: list | None, tools: bo
 
 
 async def run_load(url: str, clients: int, turns: int, seconds: float, tools: bool,
-                   record: list | None = None) -> float:
+                   record: list | None = None, tokens: Counter | None = None) -> float:
     """Calls/s over `seconds`."""
     import aiohttp
 
@@ -79,7 +86,8 @@ async def run_load(url: str, clients: int, turns: int, seconds: float, tools: bo
 
         async def client():
             while time.monotonic() < deadline:
-                done[0] += await one_session(http, url, turns, record, tools)
+                done[0] += await one_session(http, url, turns, record, tools,
+                                             Counter() if tokens is None else tokens)
 
         started = time.monotonic()
         await asyncio.gather(*(client() for _ in range(clients)))
@@ -151,6 +159,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tools = takes_tools(tokenizer)
     rates: dict[str, list[float]] = {"recorded": [], "not recorded": []}
+    usage = {name: Counter() for name in rates}
     with ServerThread(BorrowedService(ro, MODEL), api_key=KEY) as recording, \
             ServerThread(BorrowedService(ro, MODEL), api_key=KEY, sessions_kept=0) as plain:
         servers = {"recorded": recording, "not recorded": plain}
@@ -160,7 +169,7 @@ def main() -> None:
             order = list(servers) if round_ % 2 == 0 else list(servers)[::-1]
             for name in order:
                 rate = asyncio.run(run_load(servers[name].url, args.clients, args.turns,
-                                            args.seconds, tools))
+                                            args.seconds, tools, tokens=usage[name]))
                 rates[name].append(rate)
                 print(f"round {round_ + 1} {name:>12}: {rate:7.2f} calls/s", flush=True)
         # Memory per 1,000 sessions, and the drift, over sessions recorded for that.
@@ -177,6 +186,10 @@ def main() -> None:
     print(f"sessions recorded / not: {ratio:.3f} of the calls/s (target >= 0.98); "
           f"medians {statistics.median(rates['recorded']):.2f} and "
           f"{statistics.median(rates['not recorded']):.2f}")
+    for name, counted in usage.items():
+        calls = max(counted["calls"], 1)
+        print(f"{name}: {counted['prompt'] / calls:.1f} prompt tokens a call, "
+              f"{counted['cached'] / max(counted['prompt'], 1):.0%} of them cached")
     print(f"memory: {grown / 2**20 / max(sessions, 1) * 1000:.1f} MiB per 1,000 sessions of "
           f"{args.turns} turns ({tokens / max(sessions, 1):.0f} tokens each; Python objects "
           "allocated while recording, tracemalloc)")
