@@ -21,6 +21,7 @@ from rollout.contract.errors import BackendReleasedError, RolloutTimeoutError, \
 from rollout.lifecycle import Lifecycle, State
 
 ENDS_WITHIN_S = 30.0
+WAIT_S = 120.0  # the tests' own waits for what comes by itself
 CALL = ("update", "failing update", "release", "resume", "adapter load")
 
 
@@ -207,16 +208,17 @@ LifecycleInterleavings.TestCase.settings = settings(
 test_lifecycle_interleavings = LifecycleInterleavings.TestCase
 
 
-def _serving() -> tuple[Lifecycle, asyncio.AbstractEventLoop, threading.Thread]:
+def _serving(timeout: float = WAIT_S) -> tuple[Lifecycle, asyncio.AbstractEventLoop,
+                                                threading.Thread]:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    return Lifecycle("t", loop, timeout=0.5), loop, thread
+    return Lifecycle("t", loop, timeout=timeout), loop, thread
 
 
 def _stop(loop, thread):
     loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
+    thread.join(WAIT_S)
     loop.close()
 
 
@@ -225,7 +227,7 @@ def test_two_keep_calls_in_line_hold_requests_until_both_have_run():
     hold the second asks for (the old `_holding` flag, shared by both, did)."""
     life, loop, thread = _serving()
     try:
-        asyncio.run_coroutine_threadsafe(life.admit(), loop).result(5)  # a request runs
+        asyncio.run_coroutine_threadsafe(life.admit(), loop).result(WAIT_S)  # a request runs
         gates = [threading.Event(), threading.Event()]
         entered: list[int] = []
 
@@ -248,13 +250,13 @@ def test_two_keep_calls_in_line_hold_requests_until_both_have_run():
         assert not life.holding
         gates[1].set()
         for call in calls:
-            call.join(5)
+            call.join(WAIT_S)
         assert life.state is State.SERVING
     finally:
         _stop(loop, thread)
 
 
-def _until(condition, within: float = 5.0) -> None:
+def _until(condition, within: float = WAIT_S) -> None:
     deadline = time.monotonic() + within
     while not condition():
         assert time.monotonic() < deadline, "never came"
@@ -264,9 +266,9 @@ def _until(condition, within: float = 5.0) -> None:
 def test_every_wait_is_bounded():
     """A request that waits for a call that never ends, and a call that waits for a request
     that never ends, each give up after the timeout with the reason."""
-    life, loop, thread = _serving()
+    life, loop, thread = _serving(timeout=0.5)
     try:
-        asyncio.run_coroutine_threadsafe(life.admit(), loop).result(5)  # runs, never ends
+        asyncio.run_coroutine_threadsafe(life.admit(), loop).result(WAIT_S)  # runs, never ends
         with pytest.raises(RolloutTimeoutError, match="running requests"):
             with life.call():
                 pass
@@ -282,9 +284,9 @@ def test_every_wait_is_bounded():
         holder.start()
         _until(lambda: life.state is State.CHANGING)
         with pytest.raises(RolloutTimeoutError, match="weight update or release"):
-            asyncio.run_coroutine_threadsafe(life.admit(), loop).result(5)
+            asyncio.run_coroutine_threadsafe(life.admit(), loop).result(WAIT_S)
         stuck.set()
-        holder.join(5)
+        holder.join(WAIT_S)
     finally:
         _stop(loop, thread)
 
@@ -295,7 +297,7 @@ def test_a_closed_lifecycle_admits_nothing_and_wakes_what_waits():
         assert life.close(lambda: None)
         assert not life.close(lambda: None)
         with pytest.raises(BackendReleasedError, match="closed"):
-            asyncio.run_coroutine_threadsafe(life.admit(), loop).result(5)
+            asyncio.run_coroutine_threadsafe(life.admit(), loop).result(WAIT_S)
         with pytest.raises(BackendReleasedError, match="closed"):
             with life.call():
                 pass

@@ -66,7 +66,7 @@ def test_a_killed_owner_leaves_no_engine_core(tiny_model, tmp_path):
         core = int(pid_file.read_text())
         workers = children(core)
         os.kill(owner.pid, signal.SIGKILL)
-        assert wait_gone([core, *workers], 30)
+        assert wait_gone([core, *workers], 60)
     finally:
         owner.kill()
         owner.wait()
