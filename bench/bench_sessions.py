@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-from collections import Counter
 import json
 import statistics
 import tempfile
 import time
 import tracemalloc
+from collections import Counter
 
 from bench_concurrency import backend_option
 from common import add_model_argument, model_folder, prepare_engine
@@ -80,14 +80,14 @@ async def run_load(url: str, clients: int, turns: int, seconds: float, tools: bo
     """Calls/s over `seconds`."""
     import aiohttp
 
+    tokens = Counter() if tokens is None else tokens
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as http:
         deadline = time.monotonic() + seconds
         done = [0]
 
         async def client():
             while time.monotonic() < deadline:
-                done[0] += await one_session(http, url, turns, record, tools,
-                                             Counter() if tokens is None else tokens)
+                done[0] += await one_session(http, url, turns, record, tools, tokens)
 
         started = time.monotonic()
         await asyncio.gather(*(client() for _ in range(clients)))
