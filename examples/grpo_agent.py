@@ -130,7 +130,6 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     sampler = open_sampler(args.backend, model_dir, grpo.backend_options(args.backend_option),
                            server=args.server, api_key=args.api_key)
     task = grpo.TASKS[args.task](args, tokenizer)
-    log = None
     program = Path(shlex.split(args.agent or LLM)[0]).name
 
     def record(entry: dict) -> None:

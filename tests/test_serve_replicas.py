@@ -17,7 +17,7 @@ import pytest
 from processes import replicas_of
 
 from rollout.kit.process import HOST, ServerProcess, free_port
-from rollout.testing.server_contract import CALL_REGEX, TOOLS
+from rollout.testing.server_contract import CALL_REGEX, TOOLS, check_one_sequence
 
 KEY = "front-key"
 
@@ -52,29 +52,11 @@ def health(url: str) -> tuple[int, dict]:
 
 def test_a_session_through_the_front_is_one_sequence_of_the_sampled_ids(front):
     """The front records the session and continues each turn from the ids sampled before,
-    whichever replica sampled them: four turns make one branch whose sampled tokens are
-    exactly the ids the turns returned, with logprobs on those only."""
+    whichever replica sampled them: four turns make one branch of exactly the ids the turns
+    returned."""
     _, url = front
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
-    messages, returned = [{"role": "user", "content": "hi"}], []
-    for _ in range(4):
-        answer = client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=6, temperature=1.0,
-            extra_headers={"X-Session-ID": "pooled"}, extra_body={"return_token_ids": True})
-        (choice,) = answer.choices
-        returned.append(choice.model_dump()["token_ids"])
-        messages += [choice.message.model_dump(exclude_none=True),
-                     {"role": "user", "content": "go on"}]
-    import urllib.request
-
-    request = urllib.request.Request(f"{url}/rollout/sessions/pooled?pop=true",
-                                     headers={"Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        (branch,) = json.loads(response.read())["branches"]
-    assert len(branch["calls"]) == 4
-    assert [t for t, m in zip(branch["token_ids"], branch["mask"]) if m] == \
-        [t for ids in returned for t in ids]
-    assert [p is not None for p in branch["logprobs"]] == [bool(m) for m in branch["mask"]]
+    check_one_sequence(client, url, turns=4, model="tiny", key=KEY, session="pooled")
 
 
 def test_replicas_behind_one_server_survive_one_death_and_503_after_all(front, tmp_path):

@@ -61,6 +61,29 @@ def http(url, body=None, key=KEY, data=None):
         return exc.code, json.loads(exc.read())
 
 
+def check_one_sequence(client, url: str, turns: int, model: str = MODEL, key: str = KEY,
+                       session: str = "contract") -> None:
+    """`turns` chat turns of one session, each answer sent back as it came: the server
+    records one branch whose sampled tokens are exactly the ids each turn returned, with
+    logprobs there only."""
+    messages, returned = list(CHAT), []
+    for _ in range(turns):
+        answer = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=1.0,
+            extra_headers={"X-Session-ID": session}, extra_body={"return_token_ids": True})
+        (choice,) = answer.choices
+        returned.append(choice.model_dump()["token_ids"])
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "go on"}]
+    status, recorded = http(f"{url}/rollout/sessions/{session}?pop=true", key=key)
+    assert status == 200, recorded
+    (branch,) = recorded["branches"]
+    assert len(branch["calls"]) == turns
+    assert [t for t, m in zip(branch["token_ids"], branch["mask"]) if m] == \
+        [t for ids in returned for t in ids]
+    assert [p is not None for p in branch["logprobs"]] == [bool(m) for m in branch["mask"]]
+
+
 def scrape(url: str, key: str | None = KEY) -> dict:
     """The server's /metrics, parsed: {(sample name, frozenset of labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -305,26 +328,9 @@ class ServerContract(ServedBackend):
     # --- agent sessions -------------------------------------------------------------------------
 
     def test_a_session_is_one_sequence_of_the_ids_each_turn_sampled(self, client, server):
-        """Two chat turns of one session, the first answer sent back as it came: one branch,
-        whose sampled tokens are exactly the ids each turn returned, with logprobs there
-        only (rollout.apps.serving.sessions, on every backend)."""
-        messages, returned = list(CHAT), []
-        for turn in range(2):
-            answer = client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=8, temperature=1.0,
-                extra_headers={"X-Session-ID": "contract"},
-                extra_body={"return_token_ids": True})
-            (choice,) = answer.choices
-            returned.append(choice.model_dump()["token_ids"])
-            messages += [choice.message.model_dump(exclude_none=True),
-                         {"role": "user", "content": "go on"}]
-        status, recorded = http(f"{server.url}/rollout/sessions/contract?pop=true")
-        assert status == 200
-        (branch,) = recorded["branches"]
-        assert len(branch["calls"]) == 2
-        assert [t for t, m in zip(branch["token_ids"], branch["mask"]) if m] == \
-            returned[0] + returned[1]
-        assert [p is not None for p in branch["logprobs"]] == [bool(m) for m in branch["mask"]]
+        """Two chat turns of one session, the first answer sent back as it came
+        (rollout.apps.serving.sessions, on every backend)."""
+        check_one_sequence(client, server.url, turns=2)
 
     # --- chat -----------------------------------------------------------------------------------
 
