@@ -27,7 +27,9 @@ SGLANG=(sglang requirements/test.txt requirements/trl.txt)
 python_of() { (source scripts/env.sh "$@" && command -v python); }
 ROLLOUT_AGENTS_PYTHON=$(python_of "${HF[@]}")
 ROLLOUT_VLLM_PYTHON=$(python_of "${VLLM[@]}")
-export ROLLOUT_AGENTS_PYTHON ROLLOUT_VLLM_PYTHON
+# verifiers' own (it pins openai<3), run as a program by tests/test_harnesses_python.py.
+ROLLOUT_VERIFIERS_PYTHON=$(python_of verifiers)
+export ROLLOUT_AGENTS_PYTHON ROLLOUT_VLLM_PYTHON ROLLOUT_VERIFIERS_PYTHON
 "$ROLLOUT_AGENTS_PYTHON" -m pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/example_backend
 "$(python_of "${VERL[@]}")" -m pip install -q --no-deps -e . -e plugins/hf_backend
 "$ROLLOUT_VLLM_PYTHON" -m pip install -q --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend

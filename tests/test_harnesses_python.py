@@ -1,6 +1,7 @@
 """Agent programs and libraries from PyPI, run unchanged through `rollout.apps.rl.Harness`
-against a gateway over the HF backend on the tiny model: the `llm` CLI and mini-swe-agent's
-`mini` (commands), and the OpenAI Agents SDK, pydantic-ai and smolagents (functions). Every HTTP call passes through a
+against a gateway over the HF backend on the tiny model: the `llm` CLI, mini-swe-agent's
+`mini` and verifiers' `vf-eval` (commands), and the OpenAI Agents SDK, pydantic-ai and
+smolagents (functions). Every HTTP call passes through a
 counting proxy (rollout.testing.proxy), which also asks each for its sampled ids, and must
 be answered with a 2xx; each episode's branches hold exactly the ids the calls sampled (one
 run of sampled tokens per call, decoding to the text the library received), and where
@@ -9,6 +10,7 @@ sampling was free their logprobs are a trainer's forward pass."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -28,6 +30,8 @@ LIMIT = 16
 TASK = structure({"id": "task", "messages": [{"role": "user", "content": "What is 2+2?"}]},
                  rollout.Request)
 SAMPLING = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
+# verifiers has an environment of its own (it pins openai<3): scripts/test.sh names its Python.
+VERIFIERS_PYTHON = os.environ.get("ROLLOUT_VERIFIERS_PYTHON")
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +181,42 @@ def test_mini_swe_agent(url, trainer, tmp_path):
     # A format error sends back the error, not the answer that caused it: each call's
     # history drops the last answer, so each call starts a branch (never spliced).
     assert len(episode.calls) >= 3 and len(episode.branches) == len(episode.calls)
+
+
+@pytest.mark.skipif(not VERIFIERS_PYTHON,
+                    reason="ROLLOUT_VERIFIERS_PYTHON (a Python with verifiers) unset")
+def test_verifiers(url, trainer, tmp_path):
+    """verifiers 0.4's `vf-eval` CLI on its `user-sim` environment over a taskset of one
+    task (tests/verifiers_taskset.py): a modeled user converses with the assistant under
+    evaluation, both verifiers' tool-less `null` chat program in its subprocess runtime and
+    both sampled by the policy, three turns each. Every call goes through verifiers' own
+    interception server, which relays it, streamed, to the session's base URL."""
+    bin_dir = Path(VERIFIERS_PYTHON).parent
+    episode, calls = episode_through_proxy(
+        url, [str(bin_dir / "vf-eval"), "verifiers_taskset", "--env.taskset.prompt", "{task}",
+              "--env.taskset.answer", "4", "--env.id", "user-sim", "--env.user.max-turns", "3",
+              "--env.assistant.harness.id", "null", "--env.user.runtime.type", "subprocess",
+              "--env.assistant.runtime.type", "subprocess", "--model", "{model}",
+              "--client.base-url", "{openai_base_url}", "--client.api-key-var", "OPENAI_API_KEY",
+              "--sampling.max-tokens", str(LIMIT), "--no-push", "--no-rich", "-o", str(tmp_path)],
+        env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",  # its uv
+             "PYTHONPATH": str(Path(__file__).parent),  # the taskset, imported by name
+             "UV_PYTHON_DOWNLOADS": "never"})  # (none reachable: uv takes the machine's)
+    check(episode, calls, trainer, free=True)
+    # It prints each agent's trace as JSON: both ran to their end, and what verifiers
+    # recorded as sampled is what the server answered, call for call.
+    decoder, text, traces = json.JSONDecoder(), episode.output, {}
+    while text.strip():
+        trace, end = decoder.raw_decode(text.lstrip())
+        traces[trace["agent"]["name"]], text = trace, text.lstrip()[end:]
+    assert sorted(traces) == ["assistant", "user"]
+    assert all(t["ok"] and not t.get("errors") for t in traces.values()), traces
+    replies = [n["message"].get("content") or "" for t in traces.values() for n in t["nodes"]
+               if n["sampled"]]
+    assert len(replies) == 6 and sorted(replies) == sorted(
+        answered(c)[0] for c in calls if c.method == "POST")
+    # The two sides are two conversations, so two branches at least.
+    assert len(episode.branches) >= 2
+    assistant = [n["message"].get("content") or "" for n in traces["assistant"]["nodes"]
+                 if n["sampled"]]
+    assert traces["assistant"]["rewards"]["correct"]["score"] == float("4" in assistant[-1])
