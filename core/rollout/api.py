@@ -121,6 +121,11 @@ class Rollout(RequestFront):
         needs = []
         if request.sampling.logprobs is not None:
             needs.append(("logprobs", "sampling.logprobs"))
+        if request.sampling.logprobs_mode is not None:
+            needs.append((f"logprobs_mode.{request.sampling.logprobs_mode}",
+                          "sampling.logprobs_mode"))
+        if request.sampling.return_sampling_mask:
+            needs.append(("sampling_mask", "sampling.return_sampling_mask"))
         if request.sampling.seed is not None:
             needs.append(("seed", "sampling.seed"))
         if request.sampling.prompt_logprobs is not None:

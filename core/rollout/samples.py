@@ -20,6 +20,7 @@ class Sample:
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = [] if s.logprobs is not None else None
         self.top: list | None = [] if s.logprobs else None
+        self.masks: list | None = [] if s.return_sampling_mask else None
         self.spans: list[WeightSpan] = []
         self.finish: str | None = None
         self.cached: int | None = None
@@ -41,6 +42,8 @@ class Sample:
             self.logprobs = list(done.logprobs or ())
         if self.top is not None:
             self.top = list(done.top_logprobs or ())
+        if self.masks is not None:
+            self.masks = list(done.sampling_mask or ())
         self.spans = list(done.weight_versions) or (
             [WeightSpan(done.weight_version, 0, len(self.tokens))] if self.tokens else [])
         self.cached = done.cached_tokens
@@ -87,6 +90,8 @@ class Sample:
             self.logprobs += chunk.logprobs or ()
         if self.top is not None:
             self.top += chunk.top_logprobs or ()
+        if self.masks is not None:
+            self.masks += chunk.sampling_mask or ()
         self.finish = chunk.finish_reason
         if chunk.cached_tokens is not None and not self.before:  # the first call's prompt
             self.cached = chunk.cached_tokens
@@ -111,7 +116,9 @@ class Sample:
                 return attrs.evolve(
                     chunk, token_ids=new[:k], finish_reason="stop",
                     logprobs=None if chunk.logprobs is None else chunk.logprobs[:k],
-                    top_logprobs=None if chunk.top_logprobs is None else chunk.top_logprobs[:k])
+                    top_logprobs=None if chunk.top_logprobs is None else chunk.top_logprobs[:k],
+                    sampling_mask=None if chunk.sampling_mask is None
+                    else chunk.sampling_mask[:k])
         return chunk
 
     def result(self, request: Request, prompt: list[int], weight_version: int | None,
@@ -126,6 +133,7 @@ class Sample:
             weight_versions=tuple(self.spans),
             logprobs=None if self.logprobs is None else tuple(self.logprobs),
             top_logprobs=None if self.top is None else tuple(self.top),
+            sampling_mask=None if self.masks is None else tuple(self.masks),
             adapter=request.adapter, adapter_version=adapter_version,
             **self._prompt_scores(len(prompt)))
 

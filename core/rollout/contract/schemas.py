@@ -111,6 +111,8 @@ _PROMPT_LOGPROBS = f"None, or an integer from 0 to {PROMPT_LOGPROBS_MAX}"
 _REPETITION = f"a number in (0, {PENALTY_RANGE}]; 1 means none"
 _PENALTY = f"a number from {-PENALTY_RANGE} to {PENALTY_RANGE}"
 _STRUCTURED = "an object with one of " + ", ".join(STRUCTURED_KINDS)
+# What `logprobs` measure: the model's own distribution, or the one a token was drawn from.
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @attrs.frozen
@@ -130,6 +132,15 @@ class SamplingParams:
     of every prompt token given the tokens before it (`Result.prompt_logprobs`, raw model,
     as `logprobs`), and for k > 0 the k most likely tokens at each prompt position. With
     `max_tokens=1` this scores given token sequences (reference or recomputed logprobs).
+
+    `logprobs_mode` says what `logprobs` and `top_logprobs` measure (docs/sampling.md):
+    "raw", the model's distribution (log_softmax of the logits after a structured-output
+    mask); "processed", the distribution the token was drawn from (after logit bias, the
+    min_tokens ban, penalties, temperature, min_p, top-k and top-p, renormalised; at
+    temperature 0 the processed logits unscaled and untruncated, as vLLM's
+    `processed_logprobs`). None takes the backend's (`Capabilities.logprobs_mode`). Prompt
+    logprobs are raw in both. `return_sampling_mask` returns, per generated token, the set
+    it was drawn from (`Result.sampling_mask`).
     """
 
     temperature: float = 1.0
@@ -151,6 +162,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
     prompt_logprobs: int | None = None
+    logprobs_mode: str | None = None
+    return_sampling_mask: bool = False
 
     def __attrs_post_init__(self):
         _valid("temperature", _is_number(self.temperature) and self.temperature >= 0,
@@ -182,8 +195,13 @@ class SamplingParams:
                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs
                    <= PROMPT_LOGPROBS_MAX),
                self.prompt_logprobs, _PROMPT_LOGPROBS)
+        _valid("logprobs_mode", self.logprobs_mode is None
+               or self.logprobs_mode in LOGPROBS_MODES, self.logprobs_mode,
+               "None (the backend's), " + ", ".join(LOGPROBS_MODES))
         _valid("ignore_eos", isinstance(self.ignore_eos, bool),
                self.ignore_eos, "true or false")
+        _valid("return_sampling_mask", isinstance(self.return_sampling_mask, bool),
+               self.return_sampling_mask, "true or false")
         _valid("repetition_penalty", _is_number(self.repetition_penalty)
                and 0 < self.repetition_penalty <= PENALTY_RANGE,
                self.repetition_penalty, _REPETITION)
@@ -485,12 +503,17 @@ class Result:
     `token_ids` are the generated tokens, including a final EOS or stop token; `text` is
     their decoding without special tokens, cut before a matched stop string.
     `prompt_token_ids` are exactly the tokens the engine saw before them. `logprobs` are
-    the chosen tokens' log-probabilities under the model's raw distribution (temperature 1,
-    no top-p or top-k), one per token; `top_logprobs` the k most likely tokens per position.
+    the chosen tokens' log-probabilities, one per token, under the model's raw distribution
+    (temperature 1, no top-p or top-k) or the processed one the token was drawn from, as
+    `sampling.logprobs_mode` asked; `top_logprobs` the k most likely tokens per position.
     `prompt_logprobs` (asked with `sampling.prompt_logprobs`) score the prompt the same way:
     one entry per prompt token, the logprob of `prompt_token_ids[i]` given the tokens before
     it, None for the first token (nothing comes before it); `prompt_top_logprobs` the k most
     likely tokens at each prompt position (empty at the first), for k > 0.
+    `sampling_mask` (asked with `sampling.return_sampling_mask`) holds, per generated
+    token, the ids of the tokens it was drawn from (after the constraint, min_p, top-k and
+    top-p; the whole allowed vocabulary where nothing truncates), most likely first; a
+    greedy token's is itself alone.
     """
 
     request_id: str
@@ -521,6 +544,8 @@ class Result:
     # (`Rollout.load_adapter(version=)`); None: the base weights, or no version given.
     adapter: str | None = None
     adapter_version: int | None = None
+    sampling_mask: tuple[tuple[int, ...], ...] | None = attrs.field(default=None,
+                                                                    converter=_tuple)
 
     def __attrs_post_init__(self):
         # (Messages are made only on failure: every result passes here.)
@@ -582,6 +607,9 @@ class Chunk:
                                                                    converter=_tuple)
     prompt_top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = attrs.field(
         default=None, converter=_tuple)
+    # Per new token, the ids it was drawn from (`sampling.return_sampling_mask`).
+    sampling_mask: tuple[tuple[int, ...], ...] | None = attrs.field(default=None,
+                                                                    converter=_tuple)
 
 
 @attrs.frozen
@@ -622,6 +650,9 @@ CAPABILITIES = {
     "update_weights": "replace the weights in place with update_weights()",
     "logprobs": "return per-token logprobs",
     "prompt_logprobs": "score the prompt's tokens (sampling.prompt_logprobs)",
+    **{f"logprobs_mode.{mode}": f"logprobs of the {what} distribution on request"
+       for mode, what in (("raw", "model's"), ("processed", "sampled-from"))},
+    "sampling_mask": "the set each token was drawn from (sampling.return_sampling_mask)",
     "seed": "reproduce a sample from a per-request seed",
     "chat": "render chat messages with the model's chat template",
     "images": "image parts in messages",
@@ -646,17 +677,22 @@ class Capabilities:
     """What a backend supports. `unsupported` maps a capability name to the reason it is
     missing here; `auto_resume` means generate() on a released backend resumes it instead
     of raising; `keep` says how `update_weights(pause="keep")` holds running requests
-    (`KEEPS`)."""
+    (`KEEPS`); `logprobs_mode` is what a request that names none gets
+    (`SamplingParams.logprobs_mode`)."""
 
     unsupported: dict[str, str] = attrs.field(factory=dict)
     auto_resume: bool = False
     keep: str = "continue"
+    logprobs_mode: str = "raw"
 
     def __attrs_post_init__(self):
         for name in self.unsupported:
             _check("unsupported", name in CAPABILITIES, f"unknown capability {name!r}",
                    ", ".join(CAPABILITIES))
         _valid("keep", self.keep in KEEPS, self.keep, ", ".join(KEEPS))
+        _valid("logprobs_mode", self.logprobs_mode in LOGPROBS_MODES
+               and self.supports(f"logprobs_mode.{self.logprobs_mode}"),
+               self.logprobs_mode, "one of LOGPROBS_MODES that is not unsupported")
 
     def supports(self, name: str) -> bool:
         return name not in self.unsupported

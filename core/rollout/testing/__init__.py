@@ -13,12 +13,14 @@ Needs hypothesis, pytest, torch, safetensors and transformers (`rollout-core[tes
 """
 
 from rollout.testing.contract import BackendContract, ContractMachine, WeightTestsOnly
+from rollout.testing.on_policy import OnPolicyOnly
 from rollout.testing.model_folders import perturbed_copy, tiny_model_dir
 from rollout.testing.strategies import invalid_requests, requests, sampling_params
 
 __all__ = [
     "BackendContract",
     "WeightTestsOnly",
+    "OnPolicyOnly",
     "ContractMachine",
     "invalid_requests",
     "perturbed_copy",

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import attrs
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -37,16 +36,10 @@ from rollout.testing.adapters import lora_adapter, merged_copy
 from rollout.testing.model_folders import load_weights, perturbed_copy, tiny_model_dir
 from rollout.testing.probes import PROBE_PROMPTS, probe, probe_requests, probe_versions
 from rollout.testing.sampling import SamplingContract
-from rollout.testing.strategies import invalid_requests, requests
+from rollout.testing.on_policy import OnPolicyContract
+from rollout.testing.strategies import EXAMPLES, HYPOTHESIS, invalid_requests, requests
 from rollout.testing.weight_streams import trainer_that_dies
 
-EXAMPLES = int(os.environ.get("ROLLOUT_CONTRACT_EXAMPLES", "8"))
-# One backend often runs the suite in several classes (an in-process and a server mode),
-# so the same inherited test runs on several instances: that is intended here.
-HYPOTHESIS = settings(max_examples=EXAMPLES, deadline=None,
-                      suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                             HealthCheck.too_slow,
-                                             HealthCheck.differing_executors])
 def skip_unless(caps: Capabilities, capability: str) -> None:
     if not caps.supports(capability):
         pytest.skip(f"{capability} unsupported by this backend: {caps.unsupported[capability]}")
@@ -162,7 +155,7 @@ _ADAPTED: dict[str, tuple] = {}  # the same for the adapter merged (Harness.adap
 ADAPTER = {"rank": 8, "seed": 1}  # the contract's LoRA adapter (rollout.testing.adapters)
 
 
-class BackendContract(SamplingContract):
+class BackendContract(SamplingContract, OnPolicyContract):
     """Subclass and override `make_backend`; every test here then runs on your backend.
 
     `reference_key`: classes that run one engine with one configuration in several modes

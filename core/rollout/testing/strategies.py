@@ -3,9 +3,19 @@ invalid ones paired with the field their error must name."""
 
 from __future__ import annotations
 
+import os
 import string
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+
+EXAMPLES = int(os.environ.get("ROLLOUT_CONTRACT_EXAMPLES", "8"))
+# One backend often runs the suite in several classes (an in-process and a server mode),
+# so the same inherited test runs on several instances: that is intended here.
+HYPOTHESIS = settings(max_examples=EXAMPLES, deadline=None,
+                      suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                             HealthCheck.too_slow,
+                                             HealthCheck.differing_executors])
 
 TEXT = st.text(alphabet=string.ascii_letters + string.digits + " .,:!?", min_size=1,
                max_size=40).filter(lambda s: s.strip())
@@ -93,6 +103,8 @@ CORRUPTIONS = {
     "max_tokens float": ("sampling.max_tokens", _set(("sampling", "max_tokens"), 2.5)),
     "n zero": ("sampling.n", _set(("sampling", "n"), 0)),
     "logprobs too many": ("sampling.logprobs", _set(("sampling", "logprobs"), 21)),
+    "unknown logprobs mode": ("sampling.logprobs_mode",
+                              _set(("sampling", "logprobs_mode"), "processed_logits")),
     "prompt_logprobs negative": ("sampling.prompt_logprobs",
                                  _set(("sampling", "prompt_logprobs"), -1)),
     "empty stop string": ("sampling.stop", _set(("sampling", "stop"), [""])),

@@ -45,6 +45,7 @@ class ExampleBackend:
             "release": "not in the example (the HF backend shows how to free memory)",
             "images": "the example serves text-only models",
             "prompt_logprobs": "not in the example (the HF backend scores prompts)",
+            "sampling_mask": "not in the example (the HF backend returns it)",
         })
 
     @rollout.hookimpl
@@ -83,8 +84,8 @@ class ExampleBackend:
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([sample.feed]), use_cache=True,
                              past_key_values=sample.cache, logits_to_keep=1)
-            chosen, logprobs, tops = next_tokens([row], out.logits[:, -1, :].float(),
-                                                 sample.processor)
+            chosen, logprobs, tops, _ = next_tokens([row], out.logits[:, -1, :].float(),
+                                                    sample.processor)
         token = int(chosen[0])
         sample.cache, sample.feed = out.past_key_values, [token]
         row.push(token, self.tokenizer)  # sets row.finish when the sample ends

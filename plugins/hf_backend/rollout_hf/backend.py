@@ -123,7 +123,7 @@ class HFBackend:
                 if not tokens:
                     self.engine.check()
                     continue
-                for chunk in chunks(tokens, s.logprobs):
+                for chunk in chunks(tokens, s.logprobs, s.return_sampling_mask):
                     unfinished -= chunk.finish_reason is not None
                     yield chunk
         finally:

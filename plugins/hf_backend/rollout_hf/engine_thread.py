@@ -161,14 +161,14 @@ class Engine:
         if not batch.rows:
             return
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        chosen, logprobs, tops = self._choose(batch.rows, logits)
+        chosen, logprobs, tops, masks = self._choose(batch.rows, logits)
         ids = chosen.tolist()
         output: dict[Job, list] = scores
         keep = []
         for i, row in enumerate(batch.rows):
             finish = row.push(ids[i], self.tokenizer)
             output.setdefault(row.owner, []).append(
-                Token(row.index, ids[i], logprobs[i], tops[i], finish))
+                Token(row.index, ids[i], logprobs[i], tops[i], finish, masks[i]))
             if finish is None:
                 keep.append(i)
         self._send(output)

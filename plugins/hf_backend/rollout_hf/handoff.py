@@ -24,6 +24,7 @@ class Token(NamedTuple):
     logprob: float | None
     top: list[tuple[int, float]] | None  # (token id, logprob), most likely first
     finish: str | None
+    mask: tuple[int, ...] | None = None  # the ids it was drawn from, where asked
 
 
 class PromptScores(NamedTuple):
@@ -79,7 +80,7 @@ def deliver(batch: list[tuple[Job, list]]) -> None:
         job.feed(items)
 
 
-def chunks(tokens: list, logprobs: int | None) -> list[Chunk]:
+def chunks(tokens: list, logprobs: int | None, masks: bool = False) -> list[Chunk]:
     """One Chunk per sample of these tokens (several steps' when the loop fell behind); the
     prompt's scores, where they came, on a chunk of their own first."""
     by_index: dict[int, list[Token]] = {}
@@ -98,6 +99,7 @@ def chunks(tokens: list, logprobs: int | None) -> list[Chunk]:
             logprobs=None if logprobs is None else tuple(t.logprob for t in group),
             top_logprobs=tuple(tuple(TokenLogprob(i, v) for i, v in t.top) for t in group)
             if logprobs else None,
+            sampling_mask=tuple(t.mask for t in group) if masks else None,
             finish_reason=group[-1].finish))
     return out
 

@@ -221,6 +221,12 @@ class SGLangBackend:
         # images: with a vision-language model (VISION_MODEL_TYPES), in both modes;
         # adapters: with enable_lora (the instance says)
         unsupported = cpu_reasons(device)
+        unsupported["sampling_mask"] = (
+            "not read from SGLang yet (its return_sampling_mask; it refuses it with the "
+            "backend's penalty processor)")
+        unsupported["logprobs_mode.processed"] = (
+            "not read from SGLang yet: it gives the sampled-from distribution's logprob only "
+            "through its sampling mask (return_sampling_mask), and its top logprobs stay raw")
         if adapters_reason:
             unsupported["adapters"] = adapters_reason
         return Capabilities(unsupported=unsupported)

@@ -18,7 +18,8 @@ from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_unpacked
 from rollout.weights.lora import linear_modules, no_such_adapter, read_adapter
 from rollout.weights.checkpoint import checked_tensors, checkpoint_shapes
 from rollout.kit.prompts import PromptEncoder
-from rollout.contract.schemas import PROMPT_LOGPROBS_MAX, SamplingParams, StructuredOutputs
+from rollout.contract.schemas import (LOGPROBS_MODES, PROMPT_LOGPROBS_MAX, SamplingParams,
+                                      StructuredOutputs)
 from rollout.kit.structured import constraint_error, structural_tag_grammar
 
 from rollout_vllm.async_engine import AsyncEngine
@@ -95,9 +96,16 @@ def _has_ebnf_rule(grammar: str) -> bool:
 
 
 def checked_options(mode: str, weight_transport: str | None, stream_interval,
-                    engine_args: dict | None) -> tuple[str, dict]:
+                    logprobs_mode, engine_args: dict | None) -> tuple[str, dict]:
     """The backend's options checked (InvalidRequestError naming the field), before anything
-    loads: the weight transport (the mode's default where none is given) and engine_args."""
+    loads: the weight transport (the mode's default where none is given) and engine_args,
+    with vLLM's name for the logprobs mode in them."""
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise InvalidRequestError("logprobs_mode", f"got {logprobs_mode!r}",
+                                  ", ".join(LOGPROBS_MODES))
+    if engine_args and "logprobs_mode" in engine_args:  # (the one place it is set)
+        raise InvalidRequestError("engine_args.logprobs_mode", "set by the backend option",
+                                  "logprobs_mode=" + " or ".join(LOGPROBS_MODES))
     if mode not in MODES:
         raise InvalidRequestError("mode", f"got {mode!r}", ", ".join(MODES))
     if weight_transport is None:
@@ -110,7 +118,8 @@ def checked_options(mode: str, weight_transport: str | None, stream_interval,
     if not isinstance(stream_interval, int) or stream_interval < 1:
         raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
                                   "an integer >= 1")
-    return weight_transport, options.engine_args(engine_args, "vLLM")
+    return weight_transport, {**options.engine_args(engine_args, "vLLM"),
+                              "logprobs_mode": f"{logprobs_mode}_logprobs"}
 
 
 def engine_arguments(model: str, mode: str, dtype: str, max_model_len: int,
@@ -145,9 +154,11 @@ class VLLMBackend:
                  engine_args: dict | None = None, startup_timeout: float = 600.0,
                  request_timeout: float = 3600.0, weight_group_bytes: int | None = None,
                  stream_interval: int = 16, weight_transport: str | None = None,
-                 weight_group_timeout: float = 300.0):
+                 weight_group_timeout: float = 300.0, logprobs_mode: str = "raw"):
         weight_transport, engine_args = checked_options(mode, weight_transport,
-                                                        stream_interval, engine_args)
+                                                        stream_interval, logprobs_mode,
+                                                        engine_args)
+        self.logprobs_mode = logprobs_mode  # vLLM's is fixed at start
         from transformers import AutoConfig, AutoTokenizer
 
         config = AutoConfig.from_pretrained(model)
@@ -209,20 +220,28 @@ class VLLMBackend:
     @classmethod
     def describe_capabilities(cls, sleep_reason: str | None = None,
                               images_reason: str | None = None,
-                              adapters_reason: str | None = ADAPTERS_OFF) -> Capabilities:
+                              adapters_reason: str | None = ADAPTERS_OFF,
+                              logprobs_mode: str = "raw") -> Capabilities:
         # images: with a Qwen2-VL model; adapters: with enable_lora (the instance says).
         unsupported = {"images": images_reason} if images_reason else {}
+        unsupported["sampling_mask"] = (
+            "vLLM returns it only from Model Runner V2 started with return_sampling_mask "
+            "and processed logprobs; the backend does not start it so yet")
+        for other in set(LOGPROBS_MODES) - {logprobs_mode}:
+            unsupported[f"logprobs_mode.{other}"] = (
+                f"vLLM fixes its logprobs mode at start; this one was started with "
+                f"logprobs_mode={logprobs_mode} (the backend option)")
         if adapters_reason:
             unsupported["adapters"] = adapters_reason
         reason = sleep_reason or sleep_unsupported_reason()
         if reason:
             unsupported["release"] = reason
-        return Capabilities(unsupported=unsupported)
+        return Capabilities(unsupported=unsupported, logprobs_mode=logprobs_mode)
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
         return self.describe_capabilities(self.sleep_reason, self.images_reason,
-                                          self.adapters_reason)
+                                          self.adapters_reason, self.logprobs_mode)
 
     @rollout.hookimpl
     def prompt_encoder(self) -> PromptEncoder:

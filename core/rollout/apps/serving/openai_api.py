@@ -41,7 +41,7 @@ from rollout.apps.tool_parsers import strict as strict_schemas
 SAMPLING_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore_eos",
                    "stop_token_ids", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "min_p", "min_tokens", "logit_bias",
-                   "include_stop_str_in_output")
+                   "include_stop_str_in_output", "logprobs_mode")
 COMMON_FIELDS = ("model", "stream", "stream_options", "return_token_ids",
                  "return_tokens_as_token_ids", "max_tokens",
                  "max_completion_tokens", "response_format", "structured_outputs",

@@ -7,7 +7,8 @@ backend whose engine hands it logits (the HF backend and the example backend use
 - `LogitsProcessor` applies the grammar mask, logit bias, the min_tokens ban and the
   penalties to a batch of rows, each with its own values (docs/sampling.md's order);
 - `next_tokens` chooses each row's token (greedy, or temperature, min_p, top-k and top-p
-  from the row's own generator) and reads its logprob and top logprobs;
+  from the row's own generator) and reads its logprob and top logprobs (raw or processed)
+  and the set it was drawn from;
 - `Grammars` compiles structured outputs with xgrammar (imported on first use).
 
 This package needs torch, which such a backend has; the rest of the kit does not.
@@ -20,7 +21,7 @@ import random
 import torch
 
 from rollout.contract.schemas import Request
-from rollout.kit.sampler.choose import choose
+from rollout.kit.sampler.choose import choose, kept_ids, processed_logprobs
 from rollout.kit.sampler.grammars import Grammars
 from rollout.kit.sampler.processors import LogitsProcessor, uses_processing
 from rollout.kit.sampler.row import Row
@@ -47,6 +48,7 @@ def rows_for(request: Request, prompt: list[int], *, owner: object, eos_ids: fro
             max_new=min(s.max_tokens, max_model_len - len(prompt)),
             stop_ids=frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else eos_ids),
             stop=s.stop, logprobs=s.logprobs, generator=generator,
+            processed=s.logprobs_mode == "processed", mask=s.return_sampling_mask,
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, min_p=s.min_p, min_tokens=s.min_tokens,
             logit_bias=dict(s.logit_bias), adapter=request.adapter,
@@ -55,33 +57,48 @@ def rows_for(request: Request, prompt: list[int], *, owner: object, eos_ids: fro
 
 
 def next_tokens(rows: list[Row], logits: torch.Tensor, processor: LogitsProcessor | None):
-    """Every row's next token (a tensor), and per row its logprob and top logprobs as
-    (token id, logprob) pairs (None where the row did not ask). `logits` are the raw
-    next-token logits [rows, vocab]; `processor` is None when no row uses one."""
+    """Every row's next token (a tensor), and per row its logprob, its top logprobs as
+    (token id, logprob) pairs and the ids it was drawn from (each None where the row did
+    not ask). `logits` are the raw next-token logits [rows, vocab]; `processor` is None
+    when no row uses one."""
     scores, min_p = logits, None
     if processor is not None:
         processor.constrain(logits)  # before the logprobs: they see the grammar
         scores, min_p = processor.process(logits), processor.min_p
     device = logits.device
-    chosen = choose(scores, torch.tensor([r.temperature for r in rows], device=device),
-                    torch.tensor([r.top_k for r in rows], device=device),
-                    torch.tensor([r.top_p for r in rows], device=device),
-                    [r.generator for r in rows], min_p)
+    temperature = torch.tensor([r.temperature for r in rows], device=device)
+    top_k = torch.tensor([r.top_k for r in rows], device=device)
+    top_p = torch.tensor([r.top_p for r in rows], device=device)
+    chosen = choose(scores, temperature, top_k, top_p, [r.generator for r in rows], min_p)
     if processor is not None:
         processor.advance(chosen)
+
+    def transforms(index: torch.Tensor) -> tuple:  # the sampling values of these rows
+        return (scores[index], temperature[index], top_k[index], top_p[index],
+                None if min_p is None else min_p[index])
+
+    masks: list = [None] * len(rows)
+    asked = [i for i, r in enumerate(rows) if r.mask]
+    if asked:
+        index = torch.tensor(asked, device=device)
+        for i, ids in zip(asked, kept_ids(*transforms(index), chosen[index])):
+            masks[i] = ids
     logprobs: list = [None] * len(rows)
     tops: list = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.logprobs is not None]
     if want:
         index = torch.tensor(want, device=device)
-        raw = logits[index].log_softmax(dim=-1)
-        picked = raw.gather(1, chosen[index][:, None])[:, 0].tolist()
+        measured = logits[index].log_softmax(dim=-1)
+        processed = [j for j, i in enumerate(want) if rows[i].processed]
+        if processed:  # (the distribution each was drawn from: docs/sampling.md)
+            measured[processed] = processed_logprobs(*transforms(index[processed]))
+        picked = measured.gather(1, chosen[index][:, None])[:, 0].tolist()
         k = max(rows[i].logprobs for i in want)
         if k:
-            values, top_ids = (t.tolist() for t in raw.topk(k))
+            values, top_ids = (t.tolist() for t in measured.topk(k))
         for j, i in enumerate(want):
             logprobs[i] = picked[j]
             if rows[i].logprobs:
                 tops[i] = list(zip(top_ids[j][: rows[i].logprobs],
                                    values[j][: rows[i].logprobs]))
-    return chosen, logprobs, tops
+    return chosen, logprobs, tops, masks

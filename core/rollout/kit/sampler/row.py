@@ -26,6 +26,8 @@ class Row:
     stop: tuple[str, ...]
     logprobs: int | None
     generator: torch.Generator | None
+    processed: bool = False  # logprobs of the processed distribution (logprobs_mode)
+    mask: bool = False  # return the ids each token was drawn from (return_sampling_mask)
     # What processors.py applies (the defaults change nothing and cost nothing).
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
