@@ -10,9 +10,17 @@ truncated importance ratio against the weights that sampled it. Two checks prove
 sync works:
 
 - every token's weight version (`Result.weight_versions`) is within ETA of the trainer's;
-- the backend's logprob of every sampled token (raw distribution, temperature 1) equals
-  the trainer's own forward pass under the weights of that token's version, within
-  `--tolerance` (the trainer keeps the last ETA versions' weights for this).
+- the backend's logprob of every sampled token equals the trainer's own forward pass
+  under the weights of that token's version, within `--tolerance` (the trainer keeps the
+  last ETA versions' weights for this).
+
+The trainer's logprob is `log_softmax(logits / --temperature)`, the engine's the processed
+one (the distribution it drew from, `logprobs_mode`). With `--top-p` below 1 the engine
+draws from a truncation of it: `--renormalise` asks the engine for each token's sampling
+mask and renormalises the trainer's distribution over it, which makes the two equal again;
+without it the check is skipped and the log shows how far apart they are (the k3 KL, the
+importance ratio's mean and quantiles, the share outside [0.9, 1.1]), which `--correction`
+(truncated or masked importance sampling, per token or per sequence) weighs the loss by.
 
 Two tasks. `--task letter` (the default, on the project's tiny random model): the reward is
 the fraction of generated tokens whose text contains `--target`, so even a random model
@@ -57,7 +65,7 @@ import yaml
 import rollout
 import rollout.kit.models
 from rollout.apps.datasets import sums
-from rollout.apps.rl import GroupSampler, largest_gap
+from rollout.apps.rl import CORRECTIONS, GroupSampler, importance_weights, largest_gap, mismatch
 from rollout.service.served import open_sampler
 
 WORDS = "the ka lo mi ne su ta ri po def return print x y if for".split()
@@ -83,7 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--async", dest="eta", type=int, default=0, metavar="ETA",
                         help="sample up to ETA batches ahead of the trainer (0: synchronous)")
     parser.add_argument("--tis-cap", type=float, default=2.0,
-                        help="the truncation of each token's importance ratio")
+                        help="the truncation (tis) or mask (mis) bound of importance ratios")
+    parser.add_argument("--correction", default="tis", choices=CORRECTIONS,
+                        help="importance weights in the loss (rollout.apps.rl.mismatch)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--renormalise", action="store_true",
+                        help="the trainer's distribution renormalised over each token's "
+                             "sampling mask (return_sampling_mask)")
     parser.add_argument("--device", default="cpu", help="the trainer's torch device")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of the trainer (and of an in-process engine); "
@@ -179,8 +193,10 @@ class SumsTask:
 TASKS = {"letter": LetterTask, "sums": SumsTask}
 
 
-def sequence_logprobs(model, results) -> list:
-    """The trainer's logprob of each sampled token, one tensor per result, with gradients.
+def sequence_logprobs(model, results, temperature: float = 1.0) -> list:
+    """The trainer's logprob of each sampled token, one tensor per result, with gradients:
+    of `log_softmax(logits / temperature)`, renormalised over each token's sampling mask
+    where the result has them (the set the engine drew it from).
     One right-padded batch: causal attention keeps padding from reaching real tokens. The
     output layer runs only where a sampled token is predicted: over a 49k vocabulary it is
     most of the memory of a forward pass over whole prompts."""
@@ -200,9 +216,13 @@ def sequence_logprobs(model, results) -> list:
         start, n = len(r.prompt_token_ids), len(r.token_ids)
         # Position t predicts token t + 1.
         logits = model.get_output_embeddings()(hidden[i, start - 1 : start - 1 + n]).float()
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
         picked = torch.tensor(r.token_ids, device=model.device).unsqueeze(1)
-        out.append(logprobs.gather(1, picked).squeeze(1))
+        chosen = logprobs.gather(1, picked).squeeze(1)
+        if r.sampling_mask is not None:
+            chosen = chosen - torch.stack([logprobs[t, list(ids)].logsumexp(-1)
+                                           for t, ids in enumerate(r.sampling_mask)])
+        out.append(chosen)
     return out
 
 
@@ -210,9 +230,10 @@ class Versions:
     """The trainer's weights of the versions a batch may hold tokens of (the last `eta`
     besides the current one), and each token's logprob under its version's."""
 
-    def __init__(self, model, eta: int, adapter: bool = False):
+    def __init__(self, model, eta: int, adapter: bool = False, temperature: float = 1.0):
         # With --lora a result's version is its adapter's: the base weights never change.
         self.model, self.eta, self.adapter = model, eta, adapter
+        self.temperature = temperature
         self.saved: dict[int, dict] = {}
         self.scratch = None  # a second model that old versions are loaded into
         self.add(0)
@@ -256,7 +277,7 @@ class Versions:
                 self.scratch = copy.deepcopy(self.model)
             self.scratch.load_state_dict(self.saved[self.label(version)])
             with torch.no_grad():
-                return sequence_logprobs(self.scratch, holding)
+                return sequence_logprobs(self.scratch, holding, self.temperature)
         return under
 
 
@@ -347,6 +368,13 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     def score(request, results) -> list[float]:
         return [task.score(r, request.metadata["answer"]) for r in results]
 
+    # Logprobs of the distribution the engine drew from (the raw one at temperature 1 and
+    # top-p 1: every backend's default), and the sets it drew from where asked.
+    transformed = {"logprobs_mode": "processed"} \
+        if args.temperature != 1 or args.top_p < 1 else {}
+    if args.renormalise:
+        transformed["return_sampling_mask"] = True
+
     # Every batch's prompts, in order; the group sampler takes them as the bound allows.
     def prompts():
         for step in itertools.count(1):
@@ -355,13 +383,17 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
                        "adapter": lora and ADAPTER,
                        "sampling": {"temperature": args.temperature,
                                     "max_tokens": args.max_tokens, "logprobs": 0,
+                                    "top_p": args.top_p, **transformed,
                                     # A seed of its own per prompt, the same from run to run.
                                     **({"seed": args.seed * 1_000_003 + step * 1000 + i * 64}
                                        if seeded else {})}}
 
     rewards_per_step, worst_diff, timings = [], 0.0, []
     # The weights of the versions a batch may still hold tokens of, for the logprob check.
-    kept = Versions(model, args.eta, adapter=lora is not None)
+    kept = Versions(model, args.eta, adapter=lora is not None, temperature=args.temperature)
+    # The engine drew from exactly the trainer's distribution (the logprob check holds)
+    # unless top-p truncated it and the trainer does not renormalise over the masks.
+    same_policy = args.top_p == 1 or args.renormalise
     groups = None
 
     def push() -> int:
@@ -392,9 +424,11 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
 
             # Sync check 2: each token's logprob is the one its version's weights give. The
             # forward pass under the current weights then gives the loss's gradients.
-            logprobs = sequence_logprobs(model, results)
+            logprobs = sequence_logprobs(model, results, args.temperature)
+            engine = [r.logprobs for r in results]
+            drift = mismatch([lp.detach() for lp in logprobs], engine)
             diff = None
-            if (step - 1) % args.check_every == 0:
+            if same_policy and (step - 1) % args.check_every == 0:
                 diff = largest_gap(results, kept.logprobs_under(version, results, logprobs))
                 worst_diff = max(worst_diff, diff)
                 if diff > args.tolerance:
@@ -406,11 +440,9 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
             advantage = ((reward - reward.mean(1, keepdim=True))
                          / (reward.std(1, keepdim=True) + 1e-4))
             # Policy gradient: raise the logprob of samples better than their group, each
-            # token weighted by its truncated importance ratio (1 when sampled by these
-            # very weights, as in the synchronous loop).
-            ratios = [torch.exp(lp.detach() - torch.tensor(r.logprobs, device=model.device))
-                      .clamp(max=args.tis_cap)
-                      for lp, r in zip(logprobs, results)]
+            # token weighted by its importance ratio, truncated or masked (1 when sampled
+            # by these very weights, as in the synchronous loop).
+            ratios = importance_weights(logprobs, engine, args.correction, args.tis_cap)
             loss = -(advantage.flatten() * torch.stack(
                 [(w * lp).sum() for w, lp in zip(ratios, logprobs)])).mean()
             optimizer.zero_grad()
@@ -429,13 +461,16 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
             timings.append(timing)
             stale = sum(n for v, n in kept.spans(results) if v < version) / max(tokens, 1)
             record({"step": step, "reward": rewards_per_step[-1], "max_logprob_diff": diff,
+                    **{k: round(v, 5) for k, v in drift.items()},
                     "stale_token_share": round(stale, 4), "eta": args.eta,
                     **{k: round(v, 4) for k, v in timing.items()}})
             print(f"step {step:3d}  reward {rewards_per_step[-1]:.3f}  "
                   f"max|logprob diff| {'-' if diff is None else f'{diff:.1e}'}  "
                   f"{timing['step_s']:.2f} s "
                   f"(sample {timing['sample_s']:.2f}, train {timing['train_s']:.2f}, "
-                  f"push {timing['push_s']:.2f})  stale tokens {stale:.0%}", flush=True)
+                  f"push {timing['push_s']:.2f})  stale tokens {stale:.0%}  "
+                  f"ratio {drift['ratio_mean']:.3f} ({drift['outside']:.0%} outside "
+                  f"[0.9, 1.1])", flush=True)
             if args.eval_every and step % args.eval_every == 0 and step != args.steps:
                 evaluate(step)
         groups.close()

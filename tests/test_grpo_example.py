@@ -1,6 +1,8 @@
 """examples/grpo.py on the HF backend: weights pushed after every step reach the sampler
 (versions and logprobs match the trainer), and the reward rises."""
 
+import json
+
 from rollout.testing.grpo import run_grpo, run_grpo_script
 
 
@@ -44,3 +46,26 @@ def test_the_asynchronous_loop_through_two_replica_processes(tiny_model):
     run = run_grpo("hf", {}, tiny_model, "--replicas", 2, "--async", 2, "--steps", 8,
                    "--prompts", 4, "--group-size", 4, "--seed", 0, timeout=300)
     assert run.summary["max_logprob_diff"] <= 1e-3 and len(run.summary["rewards"]) == 8
+
+
+def test_top_p_is_on_policy_once_the_trainer_renormalises_over_the_masks(tiny_model, tmp_path):
+    """--top-p 0.8 at temperature 0.7: the engine's processed logprobs against the trainer's
+    distribution renormalised over each token's sampling mask pass the logprob check, and
+    the importance ratio is 1; without the masks the check is skipped and the ratio is the
+    kept mass."""
+    common = ("--steps", 3, "--prompts", 2, "--group-size", 4, "--seed", 0,
+              "--top-p", 0.8, "--temperature", 0.7)
+
+    def steps(*args) -> list[dict]:
+        log = tmp_path / f"{len(args)}.jsonl"
+        run_grpo("hf", {}, tiny_model, *common, *args, "--log", log, timeout=300)
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        return [r for r in records if "reward" in r]
+
+    renormalised = steps("--renormalise")
+    assert len(renormalised) == 3
+    assert all(s["max_logprob_diff"] <= 1e-3 for s in renormalised)
+    assert all(abs(s["ratio_mean"] - 1) < 1e-3 and s["outside"] == 0 for s in renormalised)
+    plain = steps("--correction", "mis")
+    assert all(s["max_logprob_diff"] is None for s in plain)
+    assert all(s["ratio_mean"] < 0.95 and s["outside"] > 0.5 for s in plain)
