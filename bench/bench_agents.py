@@ -21,19 +21,16 @@ import statistics
 import tempfile
 import time
 
-from bench_concurrency import backend_option
-from common import prepare_engine
+from common import add_backend_arguments, prepare_engine
 
 TARGET = 0.8
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", default="hf")
+    add_backend_arguments(parser)
     parser.add_argument("--trajectories", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("-o", "--option", dest="options", action="append", default=[],
-                        type=backend_option, metavar="KEY=VALUE")
     args = parser.parse_args()
     prepare_engine(args.backend)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from bench_concurrency import backend_option
-from common import WORDS, add_model_argument, model_folder, prepare_engine
+from common import (WORDS, add_backend_arguments, add_model_argument, model_folder,
+                    prepare_engine)
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -51,11 +51,8 @@ def compare(alone, result) -> tuple[bool, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--backend", default="hf")
+    add_backend_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("-o", "--option", dest="options", action="append", default=[],
-                        type=backend_option, metavar="KEY=VALUE",
-                        help="a backend option (repeat for several)")
     args = parser.parse_args()
     prepare_engine(args.backend)
     import rollout

@@ -14,33 +14,18 @@ ratio concurrent / batch (target: >= 0.9: one request per call costs little).
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import tempfile
 
-from common import prepare_engine, prompts, timed, workload_parser
+from common import add_backend_arguments, prepare_engine, prompts, timed, workload_parser
 
 TARGET = 0.9
-
-
-def backend_option(text: str) -> tuple[str, object]:
-    """`key=value`; the value is read as JSON where it parses (numbers, true, null)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ValueError(f"-o takes key=value, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except ValueError:
-        return key, value
 
 
 def main() -> None:
     parser = workload_parser()
     parser.set_defaults(tokens=32)
-    parser.add_argument("--backend", default="hf")
-    parser.add_argument("-o", "--option", dest="options", action="append", default=[],
-                        type=backend_option, metavar="KEY=VALUE",
-                        help="a backend option (repeat for several)")
+    add_backend_arguments(parser)
     args = parser.parse_args()
     prepare_engine(args.backend)
 

@@ -29,8 +29,7 @@ import uuid
 
 import numpy as np
 
-from bench_concurrency import backend_option
-from common import prepare_engine
+from common import add_backend_arguments, prepare_engine
 
 # Growth over the turns of sending only new images: at most this, or at most what the
 # context alone costs (an engine without a prefix cache prefills it all at every turn).
@@ -39,14 +38,12 @@ GROWTH_TARGET = 1.25
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", default="hf")
+    add_backend_arguments(parser)
     parser.add_argument("--trajectories", type=int, default=8)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--size", default="640x480", help="WIDTHxHEIGHT of each picture")
-    parser.add_argument("-o", "--option", dest="options", action="append", default=[],
-                        type=backend_option, metavar="KEY=VALUE")
     args = parser.parse_args()
     prepare_engine(args.backend, images=True)
     size = tuple(int(x) for x in args.size.split("x"))

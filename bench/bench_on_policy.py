@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from bench_concurrency import backend_option
-from common import add_model_argument, model_folder, prepare_engine, prompts
+from common import (add_backend_arguments, add_model_argument, model_folder, prepare_engine,
+                    prompts)
 
 TOP_P = 0.8
 
@@ -70,13 +70,10 @@ def summary(trainer: list[float], engine: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--backend", default="hf")
+    add_backend_arguments(parser)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("-n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("-o", "--option", dest="options", action="append", default=[],
-                        type=backend_option, metavar="KEY=VALUE",
-                        help="a backend option (repeat for several)")
     args = parser.parse_args()
     prepare_engine(args.backend)
 

@@ -22,8 +22,7 @@ import asyncio
 import random
 import tempfile
 
-from bench_concurrency import backend_option
-from common import WORDS, prepare_engine
+from common import WORDS, backend_option, prepare_engine
 
 TARGET = 0.9
 

@@ -29,8 +29,7 @@ import time
 import tracemalloc
 from collections import Counter
 
-from bench_concurrency import backend_option
-from common import add_model_argument, model_folder, prepare_engine
+from common import add_backend_arguments, add_model_argument, model_folder, prepare_engine
 
 from rollout.testing.server_contract import CALL_REGEX, TOOLS
 
@@ -136,10 +135,7 @@ def drift(server, tokenizer, recorded: list, tools: bool) -> tuple[int, int, int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
-    parser.add_argument("--backend", default="hf")
-    parser.add_argument("-o", "--option", dest="options", action="append", default=[],
-                        type=backend_option, metavar="KEY=VALUE",
-                        help="a backend option (repeat for several)")
+    add_backend_arguments(parser)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=20.0)

@@ -26,8 +26,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from bench_concurrency import backend_option
-from common import prepare_engine
+from common import backend_option, prepare_engine
 
 
 def main() -> None:

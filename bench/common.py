@@ -4,6 +4,7 @@ workload arguments."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -36,6 +37,25 @@ def prompts(count: int, chat_tokenizer=None) -> list[str]:
     return [chat_tokenizer.apply_chat_template([{"role": "user", "content": ask}],
                                                add_generation_prompt=True, tokenize=False)
             for ask in asks]
+
+
+def backend_option(text: str) -> tuple[str, object]:
+    """`key=value`; the value is read as JSON where it parses (numbers, true, null)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"-o takes key=value, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--backend` (hf by default) and `-o KEY=VALUE` backend options (`args.options`)."""
+    parser.add_argument("--backend", default="hf")
+    parser.add_argument("-o", "--option", dest="options", action="append", default=[],
+                        type=backend_option, metavar="KEY=VALUE",
+                        help="a backend option (repeat for several)")
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
