@@ -133,3 +133,17 @@ def test_token_ids_are_checked_item_by_item():
     for bad in ([1, True], [1, -2]):
         with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
             Request(prompt_token_ids=bad)
+
+
+def test_a_backends_default_logprobs_mode_is_one_it_gives():
+    from rollout import Capabilities
+
+    assert Capabilities().logprobs_mode == "raw"
+    fixed = Capabilities(unsupported={"logprobs_mode.raw": "fixed at start"},
+                         logprobs_mode="processed")
+    assert not fixed.supports("logprobs_mode.raw") and fixed.supports("logprobs_mode.processed")
+    with pytest.raises(InvalidRequestError, match="logprobs_mode"):
+        Capabilities(unsupported={"logprobs_mode.raw": "fixed at start"})
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams(logprobs_mode="processed_logits")
+    assert refused.value.field == "logprobs_mode" and "raw, processed" in str(refused.value)

@@ -692,7 +692,8 @@ class Capabilities:
         _valid("keep", self.keep in KEEPS, self.keep, ", ".join(KEEPS))
         _valid("logprobs_mode", self.logprobs_mode in LOGPROBS_MODES
                and self.supports(f"logprobs_mode.{self.logprobs_mode}"),
-               self.logprobs_mode, "one of LOGPROBS_MODES that is not unsupported")
+               self.logprobs_mode,
+               " or ".join(LOGPROBS_MODES) + ", not among the unsupported")
 
     def supports(self, name: str) -> bool:
         return name not in self.unsupported
