@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 import rollout  # noqa: E402
 from rollout.contract.errors import InvalidRequestError  # noqa: E402
+from rollout.testing.fixtures import LOOPBACK, check_ray_on_loopback  # noqa: E402
 import rollout.integrations.verl  # noqa: E402,F401 - what VERL_USE_EXTERNAL_MODULES does
 
 PROMPT = [5, 17, 33, 8, 2, 41]
@@ -46,7 +47,12 @@ def config(tiny_model):
 def manager(config):
     from verl.workers.rollout.llm_server import LLMServerManager
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # A cluster of its own ("local"): a bare ray.init() joins whatever cluster this machine
+    # last started, such as another test step's running beside this one. On loopback
+    # (rollout.testing.fixtures), so the replicas serve there too.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _node_ip_address=LOOPBACK)
+    check_ray_on_loopback()
     try:
         yield LLMServerManager.create(config)
     finally:

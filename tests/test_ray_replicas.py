@@ -16,7 +16,8 @@ from rollout.testing.fixtures import LOOPBACK, check_ray_on_loopback  # noqa: E4
 @pytest.fixture(scope="module")
 def local_ray():
     # On loopback (rollout.testing.fixtures), so the replicas serve there too.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    # A cluster of its own ("local"), not one another test started on this machine.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              _node_ip_address=LOOPBACK)
     check_ray_on_loopback()
     yield
