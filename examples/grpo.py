@@ -219,9 +219,10 @@ def sequence_logprobs(model, results, temperature: float = 1.0) -> list:
         logprobs = torch.log_softmax(logits / temperature, dim=-1)
         picked = torch.tensor(r.token_ids, device=model.device).unsqueeze(1)
         chosen = logprobs.gather(1, picked).squeeze(1)
-        if r.sampling_mask is not None:
+        drawn_from = getattr(r, "sampling_mask", None)  # (a session's branch has none)
+        if drawn_from is not None:
             chosen = chosen - torch.stack([logprobs[t, list(ids)].logsumexp(-1)
-                                           for t, ids in enumerate(r.sampling_mask)])
+                                           for t, ids in enumerate(drawn_from)])
         out.append(chosen)
     return out
 
