@@ -13,6 +13,8 @@ from rollout import InvalidRequestError
     ({"mode": "server", "weight_transport": "nccl"}, "weight_transport"),
     ({"mode": "async", "weight_transport": "gloo"}, "weight_transport"),  # server mode only
     ({"engine_args": "{max_num_seqs: 4}"}, "engine_args"),  # YAML, not the JSON -o parses
+    ({"logprobs_mode": "processed_logits"}, "logprobs_mode"),
+    ({"engine_args": {"logprobs_mode": "processed_logprobs"}}, "engine_args.logprobs_mode"),
 ])
 def test_bad_option_names_the_field(tiny_model, options, field):
     with pytest.raises(InvalidRequestError, match=field) as caught:
