@@ -13,12 +13,17 @@ Four pairings, side by side on the same sampled tokens (one seed per request):
   says each token was drawn from (`return_sampling_mask`), where the backend gives it.
 
     python bench/bench_on_policy.py --model smollm2 --backend vllm -o dtype=float32
+
+With `--cost` it measures instead what each costs in throughput, on a backend that gives
+both modes per request (HF): tokens/s of raw logprobs, processed ones, and processed ones
+with the masks, the three in turn in each round, as ratios to raw.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 
 from common import (add_backend_arguments, add_model_argument, model_folder, prepare_engine,
                     prompts)
@@ -26,8 +31,10 @@ from common import (add_backend_arguments, add_model_argument, model_folder, pre
 TOP_P = 0.8
 
 
-def sample(ro, texts: list[str], temperature: float, mode: str, n: int, max_tokens: int):
-    masks = ro.capabilities.supports("sampling_mask")
+def sample(ro, texts: list[str], temperature: float, mode: str, n: int, max_tokens: int,
+           masks: bool | None = None):
+    if masks is None:
+        masks = ro.capabilities.supports("sampling_mask")
     requests = [{"id": str(i), "prompt": text,
                  "sampling": {"temperature": temperature, "top_p": TOP_P, "n": n,
                               "max_tokens": max_tokens, "seed": 1000 + i, "logprobs": 0,
@@ -67,6 +74,25 @@ def summary(trainer: list[float], engine: list[float]) -> str:
     return f"mean {sum(ratios) / len(ratios):6.3f}, {outside:6.1%} outside [0.9, 1.1]"
 
 
+def cost(ro, texts: list[str], n: int, max_tokens: int, rounds: int) -> None:
+    """Tokens/s of each setting against raw logprobs, medians of the rounds' own ratios."""
+    import statistics
+
+    settings = {"raw": ("raw", False), "processed": ("processed", False),
+                "processed + masks": ("processed", True)}
+    rates: dict[str, list[float]] = {name: [] for name in settings}
+    sample(ro, texts, 1.0, "raw", n, max_tokens, False)  # warm
+    for _ in range(rounds):
+        for name, (mode, masks) in settings.items():
+            started = time.perf_counter()
+            tokens = sum(len(r.token_ids) for r in sample(ro, texts, 1.0, mode, n, max_tokens,
+                                                          masks))
+            rates[name].append(tokens / (time.perf_counter() - started))
+    for name in settings:
+        ratio = statistics.median(a / b for a, b in zip(rates[name], rates["raw"]))
+        print(f"  {name:<18} {statistics.median(rates[name]):8.1f} tokens/s, {ratio:.3f} of raw")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
@@ -74,6 +100,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("-n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--cost", action="store_true", help="throughput of each mode instead")
+    parser.add_argument("--rounds", type=int, default=3, help="with --cost")
     args = parser.parse_args()
     prepare_engine(args.backend)
 
@@ -85,6 +113,13 @@ def main() -> None:
     folder = model_folder(args.model, tempfile.mkdtemp())
     tokenizer = AutoTokenizer.from_pretrained(folder)
     texts = prompts(args.prompts, tokenizer if tokenizer.chat_template else None)
+    if args.cost:
+        with rollout.load_backend(args.backend, model=folder, max_model_len=2048,
+                                  **dict(args.options)) as ro:
+            print(f"{args.backend}, {args.model}: {args.prompts} prompts x {args.n} samples "
+                  f"of {args.max_tokens} tokens, top_p={TOP_P}, {args.rounds} rounds")
+            cost(ro, texts, args.n, args.max_tokens, args.rounds)
+        return
     temperatures = (1.0, 0.7)
     sampled = {}
     # vLLM fixes the mode at start: one engine per mode, one after the other.
