@@ -21,7 +21,7 @@ import random
 import torch
 
 from rollout.contract.schemas import Request
-from rollout.kit.sampler.choose import choose, kept_ids, processed_logprobs
+from rollout.kit.sampler.choose import choose, sampled_from
 from rollout.kit.sampler.grammars import Grammars
 from rollout.kit.sampler.processors import LogitsProcessor, uses_processing
 from rollout.kit.sampler.row import Row
@@ -73,16 +73,16 @@ def next_tokens(rows: list[Row], logits: torch.Tensor, processor: LogitsProcesso
     if processor is not None:
         processor.advance(chosen)
 
-    def transforms(index: torch.Tensor) -> tuple:  # the sampling values of these rows
-        return (scores[index], temperature[index], top_k[index], top_p[index],
-                None if min_p is None else min_p[index])
-
+    # What rows asking for processed logprobs or masks drew from, computed once for both.
     masks: list = [None] * len(rows)
-    asked = [i for i, r in enumerate(rows) if r.mask]
-    if asked:
-        index = torch.tensor(asked, device=device)
-        for i, ids in zip(asked, kept_ids(*transforms(index), chosen[index])):
-            masks[i] = ids
+    drawn = [i for i, r in enumerate(rows) if r.mask or (r.processed and r.logprobs is not None)]
+    if drawn:
+        index = torch.tensor(drawn, device=device)
+        drawn_logprobs, kept = sampled_from(scores[index], temperature[index], top_k[index],
+                                            top_p[index], None if min_p is None else min_p[index])
+        for j, i in enumerate(drawn):
+            if rows[i].mask:
+                masks[i] = (int(chosen[i]),) if kept[j] is None else tuple(kept[j].tolist())
     logprobs: list = [None] * len(rows)
     tops: list = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.logprobs is not None]
@@ -91,7 +91,7 @@ def next_tokens(rows: list[Row], logits: torch.Tensor, processor: LogitsProcesso
         measured = logits[index].log_softmax(dim=-1)
         processed = [j for j, i in enumerate(want) if rows[i].processed]
         if processed:  # (the distribution each was drawn from: docs/sampling.md)
-            measured[processed] = processed_logprobs(*transforms(index[processed]))
+            measured[processed] = drawn_logprobs[[drawn.index(want[j]) for j in processed]]
         picked = measured.gather(1, chosen[index][:, None])[:, 0].tolist()
         k = max(rows[i].logprobs for i in want)
         if k:

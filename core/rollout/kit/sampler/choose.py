@@ -31,34 +31,23 @@ def filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return sorted_ids, masked
 
 
-def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """The log-probabilities of the distribution each row draws from (vLLM's
-    `processed_logprobs`): `filtered_logits` renormalised, -inf outside the kept set; a
-    greedy row's are its logits' log_softmax, unscaled and untruncated."""
-    out = logits.log_softmax(dim=-1)
+def sampled_from(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> tuple:
+    """What each row draws from, from one `filtered_logits`: its log-probabilities (vLLM's
+    `processed_logprobs`: the kept logits renormalised, -inf elsewhere; a greedy row's are
+    its logits' log_softmax, unscaled and untruncated), and its kept ids most likely first
+    (None for a greedy row, whose chosen token alone is kept)."""
+    logprobs = logits.log_softmax(dim=-1)
+    kept: list = [None] * len(logits)
     sampled = (temperature > 0).nonzero()[:, 0]
     if len(sampled):
         ids, masked = filtered_logits(logits[sampled], temperature[sampled], top_k[sampled],
                                       top_p[sampled], None if min_p is None else min_p[sampled])
-        out[sampled] = torch.empty_like(masked).scatter_(1, ids, masked.log_softmax(dim=-1))
-    return out
-
-
-def kept_ids(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-             top_p: torch.Tensor, min_p: torch.Tensor | None, chosen: torch.Tensor
-             ) -> list[tuple[int, ...]]:
-    """Per row, the ids its token was drawn from, most likely first (a greedy row's: the
-    chosen token alone)."""
-    out = [(int(token),) for token in chosen.tolist()]
-    sampled = (temperature > 0).nonzero()[:, 0].tolist()
-    if sampled:
-        ids, masked = filtered_logits(logits[sampled], temperature[sampled], top_k[sampled],
-                                      top_p[sampled], None if min_p is None else min_p[sampled])
-        kept = masked > float("-inf")
-        for j, i in enumerate(sampled):
-            out[i] = tuple(ids[j][kept[j]].tolist())
-    return out
+        logprobs[sampled] = torch.empty_like(masked).scatter_(1, ids, masked.log_softmax(dim=-1))
+        alive = masked > float("-inf")
+        for j, i in enumerate(sampled.tolist()):
+            kept[i] = ids[j][alive[j]]
+    return logprobs, kept
 
 
 def choose(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
