@@ -2,7 +2,10 @@
 the tiny model): Claude Code 2.1.328 on /v1/messages and Codex CLI 0.169.0 on /v1/responses,
 each asked "What is 2+2?" with its own HOME. Every HTTP call a CLI makes passes through a
 counting proxy (tests/harnesses.py) and must be answered with a 2xx; the session it ran
-under is recorded as one branch whose masked tokens are exactly the ones it was sampled.
+under is recorded with the tokens each call was sampled, masked. Calls that continue each
+other make one branch; a harness that edits its history starts another (Claude Code,
+answered with no text, drops that answer and asks again), and the test expects a branch
+wherever the calls it saw say so.
 
 The CLIs come from npm (tests/harnesses.py installs them, pinned, into ~/.cache/rollout/npm;
 scripts/test.sh does so before the suite runs); without npm or node the test is skipped, a
@@ -96,15 +99,51 @@ def counts(server) -> tuple[float, float]:
             metric(scraped, "rollout:request_errors_total"))
 
 
-def check_session(server, tokenizer, name: str, sampled: list[tuple[str, int, int]]
-                  ) -> dict:
-    """The session `name` is one branch of these calls, in order: `sampled` holds each call's
-    text and counts of prompt and output tokens, as its client was answered. The mask is 1 exactly on
-    each call's sampled tokens, which decode to the text the client got, and only those
+def check_session(server, tokenizer, name: str, sampled: list[tuple[str, int, int]],
+                  histories: list[list], answers: list) -> list[dict]:
+    """The session `name` is these calls, in order: `sampled` holds each call's text and
+    counts of prompt and output tokens, as its client was answered; `histories` the
+    conversation each call sent, `answers` its answer as a client sends it back. A call that
+    sent a branch's conversation back and went on continues that branch; any other (a
+    harness that dropped or edited a turn) starts one. In each branch the mask is 1 exactly
+    on each call's sampled tokens, which decode to the text the client got, and only those
     carry logprobs."""
     recorded = session(server, name)
     assert recorded["id"] == name
-    (branch,) = recorded["branches"]  # each later call continued the one before
+    expected = branches_of(histories, answers)
+    assert len(recorded["branches"]) == len(expected), expected
+    for branch, indices in zip(recorded["branches"], expected):
+        check_branch(branch, tokenizer, [sampled[i] for i in indices])
+    return recorded["branches"]
+
+
+def branches_of(histories: list[list], answers: list) -> list[list[int]]:
+    """The calls' indices, grouped as the session records them."""
+    branches: list[list[int]] = []
+    for i, history in enumerate(histories):
+        for branch in reversed(branches):
+            known = [*histories[branch[-1]], answers[branch[-1]]]
+            if len(history) > len(known) and history[:len(known)] == known:
+                branch.append(i)
+                break
+        else:
+            branches.append([i])
+    return branches
+
+
+def plain(message: dict) -> tuple:
+    """A message as the server compares it: its role, its text, and its other blocks
+    without the fields harnesses rewrite from call to call (cache markers, ids)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        content = [{"type": "text", "text": content or ""}]
+    text = "".join(b.get("text", "") for b in content if "text" in b)
+    others = [{k: v for k, v in b.items() if k not in ("cache_control", "id")}
+              for b in content if "text" not in b]
+    return message.get("role", message.get("type")), text, json.dumps(others, sort_keys=True)
+
+
+def check_branch(branch: dict, tokenizer, sampled: list[tuple[str, int, int]]) -> None:
     ids, mask, logprobs, calls = (branch[k] for k in ("token_ids", "mask", "logprobs", "calls"))
     assert len(ids) == len(mask) == len(logprobs) == calls[-1]["end"]
     assert len(calls) == len(sampled)
@@ -123,7 +162,6 @@ def check_session(server, tokenizer, name: str, sampled: list[tuple[str, int, in
                     for i in range(len(ids))]
     assert sum(mask) == sum(n for *_, n in sampled)
     assert [p is not None for p in logprobs] == [bool(m) for m in mask]
-    return branch
 
 
 def check_calls(proxy: CountingProxy, path: str, before, after) -> list:
@@ -175,9 +213,13 @@ def test_claude_code(harnesses, server, tokenizer, tmp_path):
         usage = end["usage"]
         sampled.append((text, usage["input_tokens"] + usage["cache_read_input_tokens"],
                         usage["output_tokens"]))
-    branch = check_session(server, tokenizer, name, sampled)
-    assert sum(branch["mask"]) == out["usage"]["output_tokens"]
-    assert {c["route"] for c in branch["calls"]} == {"messages"}
+    histories = [[plain({"role": "system", "content": c.json().get("system")}),
+                  *map(plain, c.json()["messages"])] for c in calls]
+    answers = [plain({"role": "assistant", "content": [{"type": "text", "text": text}]})
+               for text, *_ in sampled]
+    branches = check_session(server, tokenizer, name, sampled, histories, answers)
+    assert sum(sum(b["mask"]) for b in branches) == out["usage"]["output_tokens"]
+    assert {c["route"] for b in branches for c in b["calls"]} == {"messages"}
 
 
 def test_codex(harnesses, server, tokenizer, tmp_path):
@@ -220,6 +262,10 @@ def test_codex(harnesses, server, tokenizer, tmp_path):
                                                        "response.incomplete")]
         usage = end["response"]["usage"]
         sampled.append((text, usage["input_tokens"], usage["output_tokens"]))
-    branch = check_session(server, tokenizer, name, sampled)
-    assert sum(branch["mask"]) == turn["usage"]["output_tokens"]
-    assert {c["route"] for c in branch["calls"]} == {"responses"}
+    histories = [[plain({"role": "system", "content": c.json().get("instructions")}),
+                  *map(plain, c.json()["input"])] for c in calls]
+    answers = [plain({"role": "assistant", "content": [{"type": "output_text", "text": text}]})
+               for text, *_ in sampled]
+    branches = check_session(server, tokenizer, name, sampled, histories, answers)
+    assert sum(sum(b["mask"]) for b in branches) == turn["usage"]["output_tokens"]
+    assert {c["route"] for b in branches for c in b["calls"]} == {"responses"}
