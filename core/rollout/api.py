@@ -126,6 +126,8 @@ class Rollout(RequestFront):
                           "sampling.logprobs_mode"))
         if request.sampling.return_sampling_mask:
             needs.append(("sampling_mask", "sampling.return_sampling_mask"))
+        if request.sampling.return_routed_experts:
+            needs.append(("routed_experts", "sampling.return_routed_experts"))
         if request.sampling.seed is not None:
             needs.append(("seed", "sampling.seed"))
         if request.sampling.prompt_logprobs is not None:

@@ -21,6 +21,7 @@ class Sample:
         self.logprobs: list[float] | None = [] if s.logprobs is not None else None
         self.top: list | None = [] if s.logprobs else None
         self.masks: list | None = [] if s.return_sampling_mask else None
+        self.routed: tuple | None = None  # the last engine call's (it covers every token)
         self.spans: list[WeightSpan] = []
         self.finish: str | None = None
         self.cached: int | None = None
@@ -44,6 +45,7 @@ class Sample:
             self.top = list(done.top_logprobs or ())
         if self.masks is not None:
             self.masks = list(done.sampling_mask or ())
+        self.routed = done.routed_experts
         self.spans = list(done.weight_versions) or (
             [WeightSpan(done.weight_version, 0, len(self.tokens))] if self.tokens else [])
         self.cached = done.cached_tokens
@@ -92,6 +94,8 @@ class Sample:
             self.top += chunk.top_logprobs or ()
         if self.masks is not None:
             self.masks += chunk.sampling_mask or ()
+        if chunk.routed_experts is not None:
+            self.routed = chunk.routed_experts
         self.finish = chunk.finish_reason
         if chunk.cached_tokens is not None and not self.before:  # the first call's prompt
             self.cached = chunk.cached_tokens
@@ -118,7 +122,9 @@ class Sample:
                     logprobs=None if chunk.logprobs is None else chunk.logprobs[:k],
                     top_logprobs=None if chunk.top_logprobs is None else chunk.top_logprobs[:k],
                     sampling_mask=None if chunk.sampling_mask is None
-                    else chunk.sampling_mask[:k])
+                    else chunk.sampling_mask[:k],
+                    routed_experts=None if chunk.routed_experts is None
+                    else chunk.routed_experts[:len(chunk.routed_experts) - len(new) + k])
         return chunk
 
     def result(self, request: Request, prompt: list[int], weight_version: int | None,
@@ -134,7 +140,7 @@ class Sample:
             logprobs=None if self.logprobs is None else tuple(self.logprobs),
             top_logprobs=None if self.top is None else tuple(self.top),
             sampling_mask=None if self.masks is None else tuple(self.masks),
-            adapter=request.adapter, adapter_version=adapter_version,
+            routed_experts=self.routed, adapter=request.adapter, adapter_version=adapter_version,
             **self._prompt_scores(len(prompt)))
 
     def _prompt_scores(self, prompt_len: int) -> dict:

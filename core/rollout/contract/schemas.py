@@ -140,7 +140,8 @@ class SamplingParams:
     temperature 0 the processed logits unscaled and untruncated, as vLLM's
     `processed_logprobs`). None takes the backend's (`Capabilities.logprobs_mode`). Prompt
     logprobs are raw in both. `return_sampling_mask` returns, per generated token, the set
-    it was drawn from (`Result.sampling_mask`).
+    it was drawn from (`Result.sampling_mask`); `return_routed_experts`, for a
+    mixture-of-experts model, the experts each token was routed to (`Result.routed_experts`).
     """
 
     temperature: float = 1.0
@@ -164,6 +165,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logprobs_mode: str | None = None
     return_sampling_mask: bool = False
+    return_routed_experts: bool = False
 
     def __attrs_post_init__(self):
         _valid("temperature", _is_number(self.temperature) and self.temperature >= 0,
@@ -200,8 +202,9 @@ class SamplingParams:
                "None (the backend's), " + ", ".join(LOGPROBS_MODES))
         _valid("ignore_eos", isinstance(self.ignore_eos, bool),
                self.ignore_eos, "true or false")
-        _valid("return_sampling_mask", isinstance(self.return_sampling_mask, bool),
-               self.return_sampling_mask, "true or false")
+        for name in ("return_sampling_mask", "return_routed_experts"):
+            _valid(name, isinstance(getattr(self, name), bool), getattr(self, name),
+                   "true or false")
         _valid("repetition_penalty", _is_number(self.repetition_penalty)
                and 0 < self.repetition_penalty <= PENALTY_RANGE,
                self.repetition_penalty, _REPETITION)
@@ -514,6 +517,13 @@ class Result:
     token, the ids of the tokens it was drawn from (after the constraint, min_p, top-k and
     top-p; the whole allowed vocabulary where nothing truncates), most likely first; a
     greedy token's is itself alone.
+    `routed_experts` (asked with `sampling.return_routed_experts`, for a mixture-of-experts
+    model) holds, for every token the engine ran through the model (the prompt's, then the
+    generated ones but the last), per MoE layer, the ids of the experts it was routed to,
+    in the router's order (vLLM's layout: [tokens, layers, top_k]). A trainer replays them
+    (`rollout.apps.rl.routing.replay_routing`) so its forward pass takes the same experts.
+    A sample continued across a weight update holds its last engine call's, which ran its
+    earlier tokens again under the new weights.
     """
 
     request_id: str
@@ -546,6 +556,8 @@ class Result:
     adapter_version: int | None = None
     sampling_mask: tuple[tuple[int, ...], ...] | None = attrs.field(default=None,
                                                                     converter=_tuple)
+    routed_experts: tuple[tuple[tuple[int, ...], ...], ...] | None = attrs.field(
+        default=None, converter=_tuple)
 
     def __attrs_post_init__(self):
         # (Messages are made only on failure: every result passes here.)
@@ -610,6 +622,10 @@ class Chunk:
     # Per new token, the ids it was drawn from (`sampling.return_sampling_mask`).
     sampling_mask: tuple[tuple[int, ...], ...] | None = attrs.field(default=None,
                                                                     converter=_tuple)
+    # The experts every token of the engine call was routed to, as `Result.routed_experts`
+    # (`sampling.return_routed_experts`): on the chunk that ends the sample.
+    routed_experts: tuple[tuple[tuple[int, ...], ...], ...] | None = attrs.field(
+        default=None, converter=_tuple)
 
 
 @attrs.frozen
@@ -653,6 +669,8 @@ CAPABILITIES = {
     **{f"logprobs_mode.{mode}": f"logprobs of the {what} distribution on request"
        for mode, what in (("raw", "model's"), ("processed", "sampled-from"))},
     "sampling_mask": "the set each token was drawn from (sampling.return_sampling_mask)",
+    "routed_experts": "the experts each token was routed to, for a mixture-of-experts model "
+                      "(sampling.return_routed_experts)",
     "seed": "reproduce a sample from a per-request seed",
     "chat": "render chat messages with the model's chat template",
     "images": "image parts in messages",

@@ -1,4 +1,5 @@
-"""A tiny random Llama and its tokenizer, built offline, for tests and demos.
+"""A tiny random Llama, a tiny random Qwen3-MoE and their tokenizer, built offline, for
+tests and demos.
 
 Nothing can be downloaded from a model hub here, so the tokenizer is trained on text made
 up on the spot. Head size 32 is the smallest that vLLM's CPU attention accepts.
@@ -86,6 +87,32 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_tiny_moe(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the tiny model's tokenizer and a seeded random Qwen3-MoE (8 experts, 2 per
+    token, in each of 2 layers) to `out_dir`: routed experts to read and replay."""
+    import torch
+    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        max_position_embeddings=2048, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, initializer_range=0.2)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

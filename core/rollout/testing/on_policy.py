@@ -90,6 +90,21 @@ class OnPolicyContract:
             assert completion.error.field == "sampling.logprobs_mode"
         assert good.ok and len(good.results[0].logprobs) == len(good.results[0].token_ids)
 
+    def test_routed_experts_are_given_for_every_token_run_or_refused_by_name(self, harness):
+        """Where the backend (or its model: a dense one) has none to give, the request is
+        refused naming the field; the other requests of the batch are answered."""
+        asked, plain = harness.rollout.generate([
+            {"prompt": "ka lo", "sampling": {"max_tokens": 3, "return_routed_experts": True}},
+            {"prompt": "ka lo", "sampling": {"max_tokens": 3}}])
+        assert plain.ok and plain.results[0].routed_experts is None
+        if not harness.caps.supports("routed_experts"):
+            assert isinstance(asked.error, InvalidRequestError), asked.error
+            assert asked.error.field == "sampling.return_routed_experts"
+            return
+        for result in asked.unwrap():
+            assert len(result.routed_experts) == \
+                len(result.prompt_token_ids) + len(result.token_ids) - 1
+
     @pytest.mark.parametrize("mode", LOGPROBS_MODES)
     def test_logprobs_are_those_of_the_distribution_named(self, harness, reference, mode):
         """With no transform at temperature 1 the two modes agree; the default mode is the

@@ -46,6 +46,7 @@ class ExampleBackend:
             "images": "the example serves text-only models",
             "prompt_logprobs": "not in the example (the HF backend scores prompts)",
             "sampling_mask": "not in the example (the HF backend returns it)",
+            "routed_experts": "the example serves no mixture-of-experts model",
         })
 
     @rollout.hookimpl

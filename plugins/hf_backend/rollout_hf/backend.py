@@ -83,16 +83,22 @@ class HFBackend:
                              grammar_vocab=self.vocab_size, adapters=self.adapters)
 
     @classmethod
-    def describe_capabilities(cls) -> Capabilities:  # images: with a Qwen2-VL model
+    def describe_capabilities(cls) -> Capabilities:  # images, routed experts: with a model of that kind
         return Capabilities()
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
+        model_type = self.model.config.model_type
+        unsupported = {}
         if self.vision is None:
-            return Capabilities(unsupported={"images": (
-                f"a text-only model here (model type {self.model.config.model_type!r}); "
-                f"images need a vision-language model of type {', '.join(vision.MODEL_TYPES)}")})
-        return self.describe_capabilities()
+            unsupported["images"] = (
+                f"a text-only model here (model type {model_type!r}); "
+                f"images need a vision-language model of type {', '.join(vision.MODEL_TYPES)}")
+        if not self.engine.routers.routers:
+            unsupported["routed_experts"] = (
+                f"a dense model here (model type {model_type!r}): no mixture-of-experts "
+                "router to read")
+        return Capabilities(unsupported=unsupported)
 
     @rollout.hookimpl
     def prompt_encoder(self) -> PromptEncoder:

@@ -28,11 +28,13 @@ import torch
 
 from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
 
+from rollout.kit.moe import routers
 from rollout.kit.sampler import LogitsProcessor, Row, next_tokens, uses_processing
 
 from rollout_hf.batch import Batch, prefill
 from rollout_hf.handoff import Job, PromptScores, Token, deliver
 from rollout_hf.lora import Adapters
+from rollout_hf.routing import RouterTap
 
 # An elementwise op this large runs in parallel (ATen's grain size is 32768 elements).
 OPENMP_TEAM_ELEMENTS = 1 << 20
@@ -62,6 +64,7 @@ class Engine:
         self._joining: list[Row] = []  # rows being admitted in this step
         self._processor: LogitsProcessor | None = None
         self._processor_stale = False  # rows joined: rebuild the processor for the batch
+        self.routers = RouterTap(routers(model))  # (no router: a dense model)
         if device.type == "cpu":
             _start_openmp_team()
         self._thread = threading.Thread(target=self._run, name="rollout-hf-engine",
@@ -140,12 +143,14 @@ class Engine:
         self._joining = self._admit(self.batch_size - len(batch))
         parts = []
         if batch.rows:
-            with self._adapted(batch.rows):
+            with self._adapted(batch.rows), self.routers.reading(batch.rows,
+                                                                 [1] * len(batch)):
                 parts.append(batch.decode(self.model))
         scores = {}
         if self._joining:
             scoring = [i for i, row in enumerate(self._joining) if _to_score(row.owner)]
-            with self._adapted(self._joining):
+            with self._adapted(self._joining), self.routers.reading(
+                    self._joining, [len(row.prompt) for row in self._joining]):
                 newcomers, logits, every = prefill(self.model, self._joining, self.pad_id,
                                                    self.device, every=bool(scoring))
             for i in scoring:  # one row of a job scores its prompt, once
@@ -168,7 +173,8 @@ class Engine:
         for i, row in enumerate(batch.rows):
             finish = row.push(ids[i], self.tokenizer)
             output.setdefault(row.owner, []).append(
-                Token(row.index, ids[i], logprobs[i], tops[i], finish, masks[i]))
+                Token(row.index, ids[i], logprobs[i], tops[i], finish, masks[i],
+                      tuple(row.routing) if finish and row.routing is not None else None))
             if finish is None:
                 keep.append(i)
         self._send(output)

@@ -25,6 +25,7 @@ class Token(NamedTuple):
     top: list[tuple[int, float]] | None  # (token id, logprob), most likely first
     finish: str | None
     mask: tuple[int, ...] | None = None  # the ids it was drawn from, where asked
+    routed: tuple | None = None  # on a sample's last token: its routed experts, where asked
 
 
 class PromptScores(NamedTuple):
@@ -100,6 +101,7 @@ def chunks(tokens: list, logprobs: int | None, masks: bool = False) -> list[Chun
             top_logprobs=tuple(tuple(TokenLogprob(i, v) for i, v in t.top) for t in group)
             if logprobs else None,
             sampling_mask=tuple(t.mask for t in group) if masks else None,
+            routed_experts=group[-1].routed,
             finish_reason=group[-1].finish))
     return out
 

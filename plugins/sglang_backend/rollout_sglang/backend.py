@@ -227,6 +227,9 @@ class SGLangBackend:
         unsupported["logprobs_mode.processed"] = (
             "not read from SGLang yet: it gives the sampled-from distribution's logprob only "
             "through its sampling mask (return_sampling_mask), and its top logprobs stay raw")
+        unsupported["routed_experts"] = (
+            "not read from SGLang yet (its return_routed_experts, with "
+            "enable_return_routed_experts at start); the HF backend returns them")
         if adapters_reason:
             unsupported["adapters"] = adapters_reason
         return Capabilities(unsupported=unsupported)

@@ -28,6 +28,9 @@ class Row:
     generator: torch.Generator | None
     processed: bool = False  # logprobs of the processed distribution (logprobs_mode)
     mask: bool = False  # return the ids each token was drawn from (return_sampling_mask)
+    # Per token run through the model, per MoE layer, its experts (return_routed_experts);
+    # None where not asked. The backend appends after each forward pass.
+    routing: list | None = None
     # What processors.py applies (the defaults change nothing and cost nothing).
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0

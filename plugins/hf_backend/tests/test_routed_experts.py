@@ -1,0 +1,133 @@
+"""Routed experts (R3) on the HF backend, with a tiny random Qwen3-MoE: each token's experts
+as a reference forward pass of transformers routes it; replayed into a trainer's forward
+pass (`rollout.apps.rl.routing`), they are the experts it takes. (A dense model refuses
+them by name: the contract suite's on-policy tests.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rollout
+from rollout.apps.rl.routing import replay_routing, routing_ids
+from rollout.kit.moe import routers
+from rollout.kit.tiny_model import build_tiny_moe
+from rollout.testing.contract import on_engine_loop
+
+PROMPTS = ["ka lo mi", "su ta ri po an el is on", "qu"]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return build_tiny_moe(tmp_path_factory.mktemp("moe"))
+
+
+@pytest.fixture(scope="module")
+def ro(moe):
+    ro = rollout.load_backend("hf", model=str(moe), batch_size=4)
+    yield ro
+    ro.close()
+
+
+@pytest.fixture(scope="module")
+def reference(moe):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def results(ro):
+    """Sampled and greedy rows that join the running batch at different steps (4 rows at
+    most decode together), each with its routed experts and raw logprobs."""
+    requests = [{"prompt": p, "sampling": {"max_tokens": 6 + i, "ignore_eos": True,
+                                           "temperature": 1.0 if i % 2 else 0.0,
+                                           "n": 2 if i % 2 else 1, "logprobs": 0,
+                                           "return_routed_experts": True}}
+                for i, p in enumerate(PROMPTS * 2)]
+    return [r for c in ro.generate(requests) for r in c.unwrap()]
+
+
+def routes(model, ids: torch.Tensor) -> torch.Tensor:
+    """The experts each position of `ids` [batch, seq] takes in `model`: [batch, seq,
+    layers, k] (after any replay hook, which runs first)."""
+    taken = []
+    handles = [r.register_forward_hook(lambda m, a, out: taken.append(out[2]))
+               for r in routers(model)]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.stack(taken, dim=1).view(*ids.shape, len(taken), -1)
+
+
+def test_each_tokens_experts_are_those_of_a_reference_forward(results, reference):
+    assert len(results) == 9
+    for result in results:
+        sequence = [*result.prompt_token_ids, *result.token_ids]
+        assert len(result.routed_experts) == len(sequence) - 1  # the last ran through none
+        expected = routes(reference, torch.tensor([sequence[:-1]]))[0]
+        assert torch.equal(torch.tensor(result.routed_experts), expected)
+        assert expected.shape[1:] == (2, 2)  # 2 MoE layers, 2 experts each
+
+
+def test_a_streamed_sample_gets_them_on_its_last_chunk(ro, results):
+    greedy = results[0]
+    request = {"prompt": PROMPTS[0], "sampling": {"max_tokens": 6, "ignore_eos": True,
+                                                  "temperature": 0.0,
+                                                  "return_routed_experts": True}}
+
+    async def run():
+        stream = ro.stream(request)
+        return [chunk async for chunk in stream], stream.completion
+
+    chunks, completion = on_engine_loop(run())
+    assert [c.routed_experts is not None for c in chunks if c.token_ids] == \
+        [c.finish_reason is not None for c in chunks if c.token_ids]
+    (result,) = completion.unwrap()
+    assert result.token_ids == greedy.token_ids
+    assert result.routed_experts == greedy.routed_experts
+
+
+def test_replayed_a_trainer_takes_the_engines_experts_and_weighs_them_its_own_way(
+        results, reference, moe):
+    from transformers import AutoModelForCausalLM
+
+    sequences = [[*r.prompt_token_ids, *r.token_ids] for r in results]
+    width = max(map(len, sequences))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    given = routing_ids(results, width)
+    known = given[..., 0, 0] >= 0  # positions with the engine's routing
+    # A trainer whose routers drifted from the engine's weights routes otherwise ...
+    trainer = AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32)
+    with torch.no_grad():
+        for router in routers(trainer):
+            router.weight.add_(torch.randn_like(router.weight) * router.weight.std())
+    assert not torch.equal(routes(trainer, ids)[known], given[known])
+    # ... and, replayed, takes the engine's experts, the others routed its own way.
+    with replay_routing(trainer, given):
+        assert torch.equal(routes(trainer, ids)[known], given[known])
+        loss = trainer(input_ids=ids).logits.logsumexp(-1).mean()
+    loss.backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0
+               for r in routers(trainer))  # the routers still learn
+    # Replaying the engine's own model changes nothing: its logprobs are the engine's.
+    with torch.no_grad():
+        plain = reference(input_ids=ids).logits
+        with replay_routing(reference, given):
+            replayed = reference(input_ids=ids).logits
+    assert torch.allclose(plain, replayed, atol=1e-6)
+    logprobs = torch.log_softmax(replayed, dim=-1)
+    for i, result in enumerate(results):
+        start = len(result.prompt_token_ids)
+        mine = logprobs[i, start - 1:start - 1 + len(result.token_ids)].gather(
+            -1, torch.tensor(result.token_ids)[:, None])[:, 0]
+        assert torch.allclose(mine, torch.tensor(result.logprobs), atol=1e-4)
+
+
+def test_a_replay_of_another_shape_is_refused(reference):
+    with pytest.raises(ValueError, match="3 MoE layers"):
+        with replay_routing(reference, torch.zeros(1, 4, 3, 2, dtype=torch.long)):
+            pass
