@@ -148,6 +148,11 @@ def engine_arguments(model: str, mode: str, dtype: str, max_model_len: int,
             **cpu_engine_args(engine_args)}
 
 
+# What vLLM's sampling masks and routed experts need; absent from the CPU build.
+RUNNER_V2 = ("vLLM's Model Runner V2, which needs Triton: the CPU build refuses it ('Model "
+             "Runner V2 requires Triton'; no Triton with a CPU backend is on PyPI)")
+
+
 class VLLMBackend:
     def __init__(self, model: str, mode: str = "engine", dtype: str = "auto",
                  max_model_len: int | None = None, enforce_eager: bool = False,
@@ -225,8 +230,11 @@ class VLLMBackend:
         # images: with a Qwen2-VL model; adapters: with enable_lora (the instance says).
         unsupported = {"images": images_reason} if images_reason else {}
         unsupported["sampling_mask"] = (
-            "vLLM returns it only from Model Runner V2 started with return_sampling_mask "
-            "and processed logprobs; the backend does not start it so yet")
+            f"vLLM returns it only from {RUNNER_V2}, started with return_sampling_mask and "
+            "processed logprobs")
+        unsupported["routed_experts"] = (
+            f"vLLM returns them only from {RUNNER_V2}, started with "
+            "enable_return_routed_experts; the HF backend returns them")
         for other in set(LOGPROBS_MODES) - {logprobs_mode}:
             unsupported[f"logprobs_mode.{other}"] = (
                 f"vLLM fixes its logprobs mode at start; this one was started with "
