@@ -3,9 +3,9 @@ the tiny model): Claude Code 2.1.328 on /v1/messages and Codex CLI 0.169.0 on /v
 each asked "What is 2+2?" with its own HOME. Every HTTP call a CLI makes passes through a
 counting proxy (tests/harnesses.py) and must be answered with a 2xx; the session it ran
 under is recorded with the tokens each call was sampled, masked. Calls that continue each
-other make one branch; a harness that edits its history starts another (Claude Code,
-answered with no text, drops that answer and asks again), and the test expects a branch
-wherever the calls it saw say so.
+other make one branch; a harness that edits its history forks another (Claude Code,
+answered with no text, drops that answer and asks again), and the test expects the
+branches the calls it saw make.
 
 The CLIs come from npm (tests/harnesses.py installs them, pinned, into ~/.cache/rollout/npm;
 scripts/test.sh does so before the suite runs); without npm or node the test is skipped, a
@@ -103,11 +103,9 @@ def check_session(server, tokenizer, name: str, sampled: list[tuple[str, int, in
                   histories: list[list], answers: list) -> list[dict]:
     """The session `name` is these calls, in order: `sampled` holds each call's text and
     counts of prompt and output tokens, as its client was answered; `histories` the
-    conversation each call sent, `answers` its answer as a client sends it back. A call that
-    sent a branch's conversation back and went on continues that branch; any other (a
-    harness that dropped or edited a turn) starts one. In each branch the mask is 1 exactly
-    on each call's sampled tokens, which decode to the text the client got, and only those
-    carry logprobs."""
+    conversation each call sent, `answers` its answer as a client sends it back (see
+    `branches_of`). In each branch the mask is 1 exactly on each call's sampled tokens,
+    which decode to the text the client got, and only those carry logprobs."""
     recorded = session(server, name)
     assert recorded["id"] == name
     expected = branches_of(histories, answers)
@@ -118,13 +116,21 @@ def check_session(server, tokenizer, name: str, sampled: list[tuple[str, int, in
 
 
 def branches_of(histories: list[list], answers: list) -> list[list[int]]:
-    """The calls' indices, grouped as the session records them."""
+    """The calls' indices per branch, as the session records them: a call that sends back
+    the conversation of a branch's last call, with its answer, and goes on continues that
+    branch; one that keeps it only up to an earlier call's answer forks a branch after that
+    call (the latest branch that has one); any other starts a branch."""
     branches: list[list[int]] = []
     for i, history in enumerate(histories):
         for branch in reversed(branches):
-            known = [*histories[branch[-1]], answers[branch[-1]]]
-            if len(history) > len(known) and history[:len(known)] == known:
+            kept = [j for j, call in enumerate(branch)
+                    if len(history) > len(histories[call]) + 1 and
+                    history[:len(histories[call]) + 1] == [*histories[call], answers[call]]]
+            if kept and kept[-1] == len(branch) - 1:
                 branch.append(i)
+                break
+            if kept:
+                branches.append([*branch[:kept[-1] + 1], i])
                 break
         else:
             branches.append([i])
@@ -218,7 +224,7 @@ def test_claude_code(harnesses, server, tokenizer, tmp_path):
     answers = [plain({"role": "assistant", "content": [{"type": "text", "text": text}]})
                for text, *_ in sampled]
     branches = check_session(server, tokenizer, name, sampled, histories, answers)
-    assert sum(sum(b["mask"]) for b in branches) == out["usage"]["output_tokens"]
+    assert sum(n for *_, n in sampled) == out["usage"]["output_tokens"]
     assert {c["route"] for b in branches for c in b["calls"]} == {"messages"}
 
 
@@ -267,5 +273,5 @@ def test_codex(harnesses, server, tokenizer, tmp_path):
     answers = [plain({"role": "assistant", "content": [{"type": "output_text", "text": text}]})
                for text, *_ in sampled]
     branches = check_session(server, tokenizer, name, sampled, histories, answers)
-    assert sum(sum(b["mask"]) for b in branches) == turn["usage"]["output_tokens"]
+    assert sum(n for *_, n in sampled) == turn["usage"]["output_tokens"]
     assert {c["route"] for b in branches for c in b["calls"]} == {"responses"}

@@ -150,6 +150,33 @@ def test_a_rewritten_history_starts_a_new_branch(client, server):
     assert branches[1]["calls"][0]["start"] == 0
 
 
+def test_a_harness_that_drops_its_last_answer_forks_after_the_answer_it_kept(client,
+                                                                             server):
+    """Claude Code's way with an answer that has no text: it drops the answer, edits the
+    user turn before it and asks again. The new branch starts with the old one's exact
+    tokens up to the answer both keep."""
+    def ask(messages, seed):
+        answer = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=seed,
+            extra_headers={"X-Session-ID": "retried"}, extra_body={"return_token_ids": True})
+        return answer, {"role": "assistant", "content": answer.choices[0].message.content}
+
+    _, first = ask(ASK, 0)
+    ask(ASK + [first, {"role": "user", "content": "go on"}], 1)
+    again, _ = ask(ASK + [first, {"role": "user", "content": "go on, and say something"}], 2)
+    kept, forked = session(server, "retried")[1]["branches"]
+    assert len(kept["calls"]) == len(forked["calls"]) == 2
+    assert forked["calls"][0] == kept["calls"][0]
+    end = kept["calls"][0]["end"]
+    assert forked["calls"][1]["start"] == end
+    for key in ("token_ids", "mask", "logprobs"):
+        assert forked[key][:end] == kept[key][:end]
+    assert again.prompt_token_ids[:end] == kept["token_ids"][:end]  # what the engine saw
+    assert forked["token_ids"][:len(again.prompt_token_ids)] == again.prompt_token_ids
+    assert sum(forked["mask"]) == end - kept["calls"][0]["prompt_end"] + \
+        len(again.choices[0].token_ids)
+
+
 def test_anthropic_sessions_by_path_and_by_claude_codes_metadata(server):
     kwargs = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     by_path = anthropic.Anthropic(base_url=f"{server.url}/sessions/by-path", api_key=KEY,

@@ -7,9 +7,13 @@ A later call that sends the branch's conversation back, with the answers as the 
 them, followed by new messages (tool results, a user turn), gets as its prompt the branch's
 tokens followed by the template's tokens for the new messages alone
 (`rollout.apps.agents.tokens.ChatTokens`): sampled ids are never re-tokenized, so the
-session's assistant tokens are exactly the engine's. A call whose history differs (a
-harness that compacts, truncates or edits it), or whose tools differ, starts a new branch,
-rendered afresh: branches are recorded, never spliced into each other.
+session's assistant tokens are exactly the engine's. A call that keeps only the start of a
+branch's conversation, up to one of its answers, and goes on otherwise (a harness that
+drops or edits its last turns: Claude Code drops an answer with no text and asks again)
+forks: a new branch, with the old one's tokens up to that answer, is recorded beside it.
+A call whose history differs before any answer (compacted, or a changed system prompt), or
+whose tools differ, starts a new branch rendered afresh. Branches are recorded, never
+spliced into each other.
 
 Memory is bounded by the count of sessions and of tokens kept; the least recently used
 session goes first.
@@ -56,10 +60,11 @@ class Branch:
     versions: list[int | None]
     calls: list[dict]
     # The conversation as a client sends it back (the last call's messages and its
-    # answer), as the keys a message sent back must match (`_key`).
+    # answer), as the keys a message sent back must match (`_key`); `turns[j]`: how many
+    # of them run up to call j's answer.
     keys: list[Any]
+    turns: list[int]
     tools: Any
-    sampled: list[int]
 
     def as_dict(self) -> dict:
         return {"token_ids": self.token_ids, "mask": self.mask, "logprobs": self.logprobs,
@@ -67,13 +72,14 @@ class Branch:
 
 
 class Ticket:
-    """One call of a session: the branch it continues (None: a new one), its request as
-    sent to the engine, and how to read the answer the client will send back."""
+    """One call of a session: the branch it continues (None: a new one) after which of its
+    calls, its request as sent to the engine, and how to read the answer the client will
+    send back."""
 
-    def __init__(self, session: str, branch: Branch | None, request: Request,
+    def __init__(self, session: str, branch: Branch | None, after: int, request: Request,
                  messages: list[Message], logprobs_asked: bool, route: str,
                  answer: Callable[[Result], Message]):
-        self.session, self.branch, self.request = session, branch, request
+        self.session, self.branch, self.after, self.request = session, branch, after, request
         self.messages, self.logprobs_asked, self.route = messages, logprobs_asked, route
         self.answer = answer
 
@@ -103,29 +109,32 @@ class Sessions:
             request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, logprobs=0))
         with self._lock:
             branches = self._kept.get(session, [])
-        tools = _tools(request)
-        for branch in reversed(branches):
-            tail = self._tail(branch, messages, request, tools)
-            if tail is not None:
-                spliced = attrs.evolve(request, messages=None, tools=None,
-                                       prompt_token_ids=(*branch.token_ids, *tail))
-                return Ticket(session, branch, spliced, messages, asked, route, answer)
-        return Ticket(session, None, request, messages, asked, route, answer)
+        if request.sampling.n == 1 and not any(m.images for m in messages):
+            tools, keys = _tools(request), [_key(m) for m in messages]
+            for branch in reversed(branches):
+                after = _last_shared_answer(branch, keys) if tools == branch.tools else None
+                if after is None:
+                    continue
+                tail = self._tail(branch, after, messages, request, tools)
+                if tail is not None:
+                    end = branch.calls[after]["end"]
+                    spliced = attrs.evolve(request, messages=None, tools=None,
+                                           prompt_token_ids=(*branch.token_ids[:end], *tail))
+                    return Ticket(session, branch, after, spliced, messages, asked, route,
+                                  answer)
+        return Ticket(session, None, -1, request, messages, asked, route, answer)
 
-    def _tail(self, branch: Branch, messages: list[Message], request: Request,
+    def _tail(self, branch: Branch, after: int, messages: list[Message], request: Request,
               tools: list) -> list[int] | None:
-        """The tokens of what follows the branch's conversation, where `messages` continue
-        it with the same `tools` (the request's); None where they do not."""
-        known = len(branch.keys)
-        if request.sampling.n != 1 or len(messages) <= known or tools != branch.tools or \
-                any(m.images for m in messages) or \
-                any(key != _key(m) for key, m in zip(branch.keys, messages)):
-            return None
+        """The tokens of the messages that follow call `after`'s answer; None where the
+        template cannot give them apart."""
         chat = self._chat(request, tools)
         if chat is None:
             return None  # no tokenizer here: each call is rendered afresh, a new branch
+        call = branch.calls[after]
         try:
-            return chat.continuation(branch.sampled, messages[known:])
+            return chat.continuation(branch.token_ids[call["prompt_end"]:call["end"]],
+                                     messages[branch.turns[after]:])
         except TemplateError:
             return None  # the template cannot be used turn by turn: a new branch each time
 
@@ -166,10 +175,10 @@ class Sessions:
 
     def _record(self, ticket: Ticket, result: Result, answer: Message) -> None:
         prompt, sampled = list(result.prompt_token_ids), list(result.token_ids)
-        old = ticket.branch
-        start = len(old.token_ids) if old is not None else 0
-        if old is None or prompt[:start] != old.token_ids:  # (the engine saw another prompt)
-            old, start = None, 0
+        old, after = ticket.branch, ticket.after
+        start = old.calls[after]["end"] if old is not None else 0
+        if old is None or prompt[:start] != old.token_ids[:start]:  # (another prompt ran)
+            old, after, start = None, -1, 0
         versions: list[int | None] = [None] * len(sampled)
         for span in result.weight_versions:
             versions[span.start:span.end] = [span.version] * (span.end - span.start)
@@ -179,18 +188,21 @@ class Sessions:
                                      "end": s.end + len(prompt)} for s in result.weight_versions],
                 "tool_calls": [convert.unstructure(c) for c in answer.tool_calls]}
         tail = len(prompt) - start
+        keys = [_key(m) for m in ticket.messages + [answer]]
         branch = Branch(
             token_ids=prompt + sampled,
-            mask=(old.mask if old else []) + [0] * tail + [1] * len(sampled),
-            logprobs=(old.logprobs if old else []) + [None] * tail + list(
+            mask=(old.mask[:start] if old else []) + [0] * tail + [1] * len(sampled),
+            logprobs=(old.logprobs[:start] if old else []) + [None] * tail + list(
                 result.logprobs or [None] * len(sampled)),
-            versions=(old.versions if old else []) + [None] * tail + versions,
-            calls=(old.calls if old else []) + [call],
-            keys=[_key(m) for m in ticket.messages + [answer]],
-            tools=_tools(ticket.request) if old is None else old.tools, sampled=sampled)
+            versions=(old.versions[:start] if old else []) + [None] * tail + versions,
+            calls=(old.calls[:after + 1] if old else []) + [call], keys=keys,
+            turns=(old.turns[:after + 1] if old else []) + [len(keys)],
+            tools=_tools(ticket.request) if old is None else old.tools)
         with self._lock:
             branches = self._kept.pop(ticket.session, [])
-            if old is not None and old in branches:  # continued: the branch grows
+            # Continued from its last call, the branch grows; from an earlier one, the
+            # new branch is kept beside it.
+            if old is not None and after == len(old.calls) - 1 and old in branches:
                 branches.remove(old)
                 self._tokens -= len(old.token_ids)
             branches.append(branch)
@@ -313,6 +325,15 @@ def _session_in(user_id: Any) -> str | None:
 def _without_logprobs(completion: Completion) -> Completion:
     return attrs.evolve(completion, results=[
         attrs.evolve(r, logprobs=None, top_logprobs=None) for r in completion.results])
+
+
+def _last_shared_answer(branch: Branch, keys: list) -> int | None:
+    """The last call of `branch` whose conversation, up to its answer, starts `keys` (the
+    messages of a new call) and is followed by more; None where there is none."""
+    shared = next((i for i, (a, b) in enumerate(zip(branch.keys, keys)) if a != b),
+                  min(len(branch.keys), len(keys)))
+    return next((j for j in reversed(range(len(branch.turns)))
+                 if branch.turns[j] <= shared and branch.turns[j] < len(keys)), None)
 
 
 def _tools(request: Request) -> Any:
