@@ -128,6 +128,8 @@ class Rollout(RequestFront):
             needs.append(("sampling_mask", "sampling.return_sampling_mask"))
         if request.sampling.return_routed_experts:
             needs.append(("routed_experts", "sampling.return_routed_experts"))
+        if request.sampling.trace_decode_token_ids is not None:
+            needs.append(("trace_replay", "sampling.trace_decode_token_ids"))
         if request.sampling.seed is not None:
             needs.append(("seed", "sampling.seed"))
         if request.sampling.prompt_logprobs is not None:

@@ -76,8 +76,10 @@ class Sample:
     def rest_of(self, request: Request) -> Request:
         """The request that goes on from this sample's tokens (they join the prompt)."""
         s, made = self.s, len(self.tokens)
+        trace = s.trace_decode_token_ids
         return attrs.evolve(request, continue_from=None, sampling=attrs.evolve(
-            s, n=1, max_tokens=s.max_tokens - made, min_tokens=max(0, s.min_tokens - made)))
+            s, n=1, max_tokens=s.max_tokens - made, min_tokens=max(0, s.min_tokens - made),
+            trace_decode_token_ids=None if trace is None else trace[made:]))
 
     def add(self, chunk: Chunk, version: int | None) -> Chunk | None:
         """Take an engine chunk; returns it as a streaming caller sees it (our index, its

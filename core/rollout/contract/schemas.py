@@ -142,6 +142,12 @@ class SamplingParams:
     logprobs are raw in both. `return_sampling_mask` returns, per generated token, the set
     it was drawn from (`Result.sampling_mask`); `return_routed_experts`, for a
     mixture-of-experts model, the experts each token was routed to (`Result.routed_experts`).
+    `trace_decode_token_ids` (vLLM's trace replay) gives the tokens to generate: each is
+    taken in place of the engine's draw and scored as if drawn, under every transform of the
+    request (its logprobs in `logprobs_mode`, its sampling mask the set the engine would
+    have drawn from), so given tokens are scored as the engine would have sampled them. The
+    trace ends the sample (an EOS in it does not); it takes no stop, stop token, min_tokens,
+    structured output or n > 1, and max_tokens null or at least its length.
     """
 
     temperature: float = 1.0
@@ -166,6 +172,8 @@ class SamplingParams:
     logprobs_mode: str | None = None
     return_sampling_mask: bool = False
     return_routed_experts: bool = False
+    trace_decode_token_ids: tuple[int, ...] | None = attrs.field(default=None,
+                                                                 converter=_tuple)
 
     def __attrs_post_init__(self):
         _valid("temperature", _is_number(self.temperature) and self.temperature >= 0,
@@ -229,6 +237,22 @@ class SamplingParams:
         _valid("structured_outputs", self.structured_outputs is None
                or isinstance(self.structured_outputs, StructuredOutputs),
                self.structured_outputs, _STRUCTURED)
+        if self.trace_decode_token_ids is not None:
+            self._check_trace()
+
+    def _check_trace(self) -> None:
+        trace = self.trace_decode_token_ids
+        _valid("trace_decode_token_ids", isinstance(trace, tuple) and trace
+               and _are_token_ids(trace), trace, "a non-empty list of token ids")
+        for name, value, default in (("n", self.n, 1), ("stop", self.stop, ()),
+                                     ("stop_token_ids", self.stop_token_ids, ()),
+                                     ("min_tokens", self.min_tokens, 0),
+                                     ("structured_outputs", self.structured_outputs, None)):
+            _check(name, value == default, f"{value!r} with trace_decode_token_ids "
+                   "(the trace alone ends the sample)", f"{default!r}")
+        _check("max_tokens", self.max_tokens is None or self.max_tokens >= len(trace),
+               f"{self.max_tokens} is shorter than trace_decode_token_ids ({len(trace)} "
+               "tokens)", f"null or at least {len(trace)}")
 
     @property
     def greedy(self) -> bool:
@@ -671,6 +695,8 @@ CAPABILITIES = {
     "sampling_mask": "the set each token was drawn from (sampling.return_sampling_mask)",
     "routed_experts": "the experts each token was routed to, for a mixture-of-experts model "
                       "(sampling.return_routed_experts)",
+    "trace_replay": "generate given tokens, each scored as if drawn "
+                    "(sampling.trace_decode_token_ids)",
     "seed": "reproduce a sample from a per-request seed",
     "chat": "render chat messages with the model's chat template",
     "images": "image parts in messages",

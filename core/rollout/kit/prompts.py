@@ -60,6 +60,11 @@ class PromptEncoder:
         if bad:
             raise InvalidRequestError(f"sampling.logit_bias.{bad[0]}", "token id out of range",
                                       f"0 to {self.vocab_size - 1}")
+        trace = request.sampling.trace_decode_token_ids
+        if trace and max(trace) >= self.vocab_size:
+            raise InvalidRequestError("sampling.trace_decode_token_ids",
+                                      f"token id {max(trace)} is out of range",
+                                      f"0 to {self.vocab_size - 1}")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(prompt_field(request), f"{len(ids)} tokens is too long",
                                       f"at most {self.max_model_len - 1} tokens")

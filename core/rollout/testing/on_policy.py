@@ -105,6 +105,58 @@ class OnPolicyContract:
             assert len(result.routed_experts) == \
                 len(result.prompt_token_ids) + len(result.token_ids) - 1
 
+    @HYPOTHESIS
+    @given(s=sampled_settings(), data=st.data())
+    def test_a_trace_is_generated_as_given_and_scored_as_if_drawn(self, harness, reference,
+                                                                  s, data):
+        """`trace_decode_token_ids` (vLLM's trace replay): the sample is the trace (an EOS
+        in it ends nothing), each token scored under the request's transforms: in the
+        processed mode, where the backend gives it, a token outside the kept set at -inf;
+        the sampling mask, where given, is the set the engine would have drawn from."""
+        if not harness.caps.supports("trace_replay"):
+            (refused,) = harness.rollout.generate([{"prompt": "ka", "sampling": {
+                "max_tokens": 2, "trace_decode_token_ids": [5, 6]}}])
+            assert isinstance(refused.error, InvalidRequestError), refused.error
+            assert refused.error.field == "sampling.trace_decode_token_ids"
+            pytest.skip(f"trace_replay unsupported: {harness.caps.unsupported['trace_replay']}")
+        trace = data.draw(st.lists(st.integers(0, reference.vocab - 1), min_size=1,
+                                   max_size=6))
+        trace.insert(data.draw(st.integers(0, len(trace) - 1)), reference.eos)
+        processed = harness.caps.supports("logprobs_mode.processed")
+        masks = harness.caps.supports("sampling_mask")
+        sampling = {**s, "max_tokens": None, "logprobs": 0, "trace_decode_token_ids": trace,
+                    "logprobs_mode": "processed" if processed else "raw",
+                    "return_sampling_mask": masks}
+        prompt = reference.repeating
+        (result,) = harness.rollout.generate(
+            [{"prompt_token_ids": prompt, "sampling": sampling}])[0].unwrap()
+        assert list(result.token_ids) == trace and result.finish_reason == "length"
+        logits = reference.logits(list(prompt) + trace)[len(prompt) - 1:-1]
+        for step, token in enumerate(trace):
+            expected, ambiguous = processed_reference(logits[step], prompt, trace[:step], s) \
+                if processed else (logits[step].double().log_softmax(-1), False)
+            if ambiguous:
+                continue
+            if expected[token] == float("-inf"):
+                assert result.logprobs[step] == float("-inf"), (step, result.logprobs[step])
+            else:
+                assert abs(result.logprobs[step] - float(expected[token])) < TOLERANCE, (
+                    step, result.logprobs[step], float(expected[token]))
+            if masks:
+                kept = (expected > float("-inf")).nonzero()[:, 0].tolist()
+                assert sorted(result.sampling_mask[step]) == (
+                    [int(expected.argmax())] if s["temperature"] == 0 else kept)
+
+    def test_a_trace_is_refused_with_what_would_end_it_otherwise(self, harness):
+        base = {"max_tokens": 3, "trace_decode_token_ids": [5, 6, 7]}
+        for extra, field in (({"stop": ["x"]}, "stop"), ({"n": 2, "temperature": 1.0}, "n"),
+                             ({"max_tokens": 2}, "max_tokens"),
+                             ({"trace_decode_token_ids": []}, "trace_decode_token_ids")):
+            (completion,) = harness.rollout.generate([{"prompt": "ka", "sampling": {
+                **base, **extra}}])
+            assert isinstance(completion.error, InvalidRequestError), completion.error
+            assert completion.error.field == f"sampling.{field}"
+
     @pytest.mark.parametrize("mode", LOGPROBS_MODES)
     def test_logprobs_are_those_of_the_distribution_named(self, harness, reference, mode):
         """With no transform at temperature 1 the two modes agree; the default mode is the

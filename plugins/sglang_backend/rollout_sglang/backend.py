@@ -230,6 +230,9 @@ class SGLangBackend:
         unsupported["routed_experts"] = (
             "not read from SGLang yet (its return_routed_experts, with "
             "enable_return_routed_experts at start); the HF backend returns them")
+        unsupported["trace_replay"] = (
+            "SGLang's sampling parameters have no trace replay (vLLM's "
+            "trace_decode_token_ids): it samples every token")
         if adapters_reason:
             unsupported["adapters"] = adapters_reason
         return Capabilities(unsupported=unsupported)

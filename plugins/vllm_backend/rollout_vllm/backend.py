@@ -148,7 +148,8 @@ def engine_arguments(model: str, mode: str, dtype: str, max_model_len: int,
             **cpu_engine_args(engine_args)}
 
 
-# What vLLM's sampling masks and routed experts need; absent from the CPU build.
+# What vLLM's sampling masks, routed experts and trace replay need; absent from the CPU
+# build.
 RUNNER_V2 = ("vLLM's Model Runner V2, which needs Triton: the CPU build refuses it ('Model "
              "Runner V2 requires Triton'; no Triton with a CPU backend is on PyPI)")
 
@@ -235,6 +236,9 @@ class VLLMBackend:
         unsupported["routed_experts"] = (
             f"vLLM returns them only from {RUNNER_V2}, started with "
             "enable_return_routed_experts; the HF backend returns them")
+        unsupported["trace_replay"] = (
+            f"vLLM replays a trace (trace_decode_token_ids) only in {RUNNER_V2}; the HF "
+            "backend replays them")
         for other in set(LOGPROBS_MODES) - {logprobs_mode}:
             unsupported[f"logprobs_mode.{other}"] = (
                 f"vLLM fixes its logprobs mode at start; this one was started with "

@@ -36,6 +36,9 @@ def rows_for(request: Request, prompt: list[int], *, owner: object, eos_ids: fro
     the event loop when the request has `structured_outputs`."""
     s = request.sampling
     grammar = None if s.structured_outputs is None else grammars.compile(s.structured_outputs)
+    limit = min(s.max_tokens, max_model_len - len(prompt))
+    if s.trace_decode_token_ids:
+        limit = min(limit, len(s.trace_decode_token_ids))
     rows = []
     for index in range(s.n):
         generator = None
@@ -45,11 +48,13 @@ def rows_for(request: Request, prompt: list[int], *, owner: object, eos_ids: fro
         rows.append(Row(
             owner=owner, index=index, prompt=list(prompt),
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0,
-            max_new=min(s.max_tokens, max_model_len - len(prompt)),
-            stop_ids=frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else eos_ids),
+            max_new=limit,
+            # (A trace ends the sample, not an EOS in it: the schema refused stop tokens.)
+            stop_ids=frozenset(s.stop_token_ids) | (
+                frozenset() if s.ignore_eos or s.trace_decode_token_ids else eos_ids),
             stop=s.stop, logprobs=s.logprobs, generator=generator,
             processed=s.logprobs_mode == "processed", mask=s.return_sampling_mask,
-            routing=[] if s.return_routed_experts else None,
+            routing=[] if s.return_routed_experts else None, trace=s.trace_decode_token_ids,
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, min_p=s.min_p, min_tokens=s.min_tokens,
             logit_bias=dict(s.logit_bias), adapter=request.adapter,
@@ -70,20 +75,26 @@ def next_tokens(rows: list[Row], logits: torch.Tensor, processor: LogitsProcesso
     temperature = torch.tensor([r.temperature for r in rows], device=device)
     top_k = torch.tensor([r.top_k for r in rows], device=device)
     top_p = torch.tensor([r.top_p for r in rows], device=device)
-    chosen = choose(scores, temperature, top_k, top_p, [r.generator for r in rows], min_p)
+    drawn = chosen = choose(scores, temperature, top_k, top_p, [r.generator for r in rows],
+                            min_p)
+    traced = [i for i, r in enumerate(rows) if r.trace is not None]
+    if traced:  # trace replay: the given token in place of the draw, scored as if drawn
+        chosen = drawn.clone()
+        chosen[traced] = torch.tensor([rows[i].trace[len(rows[i].tokens)] for i in traced],
+                                      device=device)
     if processor is not None:
         processor.advance(chosen)
 
     # What rows asking for processed logprobs or masks drew from, computed once for both.
     masks: list = [None] * len(rows)
-    drawn = [i for i, r in enumerate(rows) if r.mask or (r.processed and r.logprobs is not None)]
-    if drawn:
-        index = torch.tensor(drawn, device=device)
+    asked = [i for i, r in enumerate(rows) if r.mask or (r.processed and r.logprobs is not None)]
+    if asked:
+        index = torch.tensor(asked, device=device)
         drawn_logprobs, kept = sampled_from(scores[index], temperature[index], top_k[index],
                                             top_p[index], None if min_p is None else min_p[index])
-        for j, i in enumerate(drawn):
+        for j, i in enumerate(asked):
             if rows[i].mask:
-                masks[i] = (int(chosen[i]),) if kept[j] is None else tuple(kept[j].tolist())
+                masks[i] = (int(drawn[i]),) if kept[j] is None else tuple(kept[j].tolist())
     logprobs: list = [None] * len(rows)
     tops: list = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.logprobs is not None]
@@ -92,7 +103,7 @@ def next_tokens(rows: list[Row], logits: torch.Tensor, processor: LogitsProcesso
         measured = logits[index].log_softmax(dim=-1)
         processed = [j for j, i in enumerate(want) if rows[i].processed]
         if processed:  # (the distribution each was drawn from: docs/sampling.md)
-            measured[processed] = drawn_logprobs[[drawn.index(want[j]) for j in processed]]
+            measured[processed] = drawn_logprobs[[asked.index(want[j]) for j in processed]]
         picked = measured.gather(1, chosen[index][:, None])[:, 0].tolist()
         k = max(rows[i].logprobs for i in want)
         if k:

@@ -31,6 +31,7 @@ class Row:
     # Per token run through the model, per MoE layer, its experts (return_routed_experts);
     # None where not asked. The backend appends after each forward pass.
     routing: list | None = None
+    trace: tuple[int, ...] | None = None  # the tokens to take in place of draws (trace replay)
     # What processors.py applies (the defaults change nothing and cost nothing).
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
