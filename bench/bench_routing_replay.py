@@ -40,24 +40,6 @@ def trainer_logprobs(model, result, ids=None):
     return steps.gather(-1, sequence[0, start:, None])[:, 0].tolist()
 
 
-def own_routing(model, result):
-    """[tokens run, layers, k]: the experts the trainer takes by itself."""
-    import torch
-
-    from rollout.kit.moe import routers
-
-    taken = []
-    handles = [r.register_forward_hook(lambda m, a, out: taken.append(out[2]))
-               for r in routers(model)]
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([[*result.prompt_token_ids, *result.token_ids][:-1]]))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return torch.stack(taken, dim=1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_backend_arguments(parser)
@@ -73,6 +55,7 @@ def main() -> None:
     import rollout
     from rollout.apps.rl.mismatch import mismatch
     from rollout.apps.rl.routing import routing_ids
+    from rollout.kit.moe import expert_ids
     from rollout.kit.tiny_model import build_tiny_moe
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,7 +72,8 @@ def main() -> None:
     for result in results:
         start = len(result.prompt_token_ids)
         given = torch.tensor(result.routed_experts)[start - 1:]  # those that made a token
-        mine = own_routing(trainer, result)[start - 1:]
+        run = [*result.prompt_token_ids, *result.token_ids][:-1]
+        mine = expert_ids(trainer, torch.tensor([run]))[0, start - 1:]
         differ += int((given.sort(-1).values != mine.sort(-1).values).any(-1).any(-1).sum())
         tokens += len(result.token_ids)
         engine.append(list(result.logprobs))

@@ -1,4 +1,5 @@
-"""Mixture-of-experts models in transformers: where their routers are.
+"""Mixture-of-experts models in transformers: where their routers are, and the experts a
+forward pass takes.
 
 transformers (5.x) gives every MoE layer a router module (`Qwen3MoeTopKRouter`,
 `MixtralTopKRouter` and their kin) whose forward takes the pass's tokens, flattened, and
@@ -12,3 +13,20 @@ from __future__ import annotations
 def routers(model) -> list:
     """The model's MoE routers, in the order its layers run (empty for a dense model)."""
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def expert_ids(model, input_ids):
+    """The experts each position of `input_ids` [batch, seq] takes in a forward pass of
+    `model` (after any hook that replays a routing): [batch, seq, layers, top_k]."""
+    import torch
+
+    taken = []
+    handles = [r.register_forward_hook(lambda module, args, out: taken.append(out[2]))
+               for r in routers(model)]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.stack(taken, dim=1).view(*input_ids.shape, len(taken), -1)

@@ -10,7 +10,7 @@ import torch
 
 import rollout
 from rollout.apps.rl.routing import replay_routing, routing_ids
-from rollout.kit.moe import routers
+from rollout.kit.moe import expert_ids, routers
 from rollout.kit.tiny_model import build_tiny_moe
 from rollout.testing.contract import on_engine_loop
 
@@ -48,27 +48,12 @@ def results(ro):
     return [r for c in ro.generate(requests) for r in c.unwrap()]
 
 
-def routes(model, ids: torch.Tensor) -> torch.Tensor:
-    """The experts each position of `ids` [batch, seq] takes in `model`: [batch, seq,
-    layers, k] (after any replay hook, which runs first)."""
-    taken = []
-    handles = [r.register_forward_hook(lambda m, a, out: taken.append(out[2]))
-               for r in routers(model)]
-    try:
-        with torch.no_grad():
-            model(input_ids=ids)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return torch.stack(taken, dim=1).view(*ids.shape, len(taken), -1)
-
-
 def test_each_tokens_experts_are_those_of_a_reference_forward(results, reference):
     assert len(results) == 9
     for result in results:
         sequence = [*result.prompt_token_ids, *result.token_ids]
         assert len(result.routed_experts) == len(sequence) - 1  # the last ran through none
-        expected = routes(reference, torch.tensor([sequence[:-1]]))[0]
+        expected = expert_ids(reference, torch.tensor([sequence[:-1]]))[0]
         assert torch.equal(torch.tensor(result.routed_experts), expected)
         assert expected.shape[1:] == (2, 2)  # 2 MoE layers, 2 experts each
 
@@ -105,10 +90,10 @@ def test_replayed_a_trainer_takes_the_engines_experts_and_weighs_them_its_own_wa
     with torch.no_grad():
         for router in routers(trainer):
             router.weight.add_(torch.randn_like(router.weight) * router.weight.std())
-    assert not torch.equal(routes(trainer, ids)[known], given[known])
+    assert not torch.equal(expert_ids(trainer, ids)[known], given[known])
     # ... and, replayed, takes the engine's experts, the others routed its own way.
     with replay_routing(trainer, given):
-        assert torch.equal(routes(trainer, ids)[known], given[known])
+        assert torch.equal(expert_ids(trainer, ids)[known], given[known])
         loss = trainer(input_ids=ids).logits.logsumexp(-1).mean()
     loss.backward()
     assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0
