@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -151,6 +152,23 @@ class OnPolicyContract:
             else:
                 kept = (expected > float("-inf")).nonzero()[:, 0].tolist()
                 assert sorted(result.sampling_mask[step]) == kept
+
+    def test_a_trace_continued_from_its_first_tokens_goes_on_with_the_rest(self, harness,
+                                                                          reference):
+        """A sample continued (`continue_from`, or held across a keep update) replays the
+        rest of its trace, not the trace again."""
+        if not harness.caps.supports("trace_replay"):
+            pytest.skip(f"trace_replay unsupported: {harness.caps.unsupported['trace_replay']}")
+        request = {"prompt_token_ids": reference.prompt, "sampling": {
+            "temperature": 0.7, "top_p": 0.8, "seed": 1, "logprobs": 0, "max_tokens": None,
+            "trace_decode_token_ids": list(range(10, 22))}}
+        (whole,) = harness.rollout.generate([request])[0].unwrap()
+        partial = attrs.evolve(whole, token_ids=whole.token_ids[:5], finish_reason="abort",
+                               logprobs=whole.logprobs[:5], completion_tokens=5,
+                               weight_versions=())
+        (again,) = harness.rollout.generate([{**request, "continue_from": partial}])[0].unwrap()
+        assert again.token_ids == whole.token_ids == tuple(range(10, 22))
+        assert again.logprobs == pytest.approx(whole.logprobs, abs=TOLERANCE)
 
     def test_a_trace_is_refused_with_what_would_end_it_otherwise(self, harness):
         base = {"max_tokens": 3, "trace_decode_token_ids": [5, 6, 7]}
