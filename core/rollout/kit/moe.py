@@ -15,13 +15,13 @@ def routers(model) -> list:
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
-def expert_ids(model, input_ids):
-    """The experts each position of `input_ids` [batch, seq] takes in a forward pass of
-    `model` (after any hook that replays a routing): [batch, seq, layers, top_k]."""
+def router_outputs(model, input_ids) -> list:
+    """Each router's (logits, scores, expert ids) in a forward pass of `model` over
+    `input_ids` [batch, seq], in layer order (after any hook that replays a routing)."""
     import torch
 
-    taken = []
-    handles = [r.register_forward_hook(lambda module, args, out: taken.append(out[2]))
+    outputs = []
+    handles = [r.register_forward_hook(lambda module, args, out: outputs.append(out))
                for r in routers(model)]
     try:
         with torch.no_grad():
@@ -29,4 +29,14 @@ def expert_ids(model, input_ids):
     finally:
         for handle in handles:
             handle.remove()
-    return torch.stack(taken, dim=1).view(*input_ids.shape, len(taken), -1)
+    return outputs
+
+
+def expert_ids(model, input_ids, outputs: list | None = None):
+    """The experts each position of `input_ids` takes: [batch, seq, layers, top_k], from
+    `router_outputs` (run here unless given)."""
+    import torch
+
+    outputs = router_outputs(model, input_ids) if outputs is None else outputs
+    return torch.stack([ids for *_, ids in outputs], dim=1).view(
+        *input_ids.shape, len(outputs), -1)
