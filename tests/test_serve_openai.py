@@ -2,6 +2,8 @@
 contract (OpenAI routes through the official `openai` client, the native route, keys, load),
 plus what does not depend on the backend."""
 
+import base64
+import io
 import json
 import signal
 import subprocess
@@ -14,6 +16,7 @@ import pytest
 import rollout
 from rollout.contract.errors import EngineDeadError, NoReplicaError, RolloutTimeoutError
 from rollout.apps.serving.app import ServerThread
+from rollout.kit.tiny_model import build_tiny_moe
 from rollout.service.service import LocalService
 from rollout.testing.model_folders import load_weights
 from rollout.testing.strict_tools import MODEL as STRICT_MODEL
@@ -225,6 +228,42 @@ def test_served_results_say_which_weights_made_their_tokens(tiny_model):
         streamed = [(c["weight_version"], len(c["token_ids"])) for c in chunks if c["token_ids"]]
         assert {v for v, _ in streamed} == {8} and sum(n for _, n in streamed) == 2, streamed
         assert lines[-1]["completion"]["results"][0]["weight_versions"] == mixed
+
+
+def test_routed_experts_through_http_are_the_engines(tmp_path):
+    """A mixture-of-experts model's routing comes back per choice as vLLM's server writes
+    it (`routed_experts`, base64 `.npy`, [tokens run, layers, top_k]), equal to what the
+    engine gives in process; a stream carries it on the chunk that ends the sample."""
+    np = pytest.importorskip("numpy")
+
+    def experts(encoded: str):
+        return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+
+    with rollout.load_backend("hf", model=str(build_tiny_moe(tmp_path))) as ro, \
+            ServerThread(LocalService(ro, MODEL), api_key=KEY) as server:
+        sampling = {"max_tokens": 5, "ignore_eos": True, "temperature": 0,
+                    "return_routed_experts": True}
+        status, body = http(f"{server.url}/v1/completions", {
+            "model": MODEL, "prompt": "ka lo mi", "return_token_ids": True, **sampling})
+        assert status == 200, body
+        (choice,) = body["choices"]
+        expected = ro.generate([{"prompt": "ka lo mi", "sampling": sampling}])[0].unwrap()[0]
+        assert choice["token_ids"] == list(expected.token_ids)
+        got = experts(choice["routed_experts"])
+        assert got.dtype == np.int32
+        assert got.shape == (len(choice["prompt_token_ids"]) + 5 - 1, 2, 2)
+        assert got.tolist() == [[list(layer) for layer in token]
+                                for token in expected.routed_experts]
+
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+        stream = client.completions.create(model=MODEL, prompt="ka lo mi", stream=True,
+                                           max_tokens=5, temperature=0, extra_body={
+                                               "ignore_eos": True,
+                                               "return_routed_experts": True})
+        pieces = [c.model_extra for chunk in stream for c in chunk.choices]
+        carrying = [i for i, p in enumerate(pieces) if "routed_experts" in p]
+        assert carrying == [len(pieces) - 1]  # the last
+        assert experts(pieces[-1]["routed_experts"]).tolist() == got.tolist()
 
 
 # --- a service that cannot serve ----------------------------------------------------------

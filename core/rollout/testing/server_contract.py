@@ -61,6 +61,13 @@ def http(url, body=None, key=KEY, data=None):
         return exc.code, json.loads(exc.read())
 
 
+def completions(url: str, body: dict) -> list[dict]:
+    """The choices of a raw `/v1/completions` call that must succeed."""
+    status, answer = http(f"{url}/v1/completions", body)
+    assert status == 200, answer
+    return answer["choices"]
+
+
 def check_one_sequence(client, url: str, turns: int, model: str = MODEL, key: str = KEY,
                        session: str = "contract") -> None:
     """`turns` chat turns of one session, each answer sent back as it came: the server
@@ -397,6 +404,61 @@ class ServerContract(ServedBackend):
         assert [e.token for e in response.choices[0].logprobs.content] == [
             f"token_id:{t}" for t in expected.token_ids]
         assert expected.token_ids[0] != first
+
+    # --- on-policy fields: what the engine drew from, as the engine answers in process ----------
+
+    def refused_by_name(self, ro, capability: str, field: str, body: dict) -> bool:
+        """Whether the backend refuses `capability`; if it does, the server must answer
+        `body` with a 400 naming `field`."""
+        if ro.capabilities.supports(capability):
+            return False
+        status, answer = http(f"{self.url}/v1/completions", body)
+        assert status == 400 and answer["error"]["param"] == field, answer
+        assert ro.capabilities.unsupported[capability] in answer["error"]["message"]
+        return True
+
+    @pytest.fixture(autouse=True)
+    def _url(self, server):
+        self.url = server.url
+
+    def test_sampling_masks_through_http_are_the_engines(self, client, ro):
+        body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 6, "top_k": 3,
+                "seed": 5, "return_sampling_mask": True, "return_token_ids": True}
+        if self.refused_by_name(ro, "sampling_mask", "return_sampling_mask", body):
+            return
+        (choice,) = completions(self.url, body)
+        expected = direct(ro, prompt=body["prompt"], sampling={
+            k: body[k] for k in ("max_tokens", "top_k", "seed", "return_sampling_mask")})[0]
+        assert choice["token_ids"] == list(expected.token_ids)
+        assert choice["sampling_mask"] == [list(m) for m in expected.sampling_mask]
+        streamed = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=6, stream=True,
+            extra_body={"top_k": 3, "return_sampling_mask": True, "return_token_ids": True})
+        tokens, masks = [], []
+        for chunk in streamed:
+            for c in chunk.choices:
+                tokens += c.model_extra.get("token_ids", [])
+                masks += c.model_extra.get("sampling_mask", [])
+        assert len(masks) == len(tokens) > 0
+        assert all(t in m and len(m) <= 3 for t, m in zip(tokens, masks))
+
+    def test_a_trace_through_http_is_scored_as_the_engine_sampled_it(self, client, ro):
+        sampled = direct(ro, prompt="def add(a, b):", sampling={
+            "max_tokens": 6, "ignore_eos": True, "logprobs": 0})[0]
+        body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 6, "logprobs": 0,
+                "trace_decode_token_ids": list(sampled.token_ids), "return_token_ids": True}
+        if self.refused_by_name(ro, "trace_replay", "trace_decode_token_ids", body):
+            return
+        (choice,) = completions(self.url, body)
+        assert choice["token_ids"] == list(sampled.token_ids)
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(sampled.logprobs, abs=1e-4)
+        status, answer = http(f"{self.url}/v1/completions", {**body, "stop": ["x"]})
+        assert status == 400 and answer["error"]["param"] == "stop", answer
+
+    def test_routed_experts_of_a_dense_model_are_refused_by_name(self, ro):
+        body = {"model": MODEL, "prompt": "def add", "max_tokens": 2,
+                "return_routed_experts": True}
+        assert self.refused_by_name(ro, "routed_experts", "return_routed_experts", body)
 
     def test_structured_outputs_through_both_names(self, client, ro):
         schema = {"type": "object", "properties": {"x": DIGIT}, "required": ["x"],

@@ -11,9 +11,11 @@ one character are not.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
+import struct
 import time
 import uuid
 from collections.abc import Collection
@@ -41,7 +43,8 @@ from rollout.apps.tool_parsers import strict as strict_schemas
 SAMPLING_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore_eos",
                    "stop_token_ids", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "min_p", "min_tokens", "logit_bias",
-                   "include_stop_str_in_output", "logprobs_mode")
+                   "include_stop_str_in_output", "logprobs_mode", "return_sampling_mask",
+                   "return_routed_experts", "trace_decode_token_ids")
 COMMON_FIELDS = ("model", "stream", "stream_options", "return_token_ids",
                  "return_tokens_as_token_ids", "max_tokens",
                  "max_completion_tokens", "response_format", "structured_outputs",
@@ -299,6 +302,7 @@ class Call:
         """A streamed piece's extensions: its `token_ids` (if asked for) and the version of
         the weights that made them, where it has tokens."""
         extra = {"token_ids": list(chunk.token_ids)} if self.return_token_ids else {}
+        extra.update(on_policy(chunk))
         if chunk.token_ids:
             extra["weight_version"] = chunk.weight_version
         return extra
@@ -325,7 +329,7 @@ class CompletionsCall(Call):
         return {"index": self.index(i, result), "text": result.text,
                 "logprobs": completion_logprobs(result),
                 "finish_reason": result.finish_reason, **self.token_ids(i, result),
-                **scores, "weight_versions": weight_spans(result)}
+                **scores, **on_policy(result), "weight_versions": weight_spans(result)}
 
     def delta_chunk(self, i: int, chunk: Chunk) -> dict:
         return self.chunk([{"index": self.index(i, chunk), "text": chunk.text,
@@ -383,7 +387,8 @@ class ChatCall(Call):
         message, finish_reason = self.tools.message(result)
         return {"index": self.index(i, result), "message": message,
                 "logprobs": chat_logprobs(result), "finish_reason": finish_reason,
-                **self.token_ids(i, result), "weight_versions": weight_spans(result)}
+                **self.token_ids(i, result), **on_policy(result),
+                "weight_versions": weight_spans(result)}
 
     def answer(self, result: Result) -> Message:
         """The assistant message a client sends back for this sample in its next turn."""
@@ -416,7 +421,8 @@ class ChatCall(Call):
                 delta["tool_calls"][k] = {"index": k, **call}
             contents.append({"index": self.index(i, r), "delta": delta,
                              "logprobs": chat_logprobs(r), "finish_reason": None,
-                             **self.token_ids(i, r), "weight_versions": weight_spans(r)})
+                             **self.token_ids(i, r), **on_policy(r),
+                             "weight_versions": weight_spans(r)})
             ends.append({"index": self.index(i, r), "delta": {}, "logprobs": None,
                          "finish_reason": finish_reason})
         return [self.chunk(contents), self.chunk(ends)]
@@ -815,6 +821,32 @@ def weight_spans(result: Result) -> list[dict]:
     """Which weights made which output tokens (an extension: `Result.weight_versions`)."""
     return [{"version": s.version, "start": s.start, "end": s.end}
             for s in result.weight_versions]
+
+
+def on_policy(result: Result | Chunk) -> dict:
+    """What a trainer replays, where the request asked, under the names vLLM's server
+    writes: `sampling_mask`, the ids each token was drawn from, and `routed_experts`, the
+    experts each token ran through (base64 `.npy`, [tokens, layers, top_k])."""
+    extra = {}
+    if result.sampling_mask is not None:
+        extra["sampling_mask"] = [list(ids) for ids in result.sampling_mask]
+    if result.routed_experts is not None:
+        extra["routed_experts"] = npy_base64(result.routed_experts)
+    return extra
+
+
+def npy_base64(experts: tuple[tuple[tuple[int, ...], ...], ...]) -> str:
+    """Expert ids as base64 `.npy` bytes of int32 (NumPy's format 1.0, written here so
+    the server needs no NumPy): `np.load(io.BytesIO(base64.b64decode(s)))` reads them."""
+    tokens = len(experts)
+    layers = len(experts[0]) if tokens else 0
+    top_k = len(experts[0][0]) if layers else 0
+    flat = [e for token in experts for layer in token for e in layer]
+    header = f"{{'descr': '<i4', 'fortran_order': False, 'shape': {(tokens, layers, top_k)}, }}"
+    header += " " * (-(10 + len(header) + 1) % 64) + "\n"  # 64-byte aligned, as NumPy's
+    data = (b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode("latin1")
+            + struct.pack(f"<{len(flat)}i", *flat))
+    return base64.b64encode(data).decode("ascii")
 
 
 def token_label(token_id: int) -> str:
