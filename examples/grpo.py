@@ -54,7 +54,6 @@ evaluation; examples/plot_grpo.py draws the reward curves from such files.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import sys
@@ -65,7 +64,6 @@ import yaml
 
 import rollout
 import rollout.kit.models
-from rollout.kit.cores import CoreShare
 from rollout.apps.datasets import sums
 from rollout.apps.rl import CORRECTIONS, GroupSampler, importance_weights, largest_gap, mismatch
 from rollout.service.served import open_sampler
@@ -101,10 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the trainer's distribution renormalised over each token's "
                              "sampling mask (return_sampling_mask)")
     parser.add_argument("--device", default="cpu", help="the trainer's torch device")
-    parser.add_argument("--threads", default="0",
+    parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of the trainer (and of an in-process engine); "
-                        "0: torch's default; share: the trainer and the in-process HF "
-                        "engine share every core over time (rollout.kit.cores)")
+                        "0: torch's default")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -140,12 +137,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             config["backend_option"] = [f"{k}={v}" for k, v in config["backend_option"].items()]
         parser.set_defaults(**config)
         args = parser.parse_args(argv)
-    args.threads = str(args.threads)
-    if not (args.threads == "share" or args.threads.isdigit()):
-        parser.error(f"--threads takes a count or share, got {args.threads!r}")
-    if args.threads == "share" and (args.backend != "hf" or args.replicas or args.server):
-        parser.error("--threads share shares cores with the HF backend in this process "
-                     "(--backend hf, no --replicas or --server)")
     if args.lora < 0 or (args.lora and args.eta):
         parser.error("--lora takes a rank >= 1, with --async 0 (a sample holds one adapter "
                      "version, so none may run across a push)")
@@ -331,11 +322,8 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(args.seed)
-    cores = None  # with --threads share: the cores the trainer and the engine share
-    if args.threads == "share":
-        cores = CoreShare()
-    elif int(args.threads):  # one thread count: the trainer's and an in-process engine's
-        torch.set_num_threads(int(args.threads))
+    if args.threads:  # one process, one thread count: the trainer's and an in-process engine's
+        torch.set_num_threads(args.threads)
     # The trainer: float32, and eval() so the forward pass is the one the sampler runs
     # (no dropout); gradients still flow.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -356,11 +344,7 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
 
     # The sampler: which engine, and where it runs, is configuration only. Served ones
     # take the same calls; their weights travel through shared memory.
-    options = backend_options(args.backend_option)
-    if cores is not None:
-        options["cores"] = cores
-        cores.follow(model, "trainer")
-    sampler = open_sampler(args.backend, model_dir, options,
+    sampler = open_sampler(args.backend, model_dir, backend_options(args.backend_option),
                            args.replicas, server=args.server, api_key=args.api_key)
     # Some engines cannot seed a request (SGLang on CPU); then sampling is merely unseeded.
     seeded = sampler.capabilities.supports("seed")
@@ -439,35 +423,33 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
                 print(f"step {step}: tokens of weight versions {old}, the trainer at {version}")
                 return 1
 
-            # Training, on the cores the engine leaves (all, while it has nothing to run).
-            with cores.busy("trainer") if cores else contextlib.nullcontext():
-                # Sync check 2: each token's logprob is the one its version's weights give. The
-                # forward pass under the current weights then gives the loss's gradients.
-                logprobs = sequence_logprobs(model, results, args.temperature)
-                engine = [r.logprobs for r in results]
-                drift = mismatch([lp.detach() for lp in logprobs], engine)
-                diff = None
-                if same_policy and (step - 1) % args.check_every == 0:
-                    diff = largest_gap(results, kept.logprobs_under(version, results, logprobs))
-                    worst_diff = max(worst_diff, diff)
-                    if diff > args.tolerance:
-                        print(f"step {step}: logprobs differ by {diff:.2e} > {args.tolerance:g}")
-                        return 1
+            # Sync check 2: each token's logprob is the one its version's weights give. The
+            # forward pass under the current weights then gives the loss's gradients.
+            logprobs = sequence_logprobs(model, results, args.temperature)
+            engine = [r.logprobs for r in results]
+            drift = mismatch([lp.detach() for lp in logprobs], engine)
+            diff = None
+            if same_policy and (step - 1) % args.check_every == 0:
+                diff = largest_gap(results, kept.logprobs_under(version, results, logprobs))
+                worst_diff = max(worst_diff, diff)
+                if diff > args.tolerance:
+                    print(f"step {step}: logprobs differ by {diff:.2e} > {args.tolerance:g}")
+                    return 1
 
-                # Group-relative advantages: each sample against the others of its prompt.
-                reward = torch.tensor([g.rewards for g in batch], device=model.device)
-                advantage = ((reward - reward.mean(1, keepdim=True))
-                             / (reward.std(1, keepdim=True) + 1e-4))
-                # Policy gradient: raise the logprob of samples better than their group, each
-                # token weighted by its importance ratio, truncated or masked (1 when sampled
-                # by these very weights, as in the synchronous loop).
-                ratios = importance_weights(logprobs, engine, args.correction, args.tis_cap)
-                loss = -(advantage.flatten() * torch.stack(
-                    [(w * lp).sum() for w, lp in zip(ratios, logprobs)])).mean()
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
+            # Group-relative advantages: each sample against the others of its prompt.
+            reward = torch.tensor([g.rewards for g in batch], device=model.device)
+            advantage = ((reward - reward.mean(1, keepdim=True))
+                         / (reward.std(1, keepdim=True) + 1e-4))
+            # Policy gradient: raise the logprob of samples better than their group, each
+            # token weighted by its importance ratio, truncated or masked (1 when sampled
+            # by these very weights, as in the synchronous loop).
+            ratios = importance_weights(logprobs, engine, args.correction, args.tis_cap)
+            loss = -(advantage.flatten() * torch.stack(
+                [(w * lp).sum() for w, lp in zip(ratios, logprobs)])).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
             trained = time.perf_counter()
 
             # Push the new weights as the next version: running samples go on under them.

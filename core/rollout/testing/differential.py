@@ -665,7 +665,8 @@ IGNORED = {
     # Hand-offs between vLLM's disaggregated prefill/decode instances; not in this server.
     "kv_transfer_params": "vLLM's disaggregated serving",
     "ec_transfer_params": "vLLM's disaggregated serving",
-    "choices[].routed_experts": "vLLM's mixture-of-experts routing, none here",
+    "choices[].routed_experts": "vLLM writes null unless started to record routing; "
+                                "rollout writes it where asked (return_routed_experts)",
     # rollout's extensions, which vLLM's server lacks (docs/serving.md, "Responses").
     "choices[].weight_versions": "rollout's extension: which weights made which tokens",
     "choices[].message.tool_call_errors": "rollout's extension: why text is no call",

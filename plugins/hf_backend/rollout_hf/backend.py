@@ -25,7 +25,6 @@ import rollout
 from rollout import Capabilities, InvalidRequestError, Request
 from rollout.weights.buckets import copy_tensor, unpack
 from rollout.weights.lora import no_such_adapter
-from rollout.kit.cores import CoreShare
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.sampler import Grammars, Row, rows_for
 
@@ -40,10 +39,7 @@ POLL_S = 5.0  # a request that waits this long for tokens asks whether the engin
 class HFBackend:
     def __init__(self, model: str, device: str | None = None, dtype: str = "auto",
                  batch_size: int = 32, max_model_len: int | None = None,
-                 image_cache_mb: float = 256, cores: CoreShare | None = None):
-        if cores is not None and not isinstance(cores, CoreShare):
-            raise InvalidRequestError("cores", f"got {cores!r}",
-                                      "a rollout.kit.cores.CoreShare, or None")
+                 image_cache_mb: float = 256):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidRequestError("batch_size", f"got {batch_size!r}", "an integer >= 1")
         if (isinstance(image_cache_mb, bool) or not isinstance(image_cache_mb, (int, float))
@@ -84,8 +80,7 @@ class HFBackend:
         self.adapters = Adapters(self.model)
         self.engine = Engine(self.model, self.tokenizer, batch_size=batch_size,
                              pad_id=self.pad_id, device=self.device,
-                             grammar_vocab=self.vocab_size, adapters=self.adapters,
-                             cores=cores)
+                             grammar_vocab=self.vocab_size, adapters=self.adapters)
 
     @classmethod
     def describe_capabilities(cls) -> Capabilities:  # images, routed experts: with a model of that kind

@@ -28,7 +28,6 @@ import torch
 
 from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
 
-from rollout.kit.cores import CoreShare
 from rollout.kit.moe import routers
 from rollout.kit.sampler import LogitsProcessor, Row, next_tokens, uses_processing
 
@@ -46,10 +45,8 @@ LIFECYCLE_TIMEOUT_S = 600.0  # how long a lifecycle call waits for the running s
 
 class Engine:
     def __init__(self, model, tokenizer, *, batch_size: int, pad_id: int,
-                 device: torch.device, grammar_vocab: int, adapters: Adapters | None = None,
-                 cores: CoreShare | None = None):
+                 device: torch.device, grammar_vocab: int, adapters: Adapters | None = None):
         self.model = model
-        self.cores = cores  # shared with a trainer in this process, where given
         self.adapters = adapters
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -123,14 +120,10 @@ class Engine:
         try:
             while True:
                 with self._work:
-                    if self.cores and not (self._waiting or self._batch.rows):
-                        self.cores.leave("engine")  # idle: the trainer may take every core
                     while not (self._stopping or self._waiting or self._batch.rows):
                         self._work.wait(IDLE_WAIT_S)
                     if self._stopping:
                         return
-                if self.cores:
-                    self.cores.take("engine")
                 with self._step_lock, torch.inference_mode():
                     self._step_started = time.monotonic()
                     try:
