@@ -36,7 +36,7 @@ the same code runs on every backend:
     python examples/grpo.py --backend vllm --backend-option dtype=float32
     python examples/grpo.py --config grpo.yaml   # the same keys as the flags
     python examples/grpo.py --backend hf --replicas 2   # replica processes, pushed over shm
-    python examples/grpo.py --task sums --async 1 --threads 1   # sampling overlaps training
+    python examples/grpo.py --task sums --async 1   # sampling overlaps training, on every core
     python examples/grpo.py --server http://127.0.0.1:8000 --model DIR   # a rollout serve
 
 With `--lora RANK` the trainer trains a LoRA adapter of that rank on every linear layer
