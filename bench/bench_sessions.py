@@ -39,7 +39,7 @@ ids = itertools.count()
 
 
 async def one_session(http, url: str, turns: int, record: list | None, tools: bool,
-                      tokens: Counter) -> int:
+                      tokens: Counter, asked: dict) -> int:
     """A session's turns; their answers (with token ids) appended to `record`, their prompt
     tokens (and the engine's cached ones) counted in `tokens`. Without
     `tools` (a template that takes none, as SmolLM2's) every turn is free text."""
@@ -49,7 +49,7 @@ async def one_session(http, url: str, turns: int, record: list | None, tools: bo
     for turn in range(turns):
         tool = tools and turn % 2 == 0
         body = {"model": MODEL, "messages": messages, "temperature": 1.0,
-                "return_token_ids": True, **({"tools": TOOLS} if tools else {}),
+                "return_token_ids": True, **asked, **({"tools": TOOLS} if tools else {}),
                 **({"structured_outputs": {"regex": CALL_REGEX}, "max_tokens": 64} if tool
                    else {"max_tokens": 16, **({"tool_choice": "none"} if tools else {})})}
         async with http.post(f"{url}/v1/chat/completions", json=body,
@@ -75,8 +75,9 @@ async def one_session(http, url: str, turns: int, record: list | None, tools: bo
 
 
 async def run_load(url: str, clients: int, turns: int, seconds: float, tools: bool,
-                   record: list | None = None, tokens: Counter | None = None) -> float:
-    """Calls/s over `seconds`."""
+                   record: list | None = None, tokens: Counter | None = None,
+                   asked: dict | None = None) -> float:
+    """Calls/s over `seconds`; `asked`: fields every call adds."""
     import aiohttp
 
     tokens = Counter() if tokens is None else tokens
@@ -86,7 +87,8 @@ async def run_load(url: str, clients: int, turns: int, seconds: float, tools: bo
 
         async def client():
             while time.monotonic() < deadline:
-                done[0] += await one_session(http, url, turns, record, tools, tokens)
+                done[0] += await one_session(http, url, turns, record, tools, tokens,
+                                             asked or {})
 
         started = time.monotonic()
         await asyncio.gather(*(client() for _ in range(clients)))
@@ -140,7 +142,11 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--logprobs", action="store_true",
+                        help="every call asks for logprobs, which recording asks the engine "
+                        "for anyway: the ratio is then recording's own cost")
     args = parser.parse_args()
+    asked = {"logprobs": True} if args.logprobs else {}
     prepare_engine(args.backend)
 
     import rollout
@@ -165,7 +171,8 @@ def main() -> None:
             order = list(servers) if round_ % 2 == 0 else list(servers)[::-1]
             for name in order:
                 rate = asyncio.run(run_load(servers[name].url, args.clients, args.turns,
-                                            args.seconds, tools, tokens=usage[name]))
+                                            args.seconds, tools, tokens=usage[name],
+                                            asked=asked))
                 rates[name].append(rate)
                 print(f"round {round_ + 1} {name:>12}: {rate:7.2f} calls/s", flush=True)
         # Memory per 1,000 sessions, and the drift, over sessions recorded for that.
