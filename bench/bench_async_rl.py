@@ -49,7 +49,7 @@ def run(args, eta: int, threads: int, seed: int) -> dict:
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     timed = [s for s in steps if "step_s" in s][1:]  # step 1 warms up
     evals = [s for s in steps if "accuracy" in s]
-    return {"run": f"{eta}@{threads}", "eta": eta, "seed": seed,
+    return {"run": f"{eta}@{threads}", "seed": seed,
             "s_per_step": statistics.mean(s["step_s"] for s in timed),
             "before": evals[0]["accuracy"], "after": evals[-1]["accuracy"],
             "stale_tokens": statistics.mean(s["stale_token_share"] for s in timed),

@@ -22,7 +22,8 @@ from rollout.testing.model_folders import load_weights
 from rollout.testing.strict_tools import MODEL as STRICT_MODEL
 from rollout.testing.strict_tools import StrictToolsContract
 from rollout.testing.strict_tools import tool as strict_tool
-from rollout.testing.server_contract import CALL_REGEX, CHAT, KEY, MODEL, ServerContract, http
+from rollout.testing.server_contract import (CALL_REGEX, CHAT, KEY, MODEL, ServerContract,
+                                             completions, http)
 
 
 class TestHFServer(ServerContract):
@@ -243,10 +244,8 @@ def test_routed_experts_through_http_are_the_engines(tmp_path):
             ServerThread(LocalService(ro, MODEL), api_key=KEY) as server:
         sampling = {"max_tokens": 5, "ignore_eos": True, "temperature": 0,
                     "return_routed_experts": True}
-        status, body = http(f"{server.url}/v1/completions", {
-            "model": MODEL, "prompt": "ka lo mi", "return_token_ids": True, **sampling})
-        assert status == 200, body
-        (choice,) = body["choices"]
+        (choice,) = completions(server.url, {"model": MODEL, "prompt": "ka lo mi",
+                                             "return_token_ids": True, **sampling})
         expected = ro.generate([{"prompt": "ka lo mi", "sampling": sampling}])[0].unwrap()[0]
         assert choice["token_ids"] == list(expected.token_ids)
         got = experts(choice["routed_experts"])

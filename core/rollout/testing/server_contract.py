@@ -407,26 +407,23 @@ class ServerContract(ServedBackend):
 
     # --- on-policy fields: what the engine drew from, as the engine answers in process ----------
 
-    def refused_by_name(self, ro, capability: str, field: str, body: dict) -> bool:
-        """Whether the backend refuses `capability`; if it does, the server must answer
-        `body` with a 400 naming `field`."""
+    @staticmethod
+    def refused_by_name(ro, url: str, capability: str, field: str, body: dict) -> bool:
+        """Whether the backend refuses `capability`; if it does, the server at `url` must
+        answer `body` with a 400 naming `field`."""
         if ro.capabilities.supports(capability):
             return False
-        status, answer = http(f"{self.url}/v1/completions", body)
+        status, answer = http(f"{url}/v1/completions", body)
         assert status == 400 and answer["error"]["param"] == field, answer
         assert ro.capabilities.unsupported[capability] in answer["error"]["message"]
         return True
 
-    @pytest.fixture(autouse=True)
-    def _url(self, server):
-        self.url = server.url
-
-    def test_sampling_masks_through_http_are_the_engines(self, client, ro):
+    def test_sampling_masks_through_http_are_the_engines(self, server, client, ro):
         body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 6, "top_k": 3,
                 "seed": 5, "return_sampling_mask": True, "return_token_ids": True}
-        if self.refused_by_name(ro, "sampling_mask", "return_sampling_mask", body):
+        if self.refused_by_name(ro, server.url, "sampling_mask", "return_sampling_mask", body):
             return
-        (choice,) = completions(self.url, body)
+        (choice,) = completions(server.url, body)
         expected = direct(ro, prompt=body["prompt"], sampling={
             k: body[k] for k in ("max_tokens", "top_k", "seed", "return_sampling_mask")})[0]
         assert choice["token_ids"] == list(expected.token_ids)
@@ -442,23 +439,24 @@ class ServerContract(ServedBackend):
         assert len(masks) == len(tokens) > 0
         assert all(t in m and len(m) <= 3 for t, m in zip(tokens, masks))
 
-    def test_a_trace_through_http_is_scored_as_the_engine_sampled_it(self, client, ro):
+    def test_a_trace_through_http_is_scored_as_the_engine_sampled_it(self, server, ro):
         sampled = direct(ro, prompt="def add(a, b):", sampling={
             "max_tokens": 6, "ignore_eos": True, "logprobs": 0})[0]
         body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 6, "logprobs": 0,
                 "trace_decode_token_ids": list(sampled.token_ids), "return_token_ids": True}
-        if self.refused_by_name(ro, "trace_replay", "trace_decode_token_ids", body):
+        if self.refused_by_name(ro, server.url, "trace_replay", "trace_decode_token_ids", body):
             return
-        (choice,) = completions(self.url, body)
+        (choice,) = completions(server.url, body)
         assert choice["token_ids"] == list(sampled.token_ids)
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(sampled.logprobs, abs=1e-4)
-        status, answer = http(f"{self.url}/v1/completions", {**body, "stop": ["x"]})
+        status, answer = http(f"{server.url}/v1/completions", {**body, "stop": ["x"]})
         assert status == 400 and answer["error"]["param"] == "stop", answer
 
-    def test_routed_experts_of_a_dense_model_are_refused_by_name(self, ro):
+    def test_routed_experts_of_a_dense_model_are_refused_by_name(self, server, ro):
         body = {"model": MODEL, "prompt": "def add", "max_tokens": 2,
                 "return_routed_experts": True}
-        assert self.refused_by_name(ro, "routed_experts", "return_routed_experts", body)
+        assert self.refused_by_name(ro, server.url, "routed_experts", "return_routed_experts",
+                                    body)
 
     def test_structured_outputs_through_both_names(self, client, ro):
         schema = {"type": "object", "properties": {"x": DIGIT}, "required": ["x"],
