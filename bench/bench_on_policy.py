@@ -35,9 +35,11 @@ def sample(ro, texts: list[str], temperature: float, mode: str, n: int, max_toke
            masks: bool | None = None):
     if masks is None:
         masks = ro.capabilities.supports("sampling_mask")
+    seeded = ro.capabilities.supports("seed")  # (SGLang on CPU: not)
     requests = [{"id": str(i), "prompt": text,
                  "sampling": {"temperature": temperature, "top_p": TOP_P, "n": n,
-                              "max_tokens": max_tokens, "seed": 1000 + i, "logprobs": 0,
+                              "max_tokens": max_tokens, "seed": 1000 + i if seeded else None,
+                              "logprobs": 0,
                               "logprobs_mode": mode, "return_sampling_mask": masks}}
                 for i, text in enumerate(texts)]
     return [r for c in ro.generate(requests) for r in c.unwrap()]
@@ -113,8 +115,10 @@ def main() -> None:
     folder = model_folder(args.model, tempfile.mkdtemp())
     tokenizer = AutoTokenizer.from_pretrained(folder)
     texts = prompts(args.prompts, tokenizer if tokenizer.chat_template else None)
+    # A small KV cache, where the backend takes a context length (SGLang sizes its own).
+    limit = {} if args.backend == "sglang" else {"max_model_len": 2048}
     if args.cost:
-        with rollout.load_backend(args.backend, model=folder, max_model_len=2048,
+        with rollout.load_backend(args.backend, model=folder, **limit,
                                   **dict(args.options)) as ro:
             print(f"{args.backend}, {args.model}: {args.prompts} prompts x {args.n} samples "
                   f"of {args.max_tokens} tokens, top_p={TOP_P}, {args.rounds} rounds")
@@ -124,8 +128,7 @@ def main() -> None:
     sampled = {}
     # vLLM fixes the mode at start: one engine per mode, one after the other.
     for mode in ("raw", "processed"):
-        ro = rollout.load_backend(args.backend, model=folder, max_model_len=2048,
-                                  **dict(args.options),
+        ro = rollout.load_backend(args.backend, model=folder, **limit, **dict(args.options),
                                   **({"logprobs_mode": mode} if args.backend == "vllm" else {}))
         try:
             for t in temperatures:
@@ -136,21 +139,24 @@ def main() -> None:
     print(f"{args.backend}, {args.model}: {args.prompts} prompts x {args.n} samples, "
           f"top_p={TOP_P}")
     for t in temperatures:
+        # Each mode's samples against the trainer on the same tokens (with a seed both
+        # modes sample alike; without one, SGLang's, each mode has its own samples).
         raw, processed = sampled["raw", t], sampled["processed", t]
         same = sum(a.token_ids == b.token_ids for a, b in zip(raw, processed))
-        trainer, truncated, masked, engine_raw, engine_processed = [], [], [], [], []
-        for a, b in zip(raw, processed):
-            if a.token_ids != b.token_ids:
-                continue  # (the pairing needs the same tokens under both modes)
+        trainer_raw, engine_raw = [], []
+        for a in raw:
+            trainer_raw += trainer_logprobs(model, a, t)[0]
+            engine_raw += a.logprobs
+        trainer, truncated, masked, engine_processed = [], [], [], []
+        for b in processed:
             scaled, kept, over_mask = trainer_logprobs(model, b, t)
             trainer += scaled
             truncated += kept
             masked += over_mask or []
-            engine_raw += a.logprobs
             engine_processed += b.logprobs
-        print(f"temperature {t}: {len(trainer)} tokens ({same}/{len(raw)} samples alike "
-              "in both modes)")
-        print(f"  raw                          {summary(trainer, engine_raw)}")
+        print(f"temperature {t}: {len(trainer_raw)} and {len(trainer)} tokens "
+              f"({same}/{len(raw)} samples alike in both modes)")
+        print(f"  raw                          {summary(trainer_raw, engine_raw)}")
         print(f"  processed                    {summary(trainer, engine_processed)}")
         print(f"  processed, trainer truncated {summary(truncated, engine_processed)}")
         if masked:

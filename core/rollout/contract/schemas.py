@@ -693,6 +693,10 @@ CAPABILITIES = {
     **{f"logprobs_mode.{mode}": f"logprobs of the {what} distribution on request"
        for mode, what in (("raw", "model's"), ("processed", "sampled-from"))},
     "sampling_mask": "the set each token was drawn from (sampling.return_sampling_mask)",
+    # Sampling masks and processed logprobs of some requests (the set drawn from):
+    "drawn_set.penalties": "the set drawn from, with penalties",
+    "drawn_set.top_p_after_truncation": "the set drawn from, with top_p < 1 after top_k or "
+                                        "min_p (top_p of the mass they kept)",
     "routed_experts": "the experts each token was routed to, for a mixture-of-experts model "
                       "(sampling.return_routed_experts)",
     "trace_replay": "generate given tokens, each scored as if drawn "

@@ -75,6 +75,36 @@ def sampled_settings(draw) -> dict:
     return {k: v for k, v in s.items() if v is not None}
 
 
+PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def refused_by(caps, s: dict) -> set[str]:
+    """The fields a request for the set drawn from (masks, processed logprobs) with
+    settings `s` is refused by, where the backend's capabilities say it cannot give the set
+    of that combination (`drawn_set.*`); empty where it must answer. A greedy token's set
+    is itself: always answered."""
+    if s["temperature"] == 0:
+        return set()
+    if not caps.supports("drawn_set.penalties"):
+        penalties = {f"sampling.{n}" for n, neutral in PENALTIES.items()
+                     if s.get(n, neutral) != neutral}
+        if penalties:
+            return penalties
+    if not caps.supports("drawn_set.top_p_after_truncation") and s["top_p"] < 1 \
+            and (s.get("top_k") or s.get("min_p")):
+        return {"sampling.top_p"}
+    return set()
+
+
+def _answered(completion, refused: set[str]):
+    """The results, or None where the request was refused as it must be."""
+    if refused:
+        assert isinstance(completion.error, InvalidRequestError), completion
+        assert completion.error.field in refused, (completion.error, refused)
+        return None
+    return completion.unwrap()
+
+
 class OnPolicyContract:
     """Needs the `harness` and `reference` fixtures of `BackendContract`."""
 
@@ -214,8 +244,10 @@ class OnPolicyContract:
                     "logprobs_mode": "processed"}
         if s["temperature"] == 0:
             sampling["n"] = 1
-        results = harness.rollout.generate(
-            [{"prompt_token_ids": prompt, "sampling": sampling}])[0].unwrap()
+        results = _answered(harness.rollout.generate(
+            [{"prompt_token_ids": prompt, "sampling": sampling}])[0], refused_by(harness.caps, s))
+        if results is None:
+            return
         checked = 0
         for result in results:
             ids = list(prompt) + list(result.token_ids)
@@ -244,8 +276,9 @@ class OnPolicyContract:
         prompt = reference.repeating
         sampling = {**s, "max_tokens": 6, "ignore_eos": True, "return_sampling_mask": True,
                     "n": 1 if s["temperature"] == 0 else 2}
-        for result in harness.rollout.generate(
-                [{"prompt_token_ids": prompt, "sampling": sampling}])[0].unwrap():
+        results = _answered(harness.rollout.generate(
+            [{"prompt_token_ids": prompt, "sampling": sampling}])[0], refused_by(harness.caps, s))
+        for result in results or ():
             assert len(result.sampling_mask) == len(result.token_ids)
             logits = reference.logits(list(prompt) + list(result.token_ids))[len(prompt) - 1:-1]
             for step, (token, mask) in enumerate(zip(result.token_ids, result.sampling_mask)):

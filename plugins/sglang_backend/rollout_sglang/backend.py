@@ -35,6 +35,16 @@ from rollout_sglang.transport import TRANSPORTS, make_sender
 from rollout_sglang.weights import checked_groups
 
 MODES = ("engine", "server")
+# Sampling masks and processed logprobs both come from SGLang's sampling mask, which it
+# gives only without a custom logit processor, and which is its own set.
+DRAWN_SET_UNSUPPORTED = {
+    "drawn_set.penalties": "SGLang returns the set a token was drawn from only without a "
+                           "custom logit processor, and the backend's penalties are one",
+    "drawn_set.top_p_after_truncation": "SGLang keeps top_p of the whole distribution's "
+                                        "mass, not of what top_k and min_p kept: the set it "
+                                        "draws from is not docs/sampling.md's"}
+DRAWN_SET_ALLOWED = ("with return_sampling_mask or processed logprobs at temperature > 0: "
+                     "no penalties, and top_p 1 where top_k or min_p is set")
 # Model types SGLang loads as vision-language models whose images this backend sends (and
 # the tests check against the HF backend): Qwen2-VL.
 VISION_MODEL_TYPES = ("qwen2_vl",)
@@ -146,11 +156,13 @@ def checked_options(mode: str, stream_interval, image_cache_mb, weight_transport
 
 def engine_arguments(model: str, device: str, dtype: str, max_total_tokens: int,
                      random_seed: int, shapes: dict, image_cache_mb: int | None,
-                     engine_args: dict) -> dict:
+                     vocab_size: int, engine_args: dict) -> dict:
     """SGLang's engine arguments: the backend's settings (a vision model's too, where
     `image_cache_mb` is given), with the caller's `engine_args` over them."""
     return {**lora_args(device, shapes, engine_args),
             "model_path": model, "device": device, "dtype": dtype,
+            # A sampling mask may hold every token: top_k unset is sent as the vocabulary.
+            "sampling_mask_max_tokens": vocab_size,
             "max_total_tokens": max_total_tokens, "random_seed": random_seed,
             "sleep_on_idle": True, "log_level": "error",
             "enable_memory_saver": device != "cpu", **ENGINE_DEFAULTS,
@@ -193,7 +205,8 @@ class SGLangBackend:
         self.stream_interval = stream_interval
         args = engine_arguments(model, device, dtype, max_total_tokens, random_seed,
                                 self.shapes, image_cache_mb if self.vision else None,
-                                engine_args)
+                                text_config.vocab_size, engine_args)
+        self.vocab_size = text_config.vocab_size
         self.penalties = args["enable_custom_logit_processor"] and \
             args["disable_overlap_schedule"]
         self.adapters_reason = None if args.get("enable_lora") else ADAPTERS_OFF
@@ -221,12 +234,7 @@ class SGLangBackend:
         # images: with a vision-language model (VISION_MODEL_TYPES), in both modes;
         # adapters: with enable_lora (the instance says)
         unsupported = cpu_reasons(device)
-        unsupported["sampling_mask"] = (
-            "not read from SGLang yet (its return_sampling_mask; it refuses it with the "
-            "backend's penalty processor)")
-        unsupported["logprobs_mode.processed"] = (
-            "not read from SGLang yet: it gives the sampled-from distribution's logprob only "
-            "through its sampling mask (return_sampling_mask), and its top logprobs stay raw")
+        unsupported.update(DRAWN_SET_UNSUPPORTED)
         unsupported["routed_experts"] = (
             "not read from SGLang yet (its return_routed_experts, with "
             "enable_return_routed_experts at start); the HF backend returns them")
@@ -268,7 +276,8 @@ class SGLangBackend:
         # Logprobs SGLang computes after penalties, bias or min_tokens are replaced by a
         # scoring prefill of the whole sample, so such a sample is held back until it ends
         # and is rescored, then given out in one chunk; SGLang is not asked for its own.
-        rescored = s.logprobs is not None and protocol.reshapes_logprobs(s)
+        rescored = s.logprobs is not None and not protocol.processed(s) \
+            and protocol.reshapes_logprobs(s)
         sent = attrs.evolve(s, logprobs=None) if rescored else s
         # One placeholder per image (the core's collapsed form), which SGLang's processor
         # expands; the images as the engine takes them (PIL in process, data: URLs by HTTP,
@@ -280,7 +289,8 @@ class SGLangBackend:
         interval = 1 if streaming or cut_here else self.stream_interval
         # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
         samples = [self._sample(i, protocol.generate_body(uuid.uuid4().hex, prompt_token_ids,
-                                                          sent, image_data, lora, interval),
+                                                          sent, image_data, lora, interval,
+                                                          self.vocab_size),
                                 s, prompt_token_ids, rescored, image_data)
                    for i in range(s.n)]
         # One sample is read on the request's own task; several, on a task each.
@@ -310,25 +320,42 @@ class SGLangBackend:
         async with contextlib.aclosing(self.engine.stream(body)) as outputs:
             async for out in outputs:
                 expanded = (out.get("meta_info") or {}).get("prompt_tokens", expanded)
-                delta = protocol.parse_delta(out, None if rescored else s.logprobs)
+                delta = protocol.parse_delta(out, None if rescored else s.logprobs,
+                                             "sampling_logprobs_mode" in body)
                 if delta.cached_tokens is not None:
                     cached = delta.cached_tokens
-                ids, logprobs, top, finish = sample.add(delta)
-                if finish is not None:
+                if s.return_sampling_mask and s.temperature == 0:  # the argmax alone
+                    delta = delta._replace(sampling_mask=[(t,) for t in delta.token_ids])
+                given = sample.add(delta)
+                if given.finish_reason is not None:
                     break  # leaving the stream aborts a sample cut here in SGLang
-                if ids:
-                    yield Chunk(index, ids, logprobs, top, cached_tokens=delta.cached_tokens)
+                if given.token_ids:
+                    yield Chunk(index, given.token_ids, given.logprobs, given.top_logprobs,
+                                cached_tokens=delta.cached_tokens,
+                                sampling_mask=given.sampling_mask)
             else:
                 raise GenerationError("SGLang ended a sample's stream unfinished")
+        logprobs, top = given.logprobs, given.top_logprobs
         if rescored:
-            logprobs, top = await self._raw_logprobs(prompt, ids, s.logprobs, image_data,
-                                                     expanded, body["lora_path"])
-        yield Chunk(index, ids, logprobs, top, finish, cached_tokens=cached)
+            logprobs, top = await self._raw_logprobs(prompt, given.token_ids, s.logprobs,
+                                                     image_data, expanded, body["lora_path"])
+        yield Chunk(index, given.token_ids, logprobs, top, given.finish_reason,
+                    cached_tokens=cached, sampling_mask=given.sampling_mask)
 
     def _check_sampling(self, s) -> None:
         """What SGLang cannot do as the contract says is refused, never done otherwise."""
-        if s.logprobs is not None and s.structured_outputs is not None \
-                and protocol.reshapes_logprobs(s):
+        if protocol.asks_for_the_drawn_set(s):
+            penalty = protocol.penalty(s)
+            if penalty is not None:
+                raise InvalidRequestError(f"sampling.{penalty}",
+                                          DRAWN_SET_UNSUPPORTED["drawn_set.penalties"],
+                                          DRAWN_SET_ALLOWED)
+            if s.top_p < 1 and (s.top_k is not None or s.min_p > 0):
+                raise InvalidRequestError(
+                    "sampling.top_p", DRAWN_SET_UNSUPPORTED["drawn_set.top_p_after_truncation"],
+                    DRAWN_SET_ALLOWED)
+        if s.logprobs is not None and not protocol.processed(s) \
+                and s.structured_outputs is not None and protocol.reshapes_logprobs(s):
             raise InvalidRequestError(
                 "sampling.logprobs", "SGLang's logprobs come after penalties, bias and "
                 "min_tokens, and the raw ones cannot be recomputed under a constraint",
@@ -474,6 +501,9 @@ async def _merged(streams: list):
             task.cancel()
 
 
+PER_TOKEN = ("token_ids", "logprobs", "top_logprobs", "sampling_mask")  # Delta's fields
+
+
 class _Sample:
     """One sample as SGLang streams it: ended where SGLang would not stop by itself, and
     held back whole when its logprobs are to be rescored."""
@@ -489,25 +519,28 @@ class _Sample:
         # with min_tokens they go to it unsent, and are looked for here in the text.
         self.text = TextStream(decode, attrs.evolve(s, stop=(), min_tokens=0)) \
             if s.min_tokens and s.stop else None
+        self.masks: list | None = None  # the sampling masks of the tokens held back
         self.held: int | None = None  # length of the first min_tokens tokens' text
         self.searched = 0  # text searched for stop strings so far
 
-    def add(self, delta: protocol.Delta):
-        """What to give out for SGLang's new output: (token_ids, logprobs, top_logprobs,
-        finish_reason)."""
-        ids, logprobs, top, finish, _ = delta
+    def add(self, delta: protocol.Delta) -> protocol.Delta:
+        """What to give out for SGLang's new output."""
+        ids = delta.token_ids
         end = self._stop_token(ids)
         if self.text is not None:
             at = self._stop_string(ids if end is None else ids[:end])
             end = end if at is None else at
         if end is not None:
-            ids, finish = ids[:end], "stop"
-            logprobs = logprobs[:end] if logprobs is not None else None
-            top = top[:end] if top is not None else None
-        self.tokens += ids
-        if self.held_back:
-            return (self.tokens if finish is not None else []), None, None, finish
-        return ids, logprobs, top, finish
+            cut = {name: value[:end] for name, value in zip(delta._fields, delta)
+                   if name in PER_TOKEN and value is not None}
+            delta = delta._replace(**cut, finish_reason="stop")
+        self.tokens += delta.token_ids
+        if not self.held_back:
+            return delta
+        if delta.sampling_mask is not None:
+            self.masks = (self.masks or []) + delta.sampling_mask
+        return protocol.Delta(self.tokens if delta.finish_reason else [], None, None,
+                              delta.finish_reason, sampling_mask=self.masks)
 
     def _stop_token(self, ids) -> int | None:
         if not self.stop_tokens:

@@ -233,8 +233,7 @@ class InProcessEngine:
         and marked as handed over, in one step)."""
         with self._dies_with_engine():
             try:
-                outputs = await self.llm.async_generate(**body)
-                async for out in outputs:
+                async for out in self._request(body):
                     yield out
             except ValueError as exc:  # SGLang's request validation
                 raise protocol.engine_error(str(exc)) from None
@@ -243,9 +242,16 @@ class InProcessEngine:
         """One answer, for a body without streaming."""
         with self._dies_with_engine():
             try:
-                return await self.llm.async_generate(**body)
+                return await anext(self._request(body))
             except ValueError as exc:
                 raise protocol.engine_error(str(exc)) from None
+
+    def _request(self, body: dict):
+        """SGLang's answers to the body, from its tokenizer manager as
+        `Engine.async_generate` asks for them, with every field of GenerateReqInput (the
+        engine's method takes fewer: no return_sampling_mask)."""
+        request = protocol.struct("generate")(**body)
+        return self.llm.tokenizer_manager.generate_request(request, None)
 
     async def _call(self, name: str, method, body: dict):
         result = await method(protocol.struct(name)(**body), None)

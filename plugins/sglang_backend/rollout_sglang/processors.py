@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
-NEUTRAL = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+from rollout_sglang.protocol import NEUTRAL
 
 
 class Penalties(CustomLogitProcessor):

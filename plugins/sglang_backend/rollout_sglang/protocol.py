@@ -8,6 +8,8 @@ against the installed SGLang (a renamed field then fails a test, not a user).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from typing import NamedTuple
 
@@ -55,6 +57,20 @@ class Delta(NamedTuple):
     # Prompt tokens SGLang took from its radix cache (meta_info["cached_tokens"], on each
     # output once the prompt is prefilled); None where an output does not carry it.
     cached_tokens: int | None = None
+    # Per token, the ids it was drawn from, where the request asked SGLang for them.
+    sampling_mask: list[tuple[int, ...]] | None = None
+
+
+def processed(s: SamplingParams) -> bool:
+    return s.logprobs is not None and s.logprobs_mode == "processed"
+
+
+def asks_for_the_drawn_set(s: SamplingParams) -> bool:
+    """Whether SGLang is asked for each token's sampling support (its sampling mask): for
+    masks, and for processed logprobs, which it computes only there. A greedy token was
+    drawn from itself alone, and its processed logprobs are SGLang's own (the logits after
+    bias, penalties and the min_tokens ban, unscaled)."""
+    return s.temperature > 0 and (s.return_sampling_mask or processed(s))
 
 
 def sampling_body(s: SamplingParams) -> dict:
@@ -114,12 +130,13 @@ def json_grammar(schema: dict) -> str:
 
 def generate_body(rid: str, prompt: list[int], s: SamplingParams,
                   image_data: list | None = None, lora: str | None = None,
-                  stream_interval: int = 1) -> dict:
+                  stream_interval: int = 1, vocab_size: int | None = None) -> dict:
     """One sample of one request, streamed. `n` samples are `n` bodies with their own rids
     (SGLang's own `n` replaces the rids), so that one can be aborted alone. `image_data`:
     one image per placeholder of `prompt`, in order (SGLang expands each placeholder).
     `lora`: the name of the LoRA adapter SGLang samples with (None: the base weights).
-    `stream_interval`: tokens per stream output (the last may hold fewer)."""
+    `stream_interval`: tokens per stream output (the last may hold fewer). `vocab_size`:
+    the top_k that keeps every token, where SGLang is asked for the drawn set."""
     body = {"rid": rid, "input_ids": prompt,
             "sampling_params": {**sampling_body(s), "stream_interval": stream_interval},
             "stream": True, "lora_path": lora}
@@ -131,13 +148,33 @@ def generate_body(rid: str, prompt: list[int], s: SamplingParams,
         extra = penalty_fields(s)
         body["custom_logit_processor"] = extra["custom_logit_processor"]
         body["sampling_params"]["custom_params"] = extra["custom_params"]
+    if asks_for_the_drawn_set(s):
+        # SGLang returns the set only under a finite top_k, at most its
+        # sampling_mask_max_tokens (which the backend starts at the vocabulary's size).
+        if body["sampling_params"]["top_k"] == -1:
+            body["sampling_params"]["top_k"] = vocab_size
+        body["return_sampling_mask"] = True
+        if processed(s):
+            # Its logprob of each token renormalised over the set ("selected"), or of
+            # every token of the set ("support"), the top ones taken from it.
+            body["sampling_logprobs_mode"] = "support" if s.logprobs else "selected"
+            return body
     if s.logprobs is not None:
         body.update(return_logprob=True, top_logprobs_num=s.logprobs)
     return body
 
 
+# The penalties' values that change nothing.
+NEUTRAL = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+
+def penalty(s: SamplingParams) -> str | None:
+    """The first penalty the request sets, if any."""
+    return next((name for name, value in NEUTRAL.items() if getattr(s, name) != value), None)
+
+
 def penalized(s: SamplingParams) -> bool:
-    return s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
+    return penalty(s) is not None
 
 
 def reshapes_logprobs(s: SamplingParams) -> bool:
@@ -252,10 +289,11 @@ def update_distributed_body(group: list, group_name: str) -> dict:
             "group_name": group_name, "flush_cache": False}
 
 
-def parse_delta(out: dict, logprobs: int | None) -> Delta:
+def parse_delta(out: dict, logprobs: int | None, processed: bool = False) -> Delta:
     """One output of a sample's stream. The engines run SGLang with
-    incremental_streaming_output, so its output ids and output logprobs are the new ones
-    only (without it they are everything so far)."""
+    incremental_streaming_output, so its output ids, logprobs and masks are the new ones
+    only (without it they are everything so far). `processed`: the logprobs are read from
+    the sampling mask's (generate_body asked for them there)."""
     meta = out["meta_info"]
     finish = meta.get("finish_reason")
     kind = None
@@ -267,15 +305,41 @@ def parse_delta(out: dict, logprobs: int | None) -> Delta:
         if kind not in ("stop", "length", "abort"):
             raise GenerationError(f"SGLang finished a request with {finish!r}")
     ids = out["output_ids"]
-    chosen = top = None
-    if logprobs is not None:
+    chosen = top = masks = None
+    if "output_token_sampling_mask" in meta:
+        masks = [tuple(m) for m in meta["output_token_sampling_mask"]]
+        if len(masks) != len(ids):
+            raise GenerationError(f"SGLang sent {len(masks)} sampling masks for "
+                                  f"{len(ids)} tokens")
+    if processed:
+        chosen, top = _drawn_logprobs(ids, masks, meta["output_token_sampling_logprobs"],
+                                      logprobs)
+    elif logprobs is not None:
         chosen = [_logprob(step[0]) for step in meta.get("output_token_logprobs") or ()]
         if len(chosen) != len(ids):
             raise GenerationError(f"SGLang sent {len(chosen)} logprobs for {len(ids)} tokens")
-    if logprobs:
-        top = [_top(step, logprobs) for step in meta.get("output_top_logprobs") or ()]
+        if logprobs:
+            top = [_top(step, logprobs) for step in meta.get("output_top_logprobs") or ()]
     cached = meta.get("cached_tokens")
-    return Delta(ids, chosen, top, kind, None if cached is None else int(cached))
+    return Delta(ids, chosen, top, kind, None if cached is None else int(cached), masks)
+
+
+def _drawn_logprobs(ids: list[int], masks: list[tuple[int, ...]], values: list, k: int):
+    """Processed logprobs from SGLang's sampling mask: for k = 0 its logprob of each token
+    ("selected"); for k > 0 those of the whole set ("support"), of which the top k are
+    the top logprobs (padded with -inf ones where the set is smaller, as a distribution
+    that gives every other token -inf would be)."""
+    if not k:
+        return [float(v) for v in values], None
+    chosen, top = [], []
+    for token, mask, support in zip(ids, masks, values, strict=True):
+        logprob = dict(zip(mask, support, strict=True))
+        chosen.append(float(logprob[token]))
+        best = heapq.nlargest(k, logprob.items(), key=lambda p: p[1])
+        outside = (t for t in itertools.count() if t not in logprob)
+        best += [(next(outside), -math.inf) for _ in range(k - len(best))]
+        top.append(tuple(TokenLogprob(t, float(lp)) for t, lp in best))
+    return chosen, top
 
 
 def engine_error(message: str) -> RolloutError:

@@ -2,7 +2,6 @@
 installed version: a field SGLang renames or drops fails here, not in a user's run."""
 
 import dataclasses
-import inspect
 import json
 from pathlib import Path
 
@@ -18,6 +17,10 @@ SAMPLINGS = [
     SamplingParams(temperature=0.0, max_tokens=3, logprobs=0),
     SamplingParams(temperature=0.7, top_p=0.5, top_k=5, n=3, stop=("a", "b."),
                    stop_token_ids=(2, 7), logprobs=4, ignore_eos=True),
+    # The set drawn from, with processed logprobs (the top ones from it) and without.
+    SamplingParams(temperature=0.7, top_p=0.8, logprobs=3, logprobs_mode="processed",
+                   return_sampling_mask=True),
+    SamplingParams(top_k=5, return_sampling_mask=True),
 ]
 
 
@@ -29,16 +32,13 @@ def struct_fields(cls) -> set[str]:
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_generate_body_fits_generate_req_input(sampling):
-    body = protocol.generate_body("0" * 32, [5, 6, 7], sampling)
+    body = protocol.generate_body("0" * 32, [5, 6, 7], sampling, vocab_size=100)
     cls = protocol.struct("generate")
     assert set(body) <= struct_fields(cls), set(body) - struct_fields(cls)
     request = cls(**body)
     request.normalize_batch_and_arguments()
-    # The in-process engine passes the same keys to Engine.async_generate.
-    from sglang import Engine
-
-    accepted = set(inspect.signature(Engine.async_generate).parameters)
-    assert set(body) - {"stream"} <= accepted
+    if sampling.return_sampling_mask:  # SGLang's set needs a finite top_k
+        assert body["sampling_params"]["top_k"] == (sampling.top_k or 100)
 
 
 def test_image_bodies_fit_generate_req_input():
