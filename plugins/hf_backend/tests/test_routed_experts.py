@@ -10,14 +10,12 @@ import torch
 
 import rollout
 from rollout.apps.rl.routing import replay_routing, routing_ids
-from rollout.kit.moe import expert_ids, router_outputs, routers
+from rollout.kit.moe import expert_ids, routers
 from rollout.kit.tiny_model import build_tiny_moe
 from rollout.testing.contract import on_engine_loop
+from rollout.testing.routing import assert_routed_as_the_reference
 
 PROMPTS = ["ka lo mi", "su ta ri po an el is on", "qu"]
-# A router whose k-th and next experts' probabilities are this close may be decided either
-# way by another kernel (the engine's batched pass against the reference's own).
-TIE = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -51,27 +49,11 @@ def results(ro):
     return [r for c in ro.generate(requests) for r in c.unwrap()]
 
 
-def near_ties(model, outputs: list) -> torch.Tensor:
-    """Per position of one sequence's `router_outputs`: whether some router's choice there
-    is a near-tie."""
-    gaps = []
-    for router, (logits, *_) in zip(routers(model), outputs):
-        probs = logits.float().softmax(-1).sort(-1, descending=True).values
-        gaps.append(probs[:, router.top_k - 1] - probs[:, router.top_k])
-    return (torch.stack(gaps) < TIE).any(dim=0)
-
-
 def test_each_tokens_experts_are_those_of_a_reference_forward(results, reference):
     assert len(results) == 9
     for result in results:
-        sequence = torch.tensor([[*result.prompt_token_ids, *result.token_ids][:-1]])
-        assert len(result.routed_experts) == sequence.shape[1]  # the last ran through none
-        outputs = router_outputs(reference, sequence)
-        expected = expert_ids(reference, sequence, outputs)[0]
-        assert expected.shape[1:] == (2, 2)  # 2 MoE layers, 2 experts each
-        clear = ~near_ties(reference, outputs)
-        assert clear.float().mean() > 0.9  # (near-ties are rare)
-        assert torch.equal(torch.tensor(result.routed_experts)[clear], expected[clear])
+        shape = assert_routed_as_the_reference(result, reference)
+        assert shape[1:] == (2, 2)  # 2 MoE layers, 2 experts each
 
 
 def test_a_streamed_sample_gets_them_on_its_last_chunk(ro, results):

@@ -156,13 +156,15 @@ def checked_options(mode: str, stream_interval, image_cache_mb, weight_transport
 
 def engine_arguments(model: str, device: str, dtype: str, max_total_tokens: int,
                      random_seed: int, shapes: dict, image_cache_mb: int | None,
-                     vocab_size: int, engine_args: dict) -> dict:
+                     vocab_size: int, moe: bool, engine_args: dict) -> dict:
     """SGLang's engine arguments: the backend's settings (a vision model's too, where
     `image_cache_mb` is given), with the caller's `engine_args` over them."""
     return {**lora_args(device, shapes, engine_args),
             "model_path": model, "device": device, "dtype": dtype,
             # A sampling mask may hold every token: top_k unset is sent as the vocabulary.
             "sampling_mask_max_tokens": vocab_size,
+            # SGLang records each token's experts only when started so (a buffer per token).
+            "enable_return_routed_experts": moe,
             "max_total_tokens": max_total_tokens, "random_seed": random_seed,
             "sleep_on_idle": True, "log_level": "error",
             "enable_memory_saver": device != "cpu", **ENGINE_DEFAULTS,
@@ -189,6 +191,8 @@ class SGLangBackend:
         text_config = config.get_text_config()  # the config itself for a text model
         self.device = device
         self.model_type = config.model_type
+        # Experts per token of a mixture-of-experts model; None for a dense one.
+        self.moe_top_k = getattr(text_config, "num_experts_per_tok", None)
         self.vision = config.model_type in VISION_MODEL_TYPES
         self.max_model_len = text_config.max_position_embeddings
         self.tokenizer = AutoTokenizer.from_pretrained(model)
@@ -205,8 +209,13 @@ class SGLangBackend:
         self.stream_interval = stream_interval
         args = engine_arguments(model, device, dtype, max_total_tokens, random_seed,
                                 self.shapes, image_cache_mb if self.vision else None,
-                                text_config.vocab_size, engine_args)
+                                text_config.vocab_size, self.moe_top_k is not None,
+                                engine_args)
         self.vocab_size = text_config.vocab_size
+        self.routing_reason = None if args["enable_return_routed_experts"] else (
+            f"a dense model here (model type {self.model_type!r}): no mixture-of-experts "
+            "router to read" if self.moe_top_k is None else
+            "engine_args turned SGLang's enable_return_routed_experts off")
         self.penalties = args["enable_custom_logit_processor"] and \
             args["disable_overlap_schedule"]
         self.adapters_reason = None if args.get("enable_lora") else ADAPTERS_OFF
@@ -232,12 +241,10 @@ class SGLangBackend:
     def describe_capabilities(cls, device: str = "cpu",
                               adapters_reason: str | None = ADAPTERS_OFF) -> Capabilities:
         # images: with a vision-language model (VISION_MODEL_TYPES), in both modes;
-        # adapters: with enable_lora (the instance says)
+        # routed experts: with a mixture-of-experts model; adapters: with enable_lora (the
+        # instance says)
         unsupported = cpu_reasons(device)
         unsupported.update(DRAWN_SET_UNSUPPORTED)
-        unsupported["routed_experts"] = (
-            "not read from SGLang yet (its return_routed_experts, with "
-            "enable_return_routed_experts at start); the HF backend returns them")
         unsupported["trace_replay"] = (
             "SGLang's sampling parameters have no trace replay (vLLM's "
             "trace_decode_token_ids): it samples every token")
@@ -247,12 +254,14 @@ class SGLangBackend:
 
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
-        caps = self.describe_capabilities(self.device, self.adapters_reason)
+        unsupported = self.describe_capabilities(self.device, self.adapters_reason).unsupported
         if not self.vision:
-            caps = Capabilities(unsupported={**caps.unsupported, "images": (
+            unsupported["images"] = (
                 f"a text-only model here (model type {self.model_type!r}); images need a "
-                f"vision-language model of type {', '.join(VISION_MODEL_TYPES)}")})
-        return caps
+                f"vision-language model of type {', '.join(VISION_MODEL_TYPES)}")
+        if self.routing_reason:
+            unsupported["routed_experts"] = self.routing_reason
+        return Capabilities(unsupported=unsupported)
 
     @rollout.hookimpl
     def prompt_encoder(self) -> PromptEncoder:
@@ -285,8 +294,7 @@ class SGLangBackend:
         image_data = await asyncio.to_thread(self.engine.image_data, images) if images else None
         # One token an output also where the sample is cut here, not in SGLang, which
         # would otherwise run on to the end of the output.
-        cut_here = (s.ignore_eos and s.stop_token_ids) or (s.min_tokens and s.stop)
-        interval = 1 if streaming or cut_here else self.stream_interval
+        interval = 1 if streaming or cuts_here(s) else self.stream_interval
         # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
         samples = [self._sample(i, protocol.generate_body(uuid.uuid4().hex, prompt_token_ids,
                                                           sent, image_data, lora, interval,
@@ -317,9 +325,12 @@ class SGLangBackend:
         sample = _Sample(s, self.prompts.decode, rescored)
         cached = None  # SGLang's last word on prefix-cache hits, for the final chunk
         expanded = None  # the prompt's length in SGLang, each image's run of tokens included
+        routing = None  # SGLang's, once it sends it (as the sample ends)
         async with contextlib.aclosing(self.engine.stream(body)) as outputs:
             async for out in outputs:
-                expanded = (out.get("meta_info") or {}).get("prompt_tokens", expanded)
+                meta = out.get("meta_info") or {}
+                expanded = meta.get("prompt_tokens", expanded)
+                routing = meta.get("routed_experts", routing)
                 delta = protocol.parse_delta(out, None if rescored else s.logprobs,
                                              "sampling_logprobs_mode" in body)
                 if delta.cached_tokens is not None:
@@ -339,8 +350,15 @@ class SGLangBackend:
         if rescored:
             logprobs, top = await self._raw_logprobs(prompt, given.token_ids, s.logprobs,
                                                      image_data, expanded, body["lora_path"])
+        experts = None
+        if s.return_routed_experts:  # every token but the last ran through the model
+            if routing is None:
+                raise GenerationError("SGLang sent no routed experts")
+            ran = (expanded or len(prompt)) + len(sample.tokens) - 1
+            experts = protocol.routed_experts(routing, ran, self.moe_top_k)
         yield Chunk(index, given.token_ids, logprobs, top, given.finish_reason,
-                    cached_tokens=cached, sampling_mask=given.sampling_mask)
+                    cached_tokens=cached, sampling_mask=given.sampling_mask,
+                    routed_experts=experts)
 
     def _check_sampling(self, s) -> None:
         """What SGLang cannot do as the contract says is refused, never done otherwise."""
@@ -354,6 +372,11 @@ class SGLangBackend:
                 raise InvalidRequestError(
                     "sampling.top_p", DRAWN_SET_UNSUPPORTED["drawn_set.top_p_after_truncation"],
                     DRAWN_SET_ALLOWED)
+        if s.return_routed_experts and cuts_here(s):
+            raise InvalidRequestError(
+                "sampling.return_routed_experts", "SGLang gives a sample's routing as it "
+                "ends it, and the backend ends this one itself, before SGLang would",
+                "no stop_token_ids with ignore_eos, and no stop with min_tokens")
         if s.logprobs is not None and not protocol.processed(s) \
                 and s.structured_outputs is not None and protocol.reshapes_logprobs(s):
             raise InvalidRequestError(
@@ -499,6 +522,11 @@ async def _merged(streams: list):
     finally:
         for task in tasks:  # a task cancelled before it started never reached SGLang
             task.cancel()
+
+
+def cuts_here(s) -> bool:
+    """Whether the backend ends the sample itself, where SGLang would go on (_Sample)."""
+    return bool((s.ignore_eos and s.stop_token_ids) or (s.min_tokens and s.stop))
 
 
 PER_TOKEN = ("token_ids", "logprobs", "top_logprobs", "sampling_mask")  # Delta's fields

@@ -142,6 +142,8 @@ def generate_body(rid: str, prompt: list[int], s: SamplingParams,
             "stream": True, "lora_path": lora}
     if image_data:
         body["image_data"] = image_data
+    if s.return_routed_experts:
+        body["return_routed_experts"] = True
     if penalized(s):
         from rollout_sglang.processors import penalty_fields
 
@@ -340,6 +342,21 @@ def _drawn_logprobs(ids: list[int], masks: list[tuple[int, ...]], values: list, 
         best += [(next(outside), -math.inf) for _ in range(k - len(best))]
         top.append(tuple(TokenLogprob(t, float(lp)) for t, lp in best))
     return chosen, top
+
+
+def routed_experts(encoded: str, tokens: int, top_k: int):
+    """SGLang's routing of a sample that ran `tokens` tokens through the model (base64
+    int32, [tokens, MoE layers, top_k] flattened), as `Result.routed_experts` holds it."""
+    import base64
+
+    import numpy as np
+
+    ids = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    if not tokens or not ids.size or ids.size % (tokens * top_k):
+        raise GenerationError(f"SGLang routed {ids.size} expert ids, not {top_k} per MoE "
+                              f"layer for each of {tokens} tokens")
+    rows = ids.reshape(tokens, -1, top_k).tolist()
+    return tuple(tuple(tuple(layer) for layer in row) for row in rows)
 
 
 def engine_error(message: str) -> RolloutError:

@@ -20,7 +20,7 @@ SAMPLINGS = [
     # The set drawn from, with processed logprobs (the top ones from it) and without.
     SamplingParams(temperature=0.7, top_p=0.8, logprobs=3, logprobs_mode="processed",
                    return_sampling_mask=True),
-    SamplingParams(top_k=5, return_sampling_mask=True),
+    SamplingParams(top_k=5, return_sampling_mask=True, return_routed_experts=True),
 ]
 
 

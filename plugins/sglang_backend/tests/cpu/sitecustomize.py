@@ -17,6 +17,8 @@ never calls them. Only names the kernel library lacks, and only these.
 their host buffers (`pin_memory=True`, `.pin_memory()`), which needs CUDA; pinning only
 speeds up copies to a GPU, so without one an unpinned tensor holds the same values.
 `rollout-sglang` itself refuses enable_lora where pinning fails (a CPU-only torch).
+Likewise SGLang's own cudaHostRegister of host buffers (its routed-experts capturer's):
+a no-op without CUDA.
 """
 import importlib.abc
 import sys
@@ -127,6 +129,26 @@ def _after_exec(spec, patch):
     return spec
 
 
+# Where SGLang registers host buffers with CUDA itself (cudaHostRegister: pinning), as its
+# routed-experts capturer does.
+HOST_POOL_MODULE = "sglang.srt.mem_cache.pool_host.common"
+
+
+class _HostPoolHook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != HOST_POOL_MODULE:
+            return None
+        import importlib.machinery
+
+        return _after_exec(importlib.machinery.PathFinder.find_spec(name, path),
+                           _no_host_register)
+
+
+def _no_host_register(module):
+    if not sys.modules["torch"].cuda.is_available():
+        module._cuda_host_register = lambda buffer, *args, **kwargs: None
+
+
 class _TorchHook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
@@ -141,3 +163,4 @@ if "torch" in sys.modules:
 else:
     sys.meta_path.insert(0, _TorchHook())
 sys.meta_path.insert(0, _LoRAHook())
+sys.meta_path.insert(0, _HostPoolHook())

@@ -1,0 +1,78 @@
+"""Routed experts (R3) on the SGLang backend, with a tiny random Qwen3-MoE: SGLang records
+each token's experts (started with enable_return_routed_experts, which the backend sets
+for a mixture-of-experts model), and they are those a reference forward pass of
+transformers routes it to. (A dense model refuses them by name: the contract suite's
+on-policy tests.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ENGINE
+
+import rollout
+from rollout.kit.tiny_model import build_tiny_moe
+from rollout.testing.contract import on_engine_loop
+from rollout.testing.routing import assert_routed_as_the_reference
+
+PROMPTS = ["ka lo mi", "su ta ri po an el is on", "qu"]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return build_tiny_moe(tmp_path_factory.mktemp("moe"))
+
+
+@pytest.fixture(scope="module", params=["engine", "server"])
+def ro(moe, request):
+    ro = rollout.load_backend("sglang", model=str(moe), mode=request.param, **ENGINE)
+    yield ro
+    ro.close()
+
+
+@pytest.fixture(scope="module")
+def reference(moe):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32).eval()
+
+
+def test_each_tokens_experts_are_those_of_a_reference_forward(ro, reference):
+    assert ro.capabilities.supports("routed_experts")
+    requests = [{"prompt": p, "sampling": {"max_tokens": 6 + i, "ignore_eos": True,
+                                           "temperature": 1.0 if i % 2 else 0.0,
+                                           "n": 2 if i % 2 else 1,
+                                           "return_routed_experts": True}}
+                for i, p in enumerate(PROMPTS)]
+    results = [r for c in ro.generate(requests) for r in c.unwrap()]
+    assert len(results) == 4
+    for result in results:
+        assert assert_routed_as_the_reference(result, reference)[1:] == (2, 2)
+
+
+def test_a_streamed_sample_gets_them_on_its_last_chunk(ro):
+    request = {"prompt": PROMPTS[0], "sampling": {"max_tokens": 6, "ignore_eos": True,
+                                                  "temperature": 0.0,
+                                                  "return_routed_experts": True}}
+
+    async def run():
+        stream = ro.stream(request)
+        return [chunk async for chunk in stream], stream.completion
+
+    chunks, completion = on_engine_loop(run())
+    assert [c.routed_experts is not None for c in chunks if c.token_ids] == \
+        [c.finish_reason is not None for c in chunks if c.token_ids]
+    (result,) = completion.unwrap()
+    (whole,) = ro.generate([request])[0].unwrap()
+    assert result.token_ids == whole.token_ids
+    assert result.routed_experts == whole.routed_experts
+
+
+def test_a_sample_the_backend_ends_itself_is_refused_by_name(ro):
+    refused, answered = ro.generate([
+        {"prompt": PROMPTS[0], "sampling": {"max_tokens": 4, "ignore_eos": True,
+                                            "stop_token_ids": [3],
+                                            "return_routed_experts": True}},
+        {"prompt": PROMPTS[0], "sampling": {"max_tokens": 4, "return_routed_experts": True}}])
+    assert refused.error.field == "sampling.return_routed_experts"
+    assert answered.unwrap()[0].routed_experts
