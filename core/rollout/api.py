@@ -101,6 +101,10 @@ class Rollout(RequestFront):
         # Images loaded here, so that later turns can name them by uuid alone.
         self.images = ImageStore()
         self.weight_version: int | None = None  # of the weights that serve requests now
+        # The version after each update that succeeded, the first the weights loaded: a
+        # backend that keeps requests in its engine through updates stamps each chunk
+        # with the number of updates it had made (`Chunk.weight_update`).
+        self._versions: list[int | None] = [None]
         self.adapters: dict[str, int | None] = {}  # the loaded LoRA adapters' versions
 
     # --- one request, on the engine loop ------------------------------------------------
@@ -297,7 +301,9 @@ class Rollout(RequestFront):
                         f"with n={len(targets)} (or after that sample finished)")
                 if flight.first_token is None and chunk.token_ids:
                     flight.first_token = time.monotonic() - flight.started
-                seen = targets[chunk.index].add(chunk, version)
+                made_by = version if chunk.weight_update is None \
+                    else self._versions[chunk.weight_update]  # (beside a "keep_kv" update)
+                seen = targets[chunk.index].add(chunk, made_by)
                 if seen is not None and (seen.token_ids or seen.finish_reason or seen.text):
                     sink(seen)
                 if all(x.finish for x in targets):
@@ -369,21 +375,31 @@ class Rollout(RequestFront):
         with `continue_from`), "keep" holds them while the weights load and then continues
         each from its tokens so far under the new weights, in the same call (the way
         `capabilities.keep` names; a constrained request is not held: the update waits for
-        it). New requests wait for the update. An update that fails midway leaves the
-        weights dirty: no request runs until a full update succeeds.
+        it). "keep_kv" (where `capabilities` offer it) leaves them in the engine: the
+        weights change between two of their steps, and their later tokens are made by the
+        new weights over the KV cache the old ones made, without the recompute (each token
+        labelled with the weights that made it). New requests wait for the update. An
+        update that fails midway leaves the weights dirty: no request runs until a full
+        update succeeds (under "keep_kv", the requests it ran beside fail).
         """
         from rollout.weights.buckets import DEFAULT_BUCKET_BYTES
 
         check_update(version, pause)
         self.capabilities.require("update_weights")
+        if pause == "keep_kv":
+            self.capabilities.require("keep_kv")
         with self._lifecycle_section(pause):
             if "weights" in self.lifecycle.released:
                 raise BackendReleasedError(
                     f"backend {self.name!r}: weights are released; resume(['weights']) first")
             buckets = _packed(named_tensors, bucket_bytes or DEFAULT_BUCKET_BYTES)
+            # Before the update: with "keep_kv", tokens stamped with it may reach the loop
+            # before the update returns.
+            self._versions.append(version)
             try:
                 self._pm.hook.update_weights(buckets=buckets)
             except BaseException as exc:
+                self._versions.pop()  # (the backend stamps no token with a failed one)
                 self.lifecycle.dirty = (f"a weight update failed midway ({exc!r}); it takes "
                                         "no request until a full update succeeds")
                 raise
@@ -406,7 +422,7 @@ class Rollout(RequestFront):
         _check_adapter_name(name)
         config = plain_config(config)
         check_update(version, pause)
-        if pause == "keep":  # a result has one adapter version
+        if pause in ("keep", "keep_kv"):  # a result has one adapter version
             raise InvalidRequestError("pause", "an adapter load holds no running request",
                                       "wait, abort")
         self.capabilities.require("adapters")

@@ -5,7 +5,8 @@ does. Calls are served in order of arrival: each joins a line and runs once it i
 in line and every running request has ended. While any call is in line, no new request
 is admitted; what a call does to the requests already running is its `pause`: "wait"
 lets them finish, "abort" stops them, "keep" holds them out of the engine until it is
-done (the request's owner does that; this module only says so with `holding`).
+done (the request's owner does that; this module only says so with `holding`), and
+"keep_kv" runs beside them: the backend keeps them in its engine, with their KV cache.
 
 A request waits for the calls on the engine's event loop without a thread or polling (an
 asyncio event renewed at each change), a call waits on its own thread; every wait is
@@ -36,7 +37,7 @@ from rollout.contract.errors import (
 
 LIFECYCLE_TIMEOUT_S = 600.0
 CLOSE_WAIT_S = 30.0
-PAUSES = ("wait", "abort", "keep")
+PAUSES = ("wait", "abort", "keep", "keep_kv")
 
 
 class State(enum.Enum):
@@ -169,18 +170,21 @@ class Lifecycle:
     @contextlib.contextmanager
     def call(self, pause: str = "wait",
              stop_running: Callable[[str], None] | None = None) -> Iterator[None]:
-        """Run the body alone, after the calls that came before. `stop_running(pause)` is
-        called once the call is in line, for "abort" and "keep"."""
+        """Run the body alone, after the calls that came before (and, but for "keep_kv",
+        once no request runs). `stop_running(pause)` is called once the call is in line,
+        for "abort" and "keep"."""
         me = _Call(pause)
         with self._gate:
             self._check_closed()
             self._line.append(me)
         try:
-            if pause != "wait" and stop_running is not None:
+            if pause in ("abort", "keep") and stop_running is not None:
                 stop_running(pause)
+            beside = pause == "keep_kv"  # the running requests stay in the engine
             with self._gate:
                 if not self._gate.wait_for(lambda: self._closed or (
-                        self._line[0] is me and not self._running and self._current is None),
+                        self._line[0] is me and (beside or not self._running)
+                        and self._current is None),
                                            timeout=self.timeout):
                     raise RolloutTimeoutError(
                         f"backend {self.name!r}: waited {self.timeout:.0f} s for running "

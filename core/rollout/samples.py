@@ -109,7 +109,7 @@ class Sample:
             text += self.stream.finish()
         first, self.prompt_tokens = self.prompt_tokens, None
         return attrs.evolve(chunk, index=self.index, text=text, weight_version=version,
-                            prompt_tokens=first)
+                            weight_update=None, prompt_tokens=first)
 
     def _cut_at_stop(self, chunk: Chunk) -> Chunk:
         """A continued engine call sees the earlier tokens as prompt: a stop string that

@@ -104,7 +104,10 @@ def resume(tags: tuple[str, ...]) -> None:
 @hookspec(firstresult=True)
 def update_weights(buckets: Iterable[Bucket]) -> None:
     """Replace weights in place from buckets packed by `rollout.weights.buckets`. Called only
-    while no request runs.
+    while no request runs, but for a backend that offers `keep_kv`: then requests may run
+    in its engine meanwhile, and it swaps the weights between two of their steps, stamps
+    each chunk with the number of updates that had succeeded when its tokens were made
+    (`Chunk.weight_update`), and fails the requests it runs if an update fails midway.
 
     :param buckets: an iterator; each bucket holds whole tensors, in the trainer's order.
     """

@@ -61,8 +61,10 @@ class Sampler(Protocol):
         the tokens made from then on (`Result.weight_versions`). `pause`: "wait" lets
         running requests finish first, "abort" stops them (continue one later with
         `Request.continue_from`), "keep" holds them while the weights load and then lets
-        them go on under the new ones (`capabilities.keep`). A failed update leaves the
-        weights dirty: nothing runs until a full update succeeds."""
+        them go on under the new ones (`capabilities.keep`), "keep_kv" leaves them in the
+        engine, their KV cache as the old weights made it (where the backend offers
+        `keep_kv`). A failed update leaves the weights dirty: nothing runs until a full
+        update succeeds."""
 
     def load_adapter(self, name: str, named_tensors: Iterable, config: Mapping,
                      version: int | None = None, bucket_bytes: int | None = None,
@@ -70,7 +72,7 @@ class Sampler(Protocol):
         """Load LoRA adapter `name` (or replace the one loaded under it) from PEFT's
         tensors and its `LoraConfig` as a dict; requests that name it (`Request.adapter`)
         then sample with it, and their results say `version`. `pause` as for
-        `update_weights`, "keep" excepted. A load that fails changes nothing
+        `update_weights`, "keep" and "keep_kv" excepted. A load that fails changes nothing
         (`capabilities.adapters` says whether the backend has adapters)."""
 
     def unload_adapter(self, name: str) -> None:

@@ -633,6 +633,9 @@ class Chunk:
     cached_tokens: int | None = None
     # The version of the weights that made its tokens; the core sets it.
     weight_version: int | None = None
+    # Set by a backend that offers `keep_kv`: how many weight updates had succeeded when
+    # it made these tokens (the core turns it into `weight_version`).
+    weight_update: int | None = None
     # The prompt's length in tokens, on the first chunk a caller gets of each sample (the
     # core sets it: a stream can report its usage before the end).
     prompt_tokens: int | None = None
@@ -702,6 +705,8 @@ CAPABILITIES = {
     "trace_replay": "generate given tokens, each scored as if drawn "
                     "(sampling.trace_decode_token_ids)",
     "seed": "reproduce a sample from a per-request seed",
+    "keep_kv": "update weights while requests run in the engine, their KV cache as the "
+               "old weights made it (update_weights(pause=\"keep_kv\"))",
     "chat": "render chat messages with the model's chat template",
     "images": "image parts in messages",
     "tools": "render tool definitions and tool calls with the chat template",

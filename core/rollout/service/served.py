@@ -200,6 +200,8 @@ class ServedRollout(RequestFront):
         "cuda_ipc" (a replica on this process's own GPU: the bytes never leave it)."""
         check_update_options(version, pause, timeout)
         require_transport(transport)
+        if pause == "keep_kv":  # refused here, before any replica begins the update
+            self.capabilities.require("keep_kv")
 
         async def push():
             update = await self.service.begin_update(version, pause, timeout)

@@ -57,10 +57,11 @@ def wait_until(condition, timeout: float = 120.0) -> bool:
 
 
 def across_a_keep(sampler: Sampler, rollout: Rollout, request: dict, weights: dict,
-                  version: int, after: int = 1):
+                  version: int, after: int = 1, pause: str = "keep"):
     """`request` streamed through `sampler`; once `after` tokens are out, `weights` are
-    pushed through it as `version` with pause="keep". Returns the request's Completion.
-    `rollout` is the backend behind `sampler`, watched for the update to begin."""
+    pushed through it as `version` with `pause` ("keep" or "keep_kv"). Returns the
+    request's Completion. `rollout` is the backend behind `sampler`, watched for the update
+    to begin."""
 
     async def run():  # on the engine loop: see on_engine_loop
         stream, made, update = sampler.stream(request), 0, None
@@ -68,7 +69,7 @@ def across_a_keep(sampler: Sampler, rollout: Rollout, request: dict, weights: di
             made += len(chunk.token_ids)
             if made >= after and update is None:
                 update = asyncio.get_running_loop().run_in_executor(None, lambda: (
-                    sampler.update_weights(weights.items(), version=version, pause="keep")))
+                    sampler.update_weights(weights.items(), version=version, pause=pause)))
                 # The loop holds still until the update holds running requests, so the
                 # request cannot end first, however late the update's thread runs.
                 assert wait_until(lambda: rollout.updating), "the update never began"
@@ -740,6 +741,41 @@ class BackendContract(SamplingContract, OnPolicyContract):
         finally:
             sampler.update_weights(load_weights(harness.model_dir).items())
         self._replays(sampler, kept, max(0, edge - 8), edge)  # before it: the old ones
+
+    def test_keep_kv_changes_the_weights_between_two_steps_of_a_running_request(
+            self, harness, sampler):
+        """The request stays in the engine: the tokens before the edge are the old
+        weights', those after it the new weights' over the old ones' KV cache (so not the
+        old weights' continuation), each labelled with the weights that made it."""
+        skip_unless(harness.caps, "keep_kv")
+        request = self._greedy_long(harness, "kept-kv")
+        try:
+            [kept] = across_a_keep(sampler, harness.rollout, request,
+                                   load_weights(harness.other_dir), 2, self.EDGE_AFTER,
+                                   pause="keep_kv").unwrap()
+            assert kept.finish_reason == "length"  # nothing lost: it ran to its end
+            assert kept.completion_tokens == request["sampling"]["max_tokens"]
+            before, after = kept.weight_versions
+            assert (before.version, after.version, kept.weight_version) == (None, 2, 2)
+            edge = before.end
+            assert self.EDGE_AFTER <= edge < kept.completion_tokens
+        finally:
+            sampler.update_weights(load_weights(harness.model_dir).items())
+        self._replays(sampler, kept, max(0, edge - 8), edge)  # before it: the old ones
+        [old] = sampler.generate([{
+            "prompt_token_ids": list(kept.prompt_token_ids) + list(kept.token_ids[:edge]),
+            "sampling": {"temperature": 0.0, "ignore_eos": True, "logprobs": 0,
+                         "max_tokens": 8}}])[0].unwrap()
+        assert old.logprobs != pytest.approx(kept.logprobs[edge:edge + 8], abs=1e-3)
+
+    def test_keep_kv_is_refused_where_the_backend_does_not_offer_it(self, harness,
+                                                                      sampler):
+        skip_unless(harness.caps, "update_weights")
+        if harness.caps.supports("keep_kv"):
+            pytest.skip("the backend offers keep_kv")
+        with pytest.raises(UnsupportedError, match="keep_kv"):
+            sampler.update_weights(load_weights(harness.model_dir).items(), pause="keep_kv")
+        assert probe(harness.rollout) == harness.baseline  # nothing changed
 
     def test_an_aborted_sample_continues_from_its_tokens_under_a_new_version(
             self, harness, sampler):

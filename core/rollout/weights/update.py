@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from rollout.contract.errors import InvalidRequestError
-
-PAUSES = ("wait", "abort", "keep")  # what a weight update does to running requests
+from rollout.lifecycle import PAUSES  # what a weight update does to running requests
 BUCKET_WAIT_S = 120.0  # the longest a backend waits for a trainer's next bucket
 # nccl: GPUs on both sides; cuda_ipc: one GPU shared with an engine (neither run on CPU CI)
 TRANSPORTS = ("shm", "gloo", "nccl", "cuda_ipc")

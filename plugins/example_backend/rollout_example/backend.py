@@ -47,6 +47,8 @@ class ExampleBackend:
             "prompt_logprobs": "not in the example (the HF backend scores prompts)",
             "sampling_mask": "not in the example (the HF backend returns it)",
             "routed_experts": "the example serves no mixture-of-experts model",
+            "keep_kv": "not in the example (the HF backend keeps requests in its engine "
+                       "through an update)",
         })
 
     @rollout.hookimpl

@@ -147,20 +147,29 @@ class HFBackend:
 
     @rollout.hookimpl
     def update_weights(self, buckets):
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        # Between two steps: rows a "keep_kv" update runs beside stay in the batch.
         with self.engine.exclusive(), torch.no_grad():
-            for bucket in buckets:
-                named = unpack(bucket)
-                for name, tensor in named:  # check the whole bucket before changing anything
-                    if name not in params:
-                        raise InvalidRequestError("weights", f"unknown parameter {name!r}",
-                                                  "the model's parameter names")
-                    if tuple(tensor.shape) != tuple(params[name].shape):
-                        raise InvalidRequestError(
-                            "weights", f"{name!r} has shape {tuple(tensor.shape)}",
-                            f"shape {tuple(params[name].shape)}")
-                for name, tensor in named:
-                    copy_tensor(params[name], tensor)
+            try:
+                self._load(buckets)
+            except BaseException as exc:  # rows beside it must not run on half the weights
+                self.engine.fail_running(exc, "a weight update")
+                raise
+            self.engine.updates += 1
+
+    def _load(self, buckets) -> None:
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for bucket in buckets:
+            named = unpack(bucket)
+            for name, tensor in named:  # check the whole bucket before changing anything
+                if name not in params:
+                    raise InvalidRequestError("weights", f"unknown parameter {name!r}",
+                                              "the model's parameter names")
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise InvalidRequestError(
+                        "weights", f"{name!r} has shape {tuple(tensor.shape)}",
+                        f"shape {tuple(params[name].shape)}")
+            for name, tensor in named:
+                copy_tensor(params[name], tensor)
 
     @rollout.hookimpl
     def load_adapter(self, name, config, buckets):

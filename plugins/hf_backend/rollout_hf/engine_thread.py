@@ -54,6 +54,9 @@ class Engine:
         self.device = device
         self.grammar_vocab = grammar_vocab  # the vocabulary the grammars are compiled for
         self.dead: EngineDeadError | None = None
+        # Weight updates that succeeded (under the step lock): every token is stamped with
+        # the count it was made under, which a "keep_kv" update changes between steps.
+        self.updates = 0
         self._work = threading.Condition()  # guards _waiting, _stopping and dead
         self._waiting: deque[Row] = deque()
         self._stopping = False
@@ -129,7 +132,7 @@ class Engine:
                     try:
                         self._step()
                     except Exception as exc:  # noqa: BLE001 - fails this step's requests
-                        self._fail_running(exc)
+                        self.fail_running(exc)
                     finally:
                         self._step_started = None
         except BaseException as exc:  # noqa: BLE001 - the thread ends; requests must not hang
@@ -174,7 +177,8 @@ class Engine:
             finish = row.push(ids[i], self.tokenizer)
             output.setdefault(row.owner, []).append(
                 Token(row.index, ids[i], logprobs[i], tops[i], finish, masks[i],
-                      tuple(row.routing) if finish and row.routing is not None else None))
+                      tuple(row.routing) if finish and row.routing is not None else None,
+                      self.updates))
             if finish is None:
                 keep.append(i)
         self._send(output)
@@ -232,15 +236,16 @@ class Engine:
                 for job, _ in batch:
                     job.cancelled = True
 
-    def _fail_running(self, exc: Exception) -> None:
-        """A step raised: fail the requests it ran, start again with an empty batch."""
+    def fail_running(self, exc: BaseException, during: str = "a step") -> None:
+        """A step (or a weight update beside running rows, holding the step lock) raised:
+        fail the requests it ran, start again with an empty batch."""
         jobs = {row.owner for row in self._batch.rows + self._joining}
         self._batch, self._joining, self._processor = Batch(), [], None
         with self._work:  # their other samples do not run either
             self._waiting = deque(r for r in self._waiting if r.owner not in jobs)
         failures = {}
         for job in jobs:
-            error = GenerationError(f"the HF engine failed in a step: {exc!r}")
+            error = GenerationError(f"the HF engine failed during {during}: {exc!r}")
             error.__cause__ = exc
             failures[job] = [error]
         self._send(failures)

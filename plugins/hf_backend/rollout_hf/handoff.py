@@ -26,6 +26,7 @@ class Token(NamedTuple):
     finish: str | None
     mask: tuple[int, ...] | None = None  # the ids it was drawn from, where asked
     routed: tuple | None = None  # on a sample's last token: its routed experts, where asked
+    update: int = 0  # the engine's count of weight updates that made it (Engine.updates)
 
 
 class PromptScores(NamedTuple):
@@ -82,9 +83,9 @@ def deliver(batch: list[tuple[Job, list]]) -> None:
 
 
 def chunks(tokens: list, logprobs: int | None, masks: bool = False) -> list[Chunk]:
-    """One Chunk per sample of these tokens (several steps' when the loop fell behind); the
-    prompt's scores, where they came, on a chunk of their own first."""
-    by_index: dict[int, list[Token]] = {}
+    """One Chunk per sample and weights of these tokens (several steps' when the loop fell
+    behind); the prompt's scores, where they came, on a chunk of their own first."""
+    by_index: dict[tuple[int, int], list[Token]] = {}
     out = []
     for token in tokens:
         if isinstance(token, PromptScores):
@@ -93,8 +94,8 @@ def chunks(tokens: list, logprobs: int | None, masks: bool = False) -> list[Chun
                                  tuple(TokenLogprob(i, v) for i, v in position)
                                  for position in token.top)))
         else:
-            by_index.setdefault(token.index, []).append(token)
-    for index, group in by_index.items():
+            by_index.setdefault((token.index, token.update), []).append(token)
+    for (index, update), group in by_index.items():
         out.append(Chunk(
             index, tuple(t.token_id for t in group),
             logprobs=None if logprobs is None else tuple(t.logprob for t in group),
@@ -102,7 +103,7 @@ def chunks(tokens: list, logprobs: int | None, masks: bool = False) -> list[Chun
             if logprobs else None,
             sampling_mask=tuple(t.mask for t in group) if masks else None,
             routed_experts=group[-1].routed,
-            finish_reason=group[-1].finish))
+            finish_reason=group[-1].finish, weight_update=update))
     return out
 
 

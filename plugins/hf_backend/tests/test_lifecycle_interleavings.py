@@ -1,5 +1,6 @@
 """The lifecycle under random interleavings on the real HF backend: requests run on the
-engine loop while weight updates (each pause mode, some failing midway), adapter loads,
+engine loop while weight updates (each pause mode, some failing midway: the requests a
+"keep_kv" update runs beside then fail), adapter loads,
 releases, resumes and aborts are called from threads of their own, in any order and at
 once. Every request ends within a bound, with a result or a typed refusal; every result's
 weight spans cover its tokens in order, with versions that were pushed, in the order they
@@ -87,7 +88,7 @@ class Interleavings(RuleBasedStateMachine):
                 {"id": rid, "prompt": "the ka lo", "sampling": {**sampling, "seed": 1}}),
                 self.ro._loop))
 
-    @rule(pause=st.sampled_from(["wait", "abort", "keep"]),
+    @rule(pause=st.sampled_from(["wait", "abort", "keep", "keep_kv"]),
           fails=st.integers(0, 3).map(lambda k: k == 0))  # a quarter fail midway
     def update(self, pause, fails):
         version = next(self.versions)
@@ -96,10 +97,10 @@ class Interleavings(RuleBasedStateMachine):
         self._call("update", version, lambda: self.ro.update_weights(
             weights, version=version, pause=pause, bucket_bytes=4096))
 
-    @rule(ms=st.integers(5, 60), pause=st.sampled_from(["abort", "keep"]))
+    @rule(ms=st.integers(5, 60), pause=st.sampled_from(["abort", "keep", "keep_kv"]))
     def update_while_requests_run(self, ms, pause):
-        """The case the version rules are for: tokens made before the update, and (keep)
-        after it, in one result."""
+        """The case the version rules are for: tokens made before the update, and (keep,
+        keep_kv) after it, in one result."""
         self.start_requests(count=2, tokens=200, n=1, constrained=False)
         time.sleep(ms / 1000)
         self.update(pause, fails=False)

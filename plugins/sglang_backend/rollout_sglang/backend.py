@@ -248,6 +248,9 @@ class SGLangBackend:
         unsupported["trace_replay"] = (
             "SGLang's sampling parameters have no trace replay (vLLM's "
             "trace_decode_token_ids): it samples every token")
+        unsupported["keep_kv"] = (
+            "not wired to SGLang's own (an in-place weight update beside running requests) "
+            "yet: pause=\"keep\" holds requests and recomputes their KV cache")
         if adapters_reason:
             unsupported["adapters"] = adapters_reason
         return Capabilities(unsupported=unsupported)

@@ -291,11 +291,11 @@ def update_distributed_body(group: list, group_name: str) -> dict:
             "group_name": group_name, "flush_cache": False}
 
 
-def parse_delta(out: dict, logprobs: int | None, processed: bool = False) -> Delta:
+def parse_delta(out: dict, logprobs: int | None, from_mask: bool = False) -> Delta:
     """One output of a sample's stream. The engines run SGLang with
     incremental_streaming_output, so its output ids, logprobs and masks are the new ones
-    only (without it they are everything so far). `processed`: the logprobs are read from
-    the sampling mask's (generate_body asked for them there)."""
+    only (without it they are everything so far). `from_mask`: the logprobs are the
+    sampling mask's, processed (generate_body asked for them there)."""
     meta = out["meta_info"]
     finish = meta.get("finish_reason")
     kind = None
@@ -313,7 +313,7 @@ def parse_delta(out: dict, logprobs: int | None, processed: bool = False) -> Del
         if len(masks) != len(ids):
             raise GenerationError(f"SGLang sent {len(masks)} sampling masks for "
                                   f"{len(ids)} tokens")
-    if processed:
+    if from_mask:
         chosen, top = _drawn_logprobs(ids, masks, meta["output_token_sampling_logprobs"],
                                       logprobs)
     elif logprobs is not None:

@@ -239,6 +239,9 @@ class VLLMBackend:
         unsupported["trace_replay"] = (
             f"vLLM replays a trace (trace_decode_token_ids) only in {RUNNER_V2}; the HF "
             "backend replays them")
+        unsupported["keep_kv"] = (
+            "not wired to vLLM's own (pause_generation(mode=\"keep\")) yet: pause=\"keep\" "
+            "holds requests and recomputes their KV cache")
         for other in set(LOGPROBS_MODES) - {logprobs_mode}:
             unsupported[f"logprobs_mode.{other}"] = (
                 f"vLLM fixes its logprobs mode at start; this one was started with "

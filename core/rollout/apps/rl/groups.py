@@ -5,8 +5,9 @@ Groups (one prompt, `group_size` samples) run on the engine loop while the train
 a new one starts only while the staleness bound allows (`Staleness`). The trainer takes
 complete groups with `next_batch()` and pushes its weights with `update_weights()`, which
 updates the sampler with `pause="keep"` by default: running samples go on under the new
-weights, and their `Result.weight_versions` say which weights made each token. With
-`pause="abort"` they stop instead and go on from their tokens (`continue_from`) once the
+weights, and their `Result.weight_versions` say which weights made each token
+(`pause="keep_kv"`: the same without recomputing their KV cache, where the backend offers
+it). With `pause="abort"` they stop instead and go on from their tokens (`continue_from`) once the
 update is in: the partial rollouts are carried to the next step, not thrown away.
 """
 
@@ -77,8 +78,8 @@ class GroupSampler:
                  sample: Sample | None = None):
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise InvalidRequestError("group_size", f"got {group_size!r}", "an integer >= 1")
-        if pause not in ("keep", "abort"):
-            raise InvalidRequestError("pause", f"got {pause!r}", "keep, abort")
+        if pause not in ("keep", "keep_kv", "abort"):
+            raise InvalidRequestError("pause", f"got {pause!r}", "keep, keep_kv, abort")
         self.sampler, self.group_size, self.pause = sampler, group_size, pause
         self.score, self.keep, self.sample = score, keep, sample
         start = sampler.weight_version
