@@ -723,20 +723,26 @@ class BackendContract(SamplingContract, OnPolicyContract):
         assert again.token_ids == result.token_ids[start:end], (start, end)
         assert again.logprobs == pytest.approx(result.logprobs[start:end], abs=1e-3)
 
+    def _pushed_midway(self, harness, sampler, version: int, pause: str):
+        """A long greedy request across a push of the other weights as `version` with
+        `pause`: (its result, the edge), checked whole and labelled on both sides."""
+        request = self._greedy_long(harness, pause)
+        [kept] = across_a_keep(sampler, harness.rollout, request,
+                               load_weights(harness.other_dir), version, self.EDGE_AFTER,
+                               pause).unwrap()
+        assert kept.finish_reason == "length"  # nothing lost: it ran to its end
+        assert kept.completion_tokens == request["sampling"]["max_tokens"]
+        before, after = kept.weight_versions
+        assert (before.version, after.version, kept.weight_version) == (None, version, version)
+        edge = before.end
+        assert self.EDGE_AFTER <= edge < kept.completion_tokens
+        return kept, edge
+
     def test_keep_goes_on_under_the_new_weights_with_exact_spans(self, harness, sampler):
         skip_unless(harness.caps, "update_weights")
         assert harness.caps.keep in ("continue",)
-        request = self._greedy_long(harness, "kept")
-        other = load_weights(harness.other_dir)
         try:
-            [kept] = across_a_keep(sampler, harness.rollout, request, other, 1,
-                                   self.EDGE_AFTER).unwrap()
-            assert kept.finish_reason == "length"  # nothing lost: it ran to its end
-            assert kept.completion_tokens == request["sampling"]["max_tokens"]
-            before, after = kept.weight_versions
-            assert (before.version, after.version, kept.weight_version) == (None, 1, 1)
-            edge = before.end
-            assert self.EDGE_AFTER <= edge < kept.completion_tokens
+            kept, edge = self._pushed_midway(harness, sampler, 1, "keep")
             self._replays(sampler, kept, edge, edge + 8)  # after the edge: the new weights
         finally:
             sampler.update_weights(load_weights(harness.model_dir).items())
@@ -748,17 +754,8 @@ class BackendContract(SamplingContract, OnPolicyContract):
         weights', those after it the new weights' over the old ones' KV cache (so not the
         old weights' continuation), each labelled with the weights that made it."""
         skip_unless(harness.caps, "keep_kv")
-        request = self._greedy_long(harness, "kept-kv")
         try:
-            [kept] = across_a_keep(sampler, harness.rollout, request,
-                                   load_weights(harness.other_dir), 2, self.EDGE_AFTER,
-                                   pause="keep_kv").unwrap()
-            assert kept.finish_reason == "length"  # nothing lost: it ran to its end
-            assert kept.completion_tokens == request["sampling"]["max_tokens"]
-            before, after = kept.weight_versions
-            assert (before.version, after.version, kept.weight_version) == (None, 2, 2)
-            edge = before.end
-            assert self.EDGE_AFTER <= edge < kept.completion_tokens
+            kept, edge = self._pushed_midway(harness, sampler, 2, "keep_kv")
         finally:
             sampler.update_weights(load_weights(harness.model_dir).items())
         self._replays(sampler, kept, max(0, edge - 8), edge)  # before it: the old ones

@@ -54,6 +54,14 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory):
+    """A tiny random Qwen3-MoE (8 experts, 2 per token, 2 layers)."""
+    from rollout.kit.tiny_model import build_tiny_moe
+
+    return build_tiny_moe(tmp_path_factory.getbasetemp() / "rollout-models" / "moe")
+
+
+@pytest.fixture(scope="session")
 def real_model():
     """SmolLM2-135M-Instruct converted by `rollout model smollm2`, from the cache that
     command keeps (fetched and converted the first time: about a minute)."""

@@ -3,6 +3,8 @@ mixture-of-experts model in transformers, for the backends' routing tests."""
 
 from __future__ import annotations
 
+# Prompts of the tiny MoE's vocabulary, of several lengths.
+PROMPTS = ["ka lo mi", "su ta ri po an el is on", "qu"]
 # A router whose k-th and next experts' probabilities are this close may be decided either
 # way by another kernel (the engine's batched pass against the reference's own).
 TIE = 1e-5
@@ -37,3 +39,27 @@ def assert_routed_as_the_reference(result, reference) -> tuple[int, ...]:
     assert clear.float().mean() > 0.9  # (near-ties are rare)
     assert torch.equal(torch.tensor(result.routed_experts)[clear], expected[clear])
     return tuple(expected.shape)
+
+
+def streamed_with_routing_last(ro, request: dict):
+    """`request` (one sample) streamed: the routing comes on the chunk that ends it, and
+    on no other; returns its result."""
+    from rollout.testing.contract import on_engine_loop
+
+    async def run():
+        stream = ro.stream(request)
+        return [chunk async for chunk in stream], stream.completion
+
+    chunks, completion = on_engine_loop(run())
+    assert [c.routed_experts is not None for c in chunks if c.token_ids] == \
+        [c.finish_reason is not None for c in chunks if c.token_ids]
+    (result,) = completion.unwrap()
+    return result
+
+
+def float32_model(folder):
+    """The model in `folder` in transformers, float32, for reference passes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()

@@ -11,30 +11,19 @@ import torch
 import rollout
 from rollout.apps.rl.routing import replay_routing, routing_ids
 from rollout.kit.moe import expert_ids, routers
-from rollout.kit.tiny_model import build_tiny_moe
-from rollout.testing.contract import on_engine_loop
-from rollout.testing.routing import assert_routed_as_the_reference
-
-PROMPTS = ["ka lo mi", "su ta ri po an el is on", "qu"]
-
+from rollout.testing.routing import (PROMPTS, assert_routed_as_the_reference,
+                                     float32_model, streamed_with_routing_last)
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    return build_tiny_moe(tmp_path_factory.mktemp("moe"))
-
-
-@pytest.fixture(scope="module")
-def ro(moe):
-    ro = rollout.load_backend("hf", model=str(moe), batch_size=4)
+def ro(tiny_moe):
+    ro = rollout.load_backend("hf", model=str(tiny_moe), batch_size=4)
     yield ro
     ro.close()
 
 
 @pytest.fixture(scope="module")
-def reference(moe):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32).eval()
+def reference(tiny_moe):
+    return float32_model(tiny_moe)
 
 
 @pytest.fixture(scope="module")
@@ -61,30 +50,20 @@ def test_a_streamed_sample_gets_them_on_its_last_chunk(ro, results):
     request = {"prompt": PROMPTS[0], "sampling": {"max_tokens": 6, "ignore_eos": True,
                                                   "temperature": 0.0,
                                                   "return_routed_experts": True}}
-
-    async def run():
-        stream = ro.stream(request)
-        return [chunk async for chunk in stream], stream.completion
-
-    chunks, completion = on_engine_loop(run())
-    assert [c.routed_experts is not None for c in chunks if c.token_ids] == \
-        [c.finish_reason is not None for c in chunks if c.token_ids]
-    (result,) = completion.unwrap()
+    result = streamed_with_routing_last(ro, request)
     assert result.token_ids == greedy.token_ids
     assert result.routed_experts == greedy.routed_experts
 
 
 def test_replayed_a_trainer_takes_the_engines_experts_and_weighs_them_its_own_way(
-        results, reference, moe):
-    from transformers import AutoModelForCausalLM
-
+        results, reference, tiny_moe):
     sequences = [[*r.prompt_token_ids, *r.token_ids] for r in results]
     width = max(map(len, sequences))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
     given = routing_ids(results, width)
     known = given[..., 0, 0] >= 0  # positions with the engine's routing
     # A trainer whose routers drifted from the engine's weights routes otherwise ...
-    trainer = AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32)
+    trainer = float32_model(tiny_moe)
     with torch.no_grad():
         for router in routers(trainer):
             router.weight.add_(torch.randn_like(router.weight) * router.weight.std())

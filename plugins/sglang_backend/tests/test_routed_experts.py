@@ -7,35 +7,23 @@ on-policy tests.)"""
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import ENGINE
 
 import rollout
-from rollout.kit.tiny_model import build_tiny_moe
-from rollout.testing.contract import on_engine_loop
-from rollout.testing.routing import assert_routed_as_the_reference
-
-PROMPTS = ["ka lo mi", "su ta ri po an el is on", "qu"]
-
+from rollout.testing.routing import (PROMPTS, assert_routed_as_the_reference,
+                                     float32_model, streamed_with_routing_last)
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    return build_tiny_moe(tmp_path_factory.mktemp("moe"))
-
-
-@pytest.fixture(scope="module")
-def ro(moe):
+def ro(tiny_moe):
     # In process; the server mode sends the same body as JSON (test_request_bodies).
-    ro = rollout.load_backend("sglang", model=str(moe), mode="engine", **ENGINE)
+    ro = rollout.load_backend("sglang", model=str(tiny_moe), mode="engine", **ENGINE)
     yield ro
     ro.close()
 
 
 @pytest.fixture(scope="module")
-def reference(moe):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32).eval()
+def reference(tiny_moe):
+    return float32_model(tiny_moe)
 
 
 def test_each_tokens_experts_are_those_of_a_reference_forward(ro, reference):
@@ -55,15 +43,7 @@ def test_a_streamed_sample_gets_them_on_its_last_chunk(ro):
     request = {"prompt": PROMPTS[0], "sampling": {"max_tokens": 6, "ignore_eos": True,
                                                   "temperature": 0.0,
                                                   "return_routed_experts": True}}
-
-    async def run():
-        stream = ro.stream(request)
-        return [chunk async for chunk in stream], stream.completion
-
-    chunks, completion = on_engine_loop(run())
-    assert [c.routed_experts is not None for c in chunks if c.token_ids] == \
-        [c.finish_reason is not None for c in chunks if c.token_ids]
-    (result,) = completion.unwrap()
+    result = streamed_with_routing_last(ro, request)
     (whole,) = ro.generate([request])[0].unwrap()
     assert result.token_ids == whole.token_ids
     assert result.routed_experts == whole.routed_experts
