@@ -18,8 +18,6 @@ from collections import Counter
 import torch
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
-from rollout_sglang.protocol import NEUTRAL
-
 
 class Penalties(CustomLogitProcessor):
     def __call__(self, logits: torch.Tensor, custom_param_list=None) -> torch.Tensor:
@@ -43,11 +41,3 @@ class Penalties(CustomLogitProcessor):
                 logits[row, ids] -= (params["frequency_penalty"] * made
                                      + params["presence_penalty"])
         return logits
-
-
-def penalty_fields(s) -> dict:
-    """The generate body's fields for a request's penalties; none when it has none."""
-    given = {name: getattr(s, name) for name in NEUTRAL}
-    if given == NEUTRAL:
-        return {}
-    return {"custom_logit_processor": Penalties.to_str(), "custom_params": given}

@@ -145,11 +145,10 @@ def generate_body(rid: str, prompt: list[int], s: SamplingParams,
     if s.return_routed_experts:
         body["return_routed_experts"] = True
     if penalized(s):
-        from rollout_sglang.processors import penalty_fields
+        from rollout_sglang.processors import Penalties
 
-        extra = penalty_fields(s)
-        body["custom_logit_processor"] = extra["custom_logit_processor"]
-        body["sampling_params"]["custom_params"] = extra["custom_params"]
+        body["custom_logit_processor"] = Penalties.to_str()
+        body["sampling_params"]["custom_params"] = {name: getattr(s, name) for name in NEUTRAL}
     if asks_for_the_drawn_set(s):
         # SGLang returns the set only under a finite top_k, at most its
         # sampling_mask_max_tokens (which the backend starts at the vocabulary's size).
