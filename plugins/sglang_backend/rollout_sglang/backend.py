@@ -570,8 +570,10 @@ class _Sample:
             return delta
         if delta.sampling_mask is not None:
             self.masks = (self.masks or []) + delta.sampling_mask
-        return protocol.Delta(self.tokens if delta.finish_reason else [], None, None,
-                              delta.finish_reason, sampling_mask=self.masks)
+        if delta.finish_reason is None:
+            return protocol.Delta([], None, None, None)
+        return protocol.Delta(self.tokens, None, None, delta.finish_reason,
+                              sampling_mask=self.masks)
 
     def _stop_token(self, ids) -> int | None:
         if not self.stop_tokens:

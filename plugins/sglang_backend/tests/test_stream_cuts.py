@@ -18,7 +18,7 @@ def feed(s: SamplingParams, *deltas, held_back: bool = False, logprobs: bool = F
     out = []
     for ids in deltas:
         lps = [-float(t) for t in ids] if logprobs else None
-        out.append(sample.add(Delta(list(ids), lps, None, None)))
+        out.append(sample.add(Delta(list(ids), lps, None, None))[:4])
         if out[-1][3] is not None:
             break
     return out
@@ -67,4 +67,22 @@ def test_a_sample_to_be_rescored_comes_out_whole_at_its_end():
 
 def test_an_uncut_sample_keeps_sglangs_finish():
     sample = _Sample(SamplingParams(max_tokens=3), decode, False)
-    assert sample.add(Delta([0, 1, 2], None, None, "length")) == ([0, 1, 2], None, None, "length")
+    assert sample.add(Delta([0, 1, 2], None, None, "length"))[:4] == \
+        ([0, 1, 2], None, None, "length")
+
+
+def masks(ids) -> list:
+    return [(t, t + 1) for t in ids]
+
+
+def test_sampling_masks_are_cut_with_their_tokens_and_held_back_with_them():
+    s = SamplingParams(ignore_eos=True, stop_token_ids=(3,), max_tokens=20)
+    cut = _Sample(s, decode, False).add(Delta([2, 3, 4], None, None, None,
+                                              sampling_mask=masks([2, 3, 4])))
+    assert (cut.token_ids, cut.sampling_mask, cut.finish_reason) == ([2, 3], masks([2, 3]),
+                                                                      "stop")
+    held = _Sample(s, decode, True)
+    assert held.add(Delta([0, 1], None, None, None, sampling_mask=masks([0, 1]))) == \
+        Delta([], None, None, None)
+    whole = held.add(Delta([2, 3, 4], None, None, None, sampling_mask=masks([2, 3, 4])))
+    assert (whole.token_ids, whole.sampling_mask) == ([0, 1, 2, 3], masks([0, 1, 2, 3]))
