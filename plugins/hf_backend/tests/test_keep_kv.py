@@ -40,7 +40,7 @@ def test_after_the_edge_the_new_weights_decode_over_the_old_cache(tiny_model, ot
 
     ro = rollout.load_backend("hf", model=str(tiny_model))
     request = {"prompt": "the ka lo", "sampling": {"temperature": 0.0, "ignore_eos": True,
-                                                   "logprobs": 0, "max_tokens": 400}}
+                                                   "logprobs": 0, "max_tokens": 2000}}
     try:
         [kept] = across_a_keep(ro, ro, request, load_weights(other), 1, AFTER,
                                pause="keep_kv").unwrap()
