@@ -85,7 +85,7 @@ def deliver(batch: list[tuple[Job, list]]) -> None:
 def chunks(tokens: list, logprobs: int | None, masks: bool = False) -> list[Chunk]:
     """One Chunk per sample and weights of these tokens (several steps' when the loop fell
     behind); the prompt's scores, where they came, on a chunk of their own first."""
-    by_index: dict[tuple[int, int], list[Token]] = {}
+    groups: dict[tuple[int, int], list[Token]] = {}  # (sample, weight update) -> its tokens
     out = []
     for token in tokens:
         if isinstance(token, PromptScores):
@@ -94,8 +94,8 @@ def chunks(tokens: list, logprobs: int | None, masks: bool = False) -> list[Chun
                                  tuple(TokenLogprob(i, v) for i, v in position)
                                  for position in token.top)))
         else:
-            by_index.setdefault((token.index, token.update), []).append(token)
-    for (index, update), group in by_index.items():
+            groups.setdefault((token.index, token.update), []).append(token)
+    for (index, update), group in groups.items():
         out.append(Chunk(
             index, tuple(t.token_id for t in group),
             logprobs=None if logprobs is None else tuple(t.logprob for t in group),
