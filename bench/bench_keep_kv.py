@@ -15,6 +15,9 @@ engine gave:
 - the batch's wall time with the push, keep_kv against keep (the recompute's cost).
 
     python bench/bench_keep_kv.py [--model smollm2] [--scales 1e-4,1e-3,1e-2,1e-1]
+                                  [--backend sglang -o dtype=float32]
+
+(on any backend that offers keep_kv: HF and SGLang; from that backend's environment)
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import math
 import tempfile
 import time
 
-from common import add_model_argument, model_folder, prompts
+from common import add_backend_arguments, add_model_argument, model_folder, prepare_engine, prompts
 
 PAUSES = ("keep", "keep_kv")
 
@@ -77,26 +80,30 @@ def compared(ro, results) -> tuple[list[float], list[float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_argument(parser)
+    add_backend_arguments(parser)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--after", type=int, default=16, help="tokens before the push")
     parser.add_argument("--scales", default="1e-4,1e-3,1e-2,1e-1")
     args = parser.parse_args()
 
+    prepare_engine(args.backend)
     import rollout
     from rollout.testing.contract import on_engine_loop
     from rollout.testing.model_folders import load_weights
 
     folder = model_folder(args.model, tempfile.mkdtemp())
     texts = prompts(args.prompts)
-    requests = [{"id": str(i), "prompt": text,
-                 "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens,
-                              "ignore_eos": True, "logprobs": 0, "seed": i}}
-                for i, text in enumerate(texts)]
     own = load_weights(folder)
-    with rollout.load_backend("hf", model=folder) as ro:
-        print(f"hf, {args.model}: {args.prompts} prompts x {args.max_tokens} tokens at "
-              f"temperature 1, pushed after {args.after}")
+    with rollout.load_backend(args.backend, model=folder, **dict(args.options)) as ro:
+        seeded = ro.capabilities.supports("seed")  # (SGLang on CPU: not)
+        requests = [{"id": str(i), "prompt": text,
+                     "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens,
+                                  "ignore_eos": True, "logprobs": 0,
+                                  "seed": i if seeded else None}}
+                    for i, text in enumerate(texts)]
+        print(f"{args.backend}, {args.model}: {args.prompts} prompts x {args.max_tokens} "
+              f"tokens at temperature 1, pushed after {args.after}")
         print(f"{'scale':>8} {'pause':>8} {'tokens after':>12} {'k3 KL':>10} "
               f"{'max |diff|':>10} {'batch s':>8}")
         on_engine_loop(with_a_push(ro, requests, own, "keep", args.after))  # warm

@@ -42,6 +42,21 @@ def test_the_asynchronous_loop_learns_with_each_tokens_logprob_checked(tiny_mode
     assert run.summary["last_reward"] > run.summary["first_reward"] + 0.05, run.summary
 
 
+def test_kept_kv_pushes_check_the_exact_tokens_and_log_the_others_apart(tiny_model,
+                                                                         tmp_path):
+    """--pause keep_kv: running samples keep their KV cache across a push. The tokens
+    their own weights' cache made pass the check; the largest gap of those made over an
+    older cache is logged apart each step."""
+    log = tmp_path / "steps.jsonl"
+    run = run_grpo("hf", {}, tiny_model, "--async", 1, "--pause", "keep_kv", "--steps", 12,
+                   "--prompts", 4, "--group-size", 8, "--max-tokens", 32, "--seed", 0,
+                   "--log", log, timeout=120)
+    assert run.summary["pause"] == "keep_kv" and len(run.steps) == 12
+    assert run.summary["max_logprob_diff"] <= 1e-3
+    steps = [r for r in map(json.loads, log.read_text().splitlines()) if "reward" in r]
+    assert len(steps) == 12 and all(s["kept_kv_max_logprob_diff"] >= 0 for s in steps)
+
+
 def test_the_asynchronous_loop_through_two_replica_processes(tiny_model):
     run = run_grpo("hf", {}, tiny_model, "--replicas", 2, "--async", 2, "--steps", 8,
                    "--prompts", 4, "--group-size", 4, "--seed", 0, timeout=300)

@@ -29,8 +29,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from rollout import (BackendReleasedError, Capabilities, InvalidRequestError, Rollout,
-                     Sampler, UnsupportedError, WeightsDirtyError)
+from rollout import (BackendReleasedError, Capabilities, GenerationError, InvalidRequestError,
+                     Rollout, Sampler, UnsupportedError, WeightsDirtyError)
 from rollout.kit.aio import engine_loop
 from rollout.testing.adapters import lora_adapter, merged_copy
 from rollout.testing.model_folders import load_weights, perturbed_copy, tiny_model_dir
@@ -718,12 +718,18 @@ class BackendContract(SamplingContract, OnPolicyContract):
         """Tokens [start, end) of `result` are what the weights loaded now make, greedily,
         from the prompt and the tokens before `start`, with the same logprobs."""
         end = min(end, result.completion_tokens)
+        again = self._continued(sampler, result, start, end - start)
+        assert again.token_ids == result.token_ids[start:end], (start, end)
+        assert again.logprobs == pytest.approx(result.logprobs[start:end], abs=1e-3)
+
+    @staticmethod
+    def _continued(sampler, result, start: int, tokens: int = 8):
+        """`tokens` greedy tokens from the prompt and the first `start` of `result`."""
         [again] = sampler.generate([{
             "prompt_token_ids": list(result.prompt_token_ids) + list(result.token_ids[:start]),
             "sampling": {"temperature": 0.0, "ignore_eos": True, "logprobs": 0,
-                         "max_tokens": end - start}}])[0].unwrap()
-        assert again.token_ids == result.token_ids[start:end], (start, end)
-        assert again.logprobs == pytest.approx(result.logprobs[start:end], abs=1e-3)
+                         "max_tokens": tokens}}])[0].unwrap()
+        return again
 
     def _pushed_midway(self, harness, sampler, version: int, pause: str):
         """A long greedy request across a push of the other weights as `version` with
@@ -754,18 +760,57 @@ class BackendContract(SamplingContract, OnPolicyContract):
             self, harness, sampler):
         """The request stays in the engine: the tokens before the edge are the old
         weights', those after it the new weights' over the old ones' KV cache (so not the
-        old weights' continuation), each labelled with the weights that made it."""
+        old weights' continuation), each labelled with the weights that made it. A request
+        that comes after the update is the new weights' alone, even from a prefix the
+        old ones cached."""
         skip_unless(harness.caps, "keep_kv")
         try:
             kept, edge = self._pushed_midway(harness, sampler, 2, "keep_kv")
+            after = self._continued(sampler, kept, edge)
         finally:
             sampler.update_weights(load_weights(harness.model_dir).items())
         self._replays(sampler, kept, max(0, edge - 8), edge)  # before it: the old ones
-        [old] = sampler.generate([{
-            "prompt_token_ids": list(kept.prompt_token_ids) + list(kept.token_ids[:edge]),
-            "sampling": {"temperature": 0.0, "ignore_eos": True, "logprobs": 0,
-                         "max_tokens": 8}}])[0].unwrap()
+        old = self._continued(sampler, kept, edge)
         assert old.logprobs != pytest.approx(kept.logprobs[edge:edge + 8], abs=1e-3)
+        sampler.update_weights(load_weights(harness.other_dir).items(), version=3)
+        try:
+            fresh = self._continued(sampler, kept, edge)  # the new weights, nothing cached
+        finally:
+            sampler.update_weights(load_weights(harness.model_dir).items())
+        assert after.token_ids == fresh.token_ids
+        assert after.logprobs == pytest.approx(fresh.logprobs, abs=1e-3)
+
+    def test_a_keep_kv_update_that_fails_midway_fails_the_requests_beside_it(
+            self, harness, sampler):
+        """Their weights are half new: each gets a typed error, and the next full update
+        brings the backend back."""
+        skip_unless(harness.caps, "keep_kv")
+        request = self._greedy_long(harness, "beside a failure")
+
+        async def run():
+            stream, made, update = sampler.stream(request), 0, None
+            with pytest.raises(GenerationError):
+                async for chunk in stream:
+                    made += len(chunk.token_ids)
+                    if made >= self.EDGE_AFTER and update is None:
+                        update = asyncio.get_running_loop().run_in_executor(None, lambda: (
+                            sampler.update_weights(
+                                trainer_that_dies(load_weights(harness.other_dir)),
+                                version=5, pause="keep_kv", bucket_bytes=4096)))
+                        # (held still until then, so that the request cannot end first)
+                        assert wait_until(lambda: harness.rollout.updating or
+                                          harness.rollout.weights_dirty)
+            with pytest.raises(ConnectionResetError):
+                await asyncio.wait_for(update, 120)
+
+        try:
+            on_engine_loop(run())
+            # (Served, the trainer's error reaches the client before the server's update
+            # has failed all the way.)
+            assert wait_until(lambda: harness.rollout.weights_dirty)
+        finally:
+            sampler.update_weights(load_weights(harness.model_dir).items())
+        assert probe(harness.rollout) == harness.baseline
 
     def test_keep_kv_is_refused_where_the_backend_does_not_offer_it(self, harness,
                                                                       sampler):

@@ -227,6 +227,9 @@ class SGLangBackend:
         self.weights = make_sender(weight_transport, self.engine, request_timeout,
                                    weight_group_timeout)
         self._session_open = False  # an SGLang weight-update session we began and did not end
+        # Weight updates made (each chunk is stamped with it: Chunk.weight_update), begun,
+        # and failed midway.
+        self.updates = self._began = self._failed = 0
         try:
             self.engine.start()
             # SGLang's scheduler keeps a few tokens of the context for itself and refuses
@@ -248,9 +251,6 @@ class SGLangBackend:
         unsupported["trace_replay"] = (
             "SGLang's sampling parameters have no trace replay (vLLM's "
             "trace_decode_token_ids): it samples every token")
-        unsupported["keep_kv"] = (
-            "not wired to SGLang's own (an in-place weight update beside running requests) "
-            "yet: pause=\"keep\" holds requests and recomputes their KV cache")
         if adapters_reason:
             unsupported["adapters"] = adapters_reason
         return Capabilities(unsupported=unsupported)
@@ -299,17 +299,16 @@ class SGLangBackend:
         # would otherwise run on to the end of the output.
         interval = 1 if streaming or cuts_here(s) else self.stream_interval
         # Fixed-length unique rids: SGLang's scheduler aborts every rid with a given prefix.
-        samples = [self._sample(i, protocol.generate_body(uuid.uuid4().hex, prompt_token_ids,
-                                                          sent, image_data, lora, interval,
-                                                          self.vocab_size),
-                                s, prompt_token_ids, rescored, image_data)
-                   for i in range(s.n)]
+        samples = [self._sample(i, self._salted(protocol.generate_body(
+            uuid.uuid4().hex, prompt_token_ids, sent, image_data, lora, interval,
+            self.vocab_size)), s, prompt_token_ids, rescored, image_data,
+            (self.updates, self._began, self._failed)) for i in range(s.n)]
         # One sample is read on the request's own task; several, on a task each.
         chunks = samples[0] if len(samples) == 1 else _merged(samples)
         try:
             if s.prompt_logprobs is not None:  # scored by a prefill of its own, first
-                out = await self.engine.generate(protocol.prompt_score_body(
-                    uuid.uuid4().hex, prompt_token_ids, s.prompt_logprobs, lora))
+                out = await self.engine.generate(self._salted(protocol.prompt_score_body(
+                    uuid.uuid4().hex, prompt_token_ids, s.prompt_logprobs, lora)))
                 yield Chunk(0, **protocol.parse_prompt_scores(out, len(prompt_token_ids),
                                                               s.prompt_logprobs))
             async with contextlib.aclosing(chunks):  # closed, SGLang aborts what still runs
@@ -322,13 +321,25 @@ class SGLangBackend:
                 raise
             raise constraint_error(exc, s.structured_outputs) from None
 
+    def _salted(self, body: dict) -> dict:
+        """Each weights' prefixes apart in SGLang's radix cache: requests kept beside a
+        "keep_kv" update go on caching prefixes the old weights made, which no new request
+        may reuse."""
+        return {**body, "cache_salt": str(self.updates)}
+
     async def _sample(self, index: int, body: dict, s, prompt: list[int], rescored: bool,
-                      image_data):
-        """The chunks of one sample, SGLang request `body`."""
+                      image_data, since: tuple[int, int, int]):
+        """The chunks of one sample, SGLang request `body`; `since`: the updates made,
+        begun and failed when the request came."""
+        updates, began, failed = since
         sample = _Sample(s, self.prompts.decode, rescored)
         cached = None  # SGLang's last word on prefix-cache hits, for the final chunk
         expanded = None  # the prompt's length in SGLang, each image's run of tokens included
         routing = None  # SGLang's, once it sends it (as the sample ends)
+        # Once an update begins beside the sample, its tokens wait for the output that ends
+        # it, where SGLang says which weights made each (those already out were made
+        # before the update held the scheduler).
+        waiting: list[protocol.Delta] = []
         async with contextlib.aclosing(self.engine.stream(body)) as outputs:
             async for out in outputs:
                 meta = out.get("meta_info") or {}
@@ -341,27 +352,52 @@ class SGLangBackend:
                 if s.return_sampling_mask and s.temperature == 0:  # the argmax alone
                     delta = delta._replace(sampling_mask=[(t,) for t in delta.token_ids])
                 given = sample.add(delta)
+                if self._began != began and not rescored:
+                    waiting.append(given)
                 if given.finish_reason is not None:
                     break  # leaving the stream aborts a sample cut here in SGLang
-                if given.token_ids:
+                if given.token_ids and not waiting:
                     yield Chunk(index, given.token_ids, given.logprobs, given.top_logprobs,
                                 cached_tokens=delta.cached_tokens,
-                                sampling_mask=given.sampling_mask)
+                                sampling_mask=given.sampling_mask, weight_update=updates)
             else:
                 raise GenerationError("SGLang ended a sample's stream unfinished")
+        if given.finish_reason == "abort" and self._failed != failed:
+            raise GenerationError("a weight update failed midway beside this request, and "
+                                  "its weights are half new: SGLang aborted it")
         logprobs, top = given.logprobs, given.top_logprobs
         if rescored:
             logprobs, top = await self._raw_logprobs(prompt, given.token_ids, s.logprobs,
                                                      image_data, expanded, body["lora_path"])
+            if self._began != began:
+                raise GenerationError(
+                    "a weight update ran beside this sample, whose logprobs are rescored "
+                    "(penalties, logit_bias or min_tokens with raw logprobs) by the weights "
+                    "loaded when it ends: they would not be those that made its tokens")
         experts = None
         if s.return_routed_experts:  # every token but the last ran through the model
             if routing is None:
                 raise GenerationError("SGLang sent no routed experts")
             ran = (expanded or len(prompt)) + len(sample.tokens) - 1
             experts = protocol.routed_experts(routing, ran, self.moe_top_k)
-        yield Chunk(index, given.token_ids, logprobs, top, given.finish_reason,
-                    cached_tokens=cached, sampling_mask=given.sampling_mask,
-                    routed_experts=experts)
+        last = given._replace(logprobs=logprobs, top_logprobs=top)
+        runs = [(updates, last)]
+        if waiting:
+            waiting[-1] = last
+            spans = protocol.weight_spans(meta)
+            if spans is None:  # a sample cut here: SGLang did not end it
+                raise GenerationError(
+                    "a weight update ran beside this sample, which the backend ends itself "
+                    "(stop_token_ids with ignore_eos, or stop with min_tokens): SGLang says "
+                    "which weights made each token only as it ends a sample")
+            runs = by_weights(joined(waiting), len(sample.tokens), spans)
+        for update, run in runs[:-1]:
+            yield Chunk(index, run.token_ids, run.logprobs, run.top_logprobs,
+                        sampling_mask=run.sampling_mask, weight_update=update)
+        update, run = runs[-1]
+        yield Chunk(index, run.token_ids, run.logprobs, run.top_logprobs, given.finish_reason,
+                    cached_tokens=cached, sampling_mask=run.sampling_mask,
+                    routed_experts=experts, weight_update=update)
 
     def _check_sampling(self, s) -> None:
         """What SGLang cannot do as the contract says is refused, never done otherwise."""
@@ -400,19 +436,42 @@ class SGLangBackend:
         prefill knows no constraint: _check_sampling refuses that case.)"""
         if not tokens:
             return [], [] if logprobs else None
-        out = await self.engine.generate(
+        out = await self.engine.generate(self._salted(
             protocol.score_body(uuid.uuid4().hex, prompt, tokens, logprobs, image_data,
-                                expanded, lora))
+                                expanded, lora)))
         return protocol.parse_scores(out, len(tokens), logprobs)
 
     # --- weights and memory -------------------------------------------------------------
 
     @rollout.hookimpl
     def update_weights(self, buckets):
-        """One SGLang session per update, the cache flushed after it. A failure midway
-        (the trainer's tensors stop coming, a transfer fails) ends the session, bounded,
-        so that the next update can begin; the core then refuses requests (the weights
-        are half new) until a full update succeeds."""
+        """One SGLang session, the scheduler held in place meanwhile: requests running
+        beside a "keep_kv" update stay in it with their KV cache, and SGLang marks where
+        their tokens change weights (named by the number of updates made). A failure
+        midway aborts them (the weights are half new), and the core refuses requests until
+        a full update succeeds."""
+        self._began += 1  # before the hold: a sample that sees it waits for SGLang's spans
+        self.engine.run(self.engine.pause(), 60, "SGLang pause_generation")
+        try:
+            self._load(buckets)
+            self.engine.run(self.engine.name_weights(self.updates + 1), 60,
+                            "SGLang update_weight_version")
+            self.updates += 1
+        except BaseException:
+            self._failed += 1
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                self.engine.run(self.engine.abort_all(), 60, "SGLang abort_request")
+                self.engine.run(self.engine.go_on(), 60, "SGLang continue_generation")
+            raise
+        self.engine.run(self.engine.go_on(), 60, "SGLang continue_generation")
+        # Frees the old weights' cache where nothing runs; where requests still run (kept,
+        # or aborted and leaving), new ones are salted apart from it (_salted).
+        self.engine.run(self.engine.flush_cache(), 60, "SGLang flush_cache")
+
+    def _load(self, buckets) -> None:
+        """The buckets in one SGLang weight-update session. A failure midway (the
+        trainer's tensors stop coming, a transfer fails) ends the session, bounded, so that
+        the next update can begin."""
         if self._session_open:  # the last failure could not end it (nor maybe tell us it did)
             with contextlib.suppress(GenerationError):
                 self._end_session()
@@ -427,7 +486,6 @@ class SGLangBackend:
                 self._end_session()
             raise
         self._end_session()
-        self._flush()
 
     def _end_session(self) -> None:
         self.engine.run(self.engine.end_update(), 60, "SGLang end_weight_update")
@@ -535,6 +593,30 @@ def cuts_here(s) -> bool:
 PER_TOKEN = ("token_ids", "logprobs", "top_logprobs", "sampling_mask")  # Delta's fields
 
 
+def sliced(delta: protocol.Delta, a: int, b: int) -> protocol.Delta:
+    """Tokens [a, b) of `delta` with what each carries."""
+    return delta._replace(**{name: value[a:b] for name, value in zip(delta._fields, delta)
+                             if name in PER_TOKEN and value is not None})
+
+
+def joined(deltas: list[protocol.Delta]) -> protocol.Delta:
+    """One Delta of consecutive ones, with the last's finish."""
+    return deltas[-1]._replace(**{
+        name: None if getattr(deltas[-1], name) is None else
+        [x for d in deltas for x in getattr(d, name)] for name in PER_TOKEN})
+
+
+def by_weights(delta: protocol.Delta, end: int, spans) -> list[tuple[int, protocol.Delta]]:
+    """The tokens of `delta`, the last of a sample's `end` tokens, in runs of the weights
+    that made them, (updates, run), from SGLang's (updates, start, end) spans."""
+    start, runs = end - len(delta.token_ids), []
+    for update, first, last in spans:
+        a, b = max(first, start), min(last, end)
+        if a < b:
+            runs.append((update, sliced(delta, a - start, b - start)))
+    return runs or [(spans[-1][0], delta)]  # (no tokens: the finish alone)
+
+
 class _Sample:
     """One sample as SGLang streams it: ended where SGLang would not stop by itself, and
     held back whole when its logprobs are to be rescored."""
@@ -562,9 +644,7 @@ class _Sample:
             at = self._stop_string(ids if end is None else ids[:end])
             end = end if at is None else at
         if end is not None:
-            cut = {name: value[:end] for name, value in zip(delta._fields, delta)
-                   if name in PER_TOKEN and value is not None}
-            delta = delta._replace(**cut, finish_reason="stop")
+            delta = sliced(delta, 0, end)._replace(finish_reason="stop")
         self.tokens += delta.token_ids
         if not self.held_back:
             return delta

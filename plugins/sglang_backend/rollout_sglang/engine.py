@@ -51,13 +51,27 @@ class Engine(Protocol):
         """One answer, for a body without streaming."""
 
     async def begin_update(self) -> None:
-        """Pause SGLang's scheduler for a weight update."""
+        """Open SGLang's weight-update session."""
 
     async def update_tensors(self, group: list) -> None:
         """Load one group of (name, tensor) pairs (the "tensor" transport)."""
 
     async def end_update(self) -> None:
-        """Let the scheduler go on after a weight update."""
+        """Close SGLang's weight-update session."""
+
+    async def pause(self) -> None:
+        """Hold SGLang's scheduler between two steps, its running requests kept in it with
+        their KV cache; new requests wait."""
+
+    async def go_on(self) -> None:
+        """Let the scheduler run again after `pause`."""
+
+    async def name_weights(self, updates: int) -> None:
+        """Name the weights loaded now by the number of updates made: SGLang marks where
+        each running request's tokens change name (protocol.weight_spans)."""
+
+    async def abort_all(self) -> None:
+        """Abort every request SGLang holds."""
 
     async def load_adapter(self, name: str, rank: int, scale: float, modules: list[str],
                            tensors: dict) -> None:

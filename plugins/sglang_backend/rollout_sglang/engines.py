@@ -272,6 +272,21 @@ class InProcessEngine:
     async def end_update(self) -> None:
         await self._call("end_weight_update", self._tm.end_weight_update, {})
 
+    async def pause(self) -> None:
+        await self._tm.pause_generation(protocol.struct("pause_generation")(
+            **protocol.PAUSE_IN_PLACE))
+
+    async def go_on(self) -> None:
+        await self._tm.continue_generation(protocol.struct("continue_generation")(
+            **protocol.GO_ON))
+
+    async def name_weights(self, updates: int) -> None:
+        await self._tm.update_weight_version(protocol.struct("update_weight_version")(
+            **protocol.weights_named(updates)))
+
+    async def abort_all(self) -> None:
+        self._tm.abort_request(abort_all=True)
+
     async def load_adapter(self, name: str, rank: int, scale: float, modules: list[str],
                            tensors: dict) -> None:
         from rollout_sglang.weights import flattened, serialize
@@ -461,6 +476,18 @@ class ServerEngine:
 
     async def end_update(self) -> None:
         await self._call("/end_weight_update", {}, timeout=60)
+
+    async def pause(self) -> None:
+        await self._call("/pause_generation", protocol.PAUSE_IN_PLACE, timeout=60)
+
+    async def go_on(self) -> None:
+        await self._call("/continue_generation", protocol.GO_ON, timeout=60)
+
+    async def name_weights(self, updates: int) -> None:
+        await self._call("/update_weight_version", protocol.weights_named(updates), timeout=60)
+
+    async def abort_all(self) -> None:
+        await self._call("/abort_request", {"abort_all": True}, timeout=60)
 
     async def load_adapter(self, name: str, rank: int, scale: float, modules: list[str],
                            tensors: dict) -> None:

@@ -37,7 +37,35 @@ STRUCTS = {
     "load_lora_adapter_from_tensors": ("sglang.srt.managers.io_struct",
                                        "LoadLoRAAdapterFromTensorsReqInput"),
     "unload_lora_adapter": ("sglang.srt.managers.io_struct", "UnloadLoRAAdapterReqInput"),
+    "pause_generation": ("sglang.srt.managers.io_struct", "PauseGenerationReqInput"),
+    "continue_generation": ("sglang.srt.managers.io_struct", "ContinueGenerationReqInput"),
+    "update_weight_version": ("sglang.srt.managers.io_struct", "UpdateWeightVersionReqInput"),
 }
+# Held in place, a paused scheduler keeps its running requests and their KV cache; going
+# on, it empties no CUDA cache (there is none on CPU, and the update freed nothing).
+PAUSE_IN_PLACE = {"mode": "in_place"}
+GO_ON = {"torch_empty_cache": False}
+
+
+# SGLang's name for the weights it started with; the backend names each update's weights
+# by the number of updates made (SGLangBackend.updates).
+FIRST_WEIGHTS = "default"
+
+
+def weights_named(updates: int) -> dict:
+    # (SGLang's HTTP server would abort every request first by default.)
+    return {"new_version": str(updates), "abort_all_requests": False}
+
+
+def weight_spans(meta: dict) -> list[tuple[int, int, int]] | None:
+    """(updates, start, end) runs of a sample's output tokens by the weights that made
+    them, from the output that ends it (SGLang's scheduler computes them as it finishes a
+    request); None on any other output."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return None
+    return [(0 if s["version"] == FIRST_WEIGHTS else int(s["version"]), s["start"], s["end"])
+            for s in spans]
 
 
 def struct(name: str):

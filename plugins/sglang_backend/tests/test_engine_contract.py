@@ -1,12 +1,15 @@
 """The SGLang backend, in-process sglang.Engine, against the full contract suite."""
 
+import asyncio
+
 import pytest
 from conftest import ENGINE
 
 import rollout
 from rollout.testing import BackendContract
 from rollout.testing.adapters import lora_adapter
-from rollout.testing.contract import ADAPTER
+from rollout.testing.contract import ADAPTER, on_engine_loop, wait_until
+from rollout.testing.model_folders import load_weights
 from rollout.testing.probes import PROBE_PROMPTS, PROBE_TOKENS
 
 
@@ -80,3 +83,37 @@ class TestSGLangEngine(BackendContract):
         assert len(adapters) == len(requests)
         runs = [a for i, a in enumerate(adapters) if i == 0 or a != adapters[i - 1]]
         assert len(runs) == 2, adapters
+
+    def test_a_rescored_sample_beside_a_keep_kv_update_fails_by_name(self, harness):
+        """Its raw logprobs come from a prefill as it ends, which the new weights would
+        run over tokens the old ones made: refused, while a plain request beside it goes
+        on across the update."""
+        ro, long = harness.rollout, harness.max_model_len - 16
+        rescored = {"prompt": "the ka lo", "sampling": {
+            "temperature": 0.0, "ignore_eos": True, "max_tokens": long, "logprobs": 0,
+            "repetition_penalty": 1.2}}
+        plain = {"prompt": "lo ka the", "sampling": {
+            "temperature": 0.0, "ignore_eos": True, "max_tokens": long}}
+
+        async def run():
+            held = asyncio.ensure_future(ro.agenerate(rescored))
+            stream, made, update = ro.stream(plain), 0, None
+            async for chunk in stream:
+                made += len(chunk.token_ids)
+                if made >= 16 and update is None:
+                    update = asyncio.get_running_loop().run_in_executor(None, lambda: (
+                        ro.update_weights(load_weights(harness.model_dir).items(), version=4,
+                                          pause="keep_kv")))
+                    # (held still until then, so that neither request can end first)
+                    assert wait_until(lambda: ro.updating or ro.weight_version == 4)
+            await asyncio.wait_for(update, 120)
+            return await held, stream.completion
+
+        try:
+            held, went_on = on_engine_loop(run())
+        finally:
+            ro.update_weights(load_weights(harness.model_dir).items())
+        assert isinstance(held.error, rollout.GenerationError)
+        assert "rescored" in held.error.message
+        [result] = went_on.unwrap()
+        assert [s.version for s in result.weight_versions] == [None, 4]

@@ -8,8 +8,8 @@ from rollout.apps.rl.groups import Group, GroupSampler, has_spread
 from rollout.apps.rl.harness import AgentCall, Episode, Harness, gateway
 from rollout.apps.rl.mismatch import CORRECTIONS, importance_weights, mismatch
 from rollout.apps.rl.staleness import POLICIES, Staleness
-from rollout.apps.rl.versions import largest_gap, versions_in
+from rollout.apps.rl.versions import first_and_later_gaps, largest_gap, versions_in
 
 __all__ = ["CORRECTIONS", "POLICIES", "AgentCall", "Episode", "Group", "GroupSampler",
-           "Harness", "Staleness", "gateway", "has_spread", "importance_weights",
-           "largest_gap", "mismatch", "versions_in"]
+           "Harness", "Staleness", "first_and_later_gaps", "gateway", "has_spread",
+           "importance_weights", "largest_gap", "mismatch", "versions_in"]
