@@ -41,8 +41,9 @@ STRUCTS = {
     "continue_generation": ("sglang.srt.managers.io_struct", "ContinueGenerationReqInput"),
     "update_weight_version": ("sglang.srt.managers.io_struct", "UpdateWeightVersionReqInput"),
 }
-# Held in place, a paused scheduler keeps its running requests and their KV cache; going
-# on, it empties no CUDA cache (there is none on CPU, and the update freed nothing).
+# Held in place, a paused scheduler keeps its running requests and their KV cache. Going
+# on, it is not asked to empty torch's CUDA cache (SGLang's default), which gives memory
+# back only to other processes: a colocated trainer gets it from release().
 PAUSE_IN_PLACE = {"mode": "in_place"}
 GO_ON = {"torch_empty_cache": False}
 
