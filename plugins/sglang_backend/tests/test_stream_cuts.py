@@ -1,9 +1,10 @@
 """Where a streamed sample ends when SGLang cannot stop it itself (stop tokens with
-ignore_eos, stop strings with min_tokens), and how a sample to be rescored is held back:
-the backend's per-sample logic on a toy vocabulary, no engine."""
+ignore_eos, stop strings with min_tokens), how a sample to be rescored is held back, and
+how tokens kept across a weight update are split by the weights that made them: the
+backend's per-sample logic on a toy vocabulary, no engine."""
 
 from rollout import SamplingParams
-from rollout_sglang.backend import _Sample
+from rollout_sglang.backend import _Sample, by_weights, joined
 from rollout_sglang.protocol import Delta
 
 PIECES = ["a", "bb", "c", "dd", "e", "f"]
@@ -86,3 +87,22 @@ def test_sampling_masks_are_cut_with_their_tokens_and_held_back_with_them():
         Delta([], None, None, None)
     whole = held.add(Delta([2, 3, 4], None, None, None, sampling_mask=masks([2, 3, 4])))
     assert (whole.token_ids, whole.sampling_mask) == ([0, 1, 2, 3], masks([0, 1, 2, 3]))
+
+
+def test_tokens_kept_across_an_update_come_out_in_runs_of_the_weights_that_made_them():
+    """SGLang's spans are over the whole sample; the kept tokens are its last ones, and
+    each run carries its own logprobs and masks."""
+    kept = joined([Delta([4, 5], [-4.0, -5.0], None, None, sampling_mask=[(4,), (5,)]),
+                   Delta([6], [-6.0], None, "length", sampling_mask=[(6, 7)])])
+    assert kept.token_ids == [4, 5, 6] and kept.finish_reason == "length"
+    # tokens 0-3 came out before the update began; the edge is after token 4
+    runs = by_weights(kept, 7, [(0, 0, 5), (1, 5, 7)])
+    assert [(u, r.token_ids, r.logprobs, r.sampling_mask) for u, r in runs] == [
+        (0, [4], [-4.0], [(4,)]), (1, [5, 6], [-5.0, -6.0], [(5,), (6, 7)])]
+    # a third update named before the request ended, with no token of it
+    assert [u for u, _ in by_weights(kept, 7, [(0, 0, 5), (1, 5, 7), (2, 7, 7)])] == [0, 1]
+
+
+def test_a_finish_alone_goes_to_the_last_weights():
+    finish = Delta([], None, None, "stop")
+    assert by_weights(finish, 3, [(0, 0, 2), (1, 2, 3)]) == [(1, finish)]
