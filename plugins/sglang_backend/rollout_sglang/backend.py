@@ -459,8 +459,10 @@ class SGLangBackend:
             self.updates += 1
         except BaseException:
             self._failed += 1
-            with contextlib.suppress(Exception):  # the first error is the one to report
+            # The first error is the one to report; the scheduler goes on either way.
+            with contextlib.suppress(Exception):
                 self.engine.run(self.engine.abort_all(), 60, "SGLang abort_request")
+            with contextlib.suppress(Exception):
                 self.engine.run(self.engine.go_on(), 60, "SGLang continue_generation")
             raise
         # No flush: new requests are salted apart from what the old weights cached
