@@ -30,7 +30,7 @@ from hypothesis.stateful import (
 )
 
 from rollout import (BackendReleasedError, Capabilities, GenerationError, InvalidRequestError,
-                     Rollout, Sampler, UnsupportedError, WeightsDirtyError)
+                     Rollout, RolloutError, Sampler, UnsupportedError, WeightsDirtyError)
 from rollout.kit.aio import engine_loop
 from rollout.testing.adapters import lora_adapter, merged_copy
 from rollout.testing.model_folders import load_weights, perturbed_copy, tiny_model_dir
@@ -56,6 +56,23 @@ def wait_until(condition, timeout: float = 120.0) -> bool:
     return True
 
 
+async def read_across_a_push(stream, after: int, push, began):
+    """Read `stream` to its end; once `after` tokens are out, run `push` (a weight update)
+    on a thread, and hold this loop until `began()` holds, so that the request cannot end
+    first however late the thread runs. Returns the push's future and the stream's error
+    (None if it ended well)."""
+    made, update = 0, None
+    try:
+        async for chunk in stream:
+            made += len(chunk.token_ids)
+            if made >= after and update is None:
+                update = asyncio.get_running_loop().run_in_executor(None, push)
+                assert wait_until(began), "the update never began"
+    except RolloutError as exc:
+        return update, exc
+    return update, None
+
+
 def across_a_keep(sampler: Sampler, rollout: Rollout, request: dict, weights: dict,
                   version: int, after: int = 1, pause: str = "keep"):
     """`request` streamed through `sampler`; once `after` tokens are out, `weights` are
@@ -64,17 +81,15 @@ def across_a_keep(sampler: Sampler, rollout: Rollout, request: dict, weights: di
     to begin."""
 
     async def run():  # on the engine loop: see on_engine_loop
-        stream, made, update = sampler.stream(request), 0, None
-        async for chunk in stream:
-            made += len(chunk.token_ids)
-            if made >= after and update is None:
-                update = asyncio.get_running_loop().run_in_executor(None, lambda: (
-                    sampler.update_weights(weights.items(), version=version, pause=pause)))
-                # The loop holds still until the update holds running requests, so the
-                # request cannot end first, however late the update's thread runs ("keep_kv"
-                # waits for none: it may be in and done before a look sees it run).
-                assert wait_until(lambda: rollout.updating or rollout.weight_version == version), \
-                    "the update never began"
+        stream = sampler.stream(request)
+        # Begun: the update holds running requests, or ("keep_kv", which waits for none)
+        # it may be in and done before a look sees it run.
+        update, error = await read_across_a_push(
+            stream, after,
+            lambda: sampler.update_weights(weights.items(), version=version, pause=pause),
+            lambda: rollout.updating or rollout.weight_version == version)
+        if error is not None:
+            raise error
         await asyncio.wait_for(update, 120)
         return stream.completion
 
@@ -788,18 +803,13 @@ class BackendContract(SamplingContract, OnPolicyContract):
         request = self._greedy_long(harness, "beside a failure")
 
         async def run():
-            stream, made, update = sampler.stream(request), 0, None
-            with pytest.raises(GenerationError):
-                async for chunk in stream:
-                    made += len(chunk.token_ids)
-                    if made >= self.EDGE_AFTER and update is None:
-                        update = asyncio.get_running_loop().run_in_executor(None, lambda: (
-                            sampler.update_weights(
-                                trainer_that_dies(load_weights(harness.other_dir)),
-                                version=5, pause="keep_kv", bucket_bytes=4096)))
-                        # (held still until then, so that the request cannot end first)
-                        assert wait_until(lambda: harness.rollout.updating or
-                                          harness.rollout.weights_dirty)
+            update, error = await read_across_a_push(
+                sampler.stream(request), self.EDGE_AFTER,
+                lambda: sampler.update_weights(
+                    trainer_that_dies(load_weights(harness.other_dir)), version=5,
+                    pause="keep_kv", bucket_bytes=4096),
+                lambda: harness.rollout.updating or harness.rollout.weights_dirty)
+            assert isinstance(error, GenerationError), error
             with pytest.raises(ConnectionResetError):
                 await asyncio.wait_for(update, 120)
 

@@ -8,7 +8,7 @@ from conftest import ENGINE
 import rollout
 from rollout.testing import BackendContract
 from rollout.testing.adapters import lora_adapter
-from rollout.testing.contract import ADAPTER, on_engine_loop, wait_until
+from rollout.testing.contract import ADAPTER, on_engine_loop, read_across_a_push
 from rollout.testing.model_folders import load_weights
 from rollout.testing.probes import PROBE_PROMPTS, PROBE_TOKENS
 
@@ -97,15 +97,12 @@ class TestSGLangEngine(BackendContract):
 
         async def run():
             held = asyncio.ensure_future(ro.agenerate(rescored))
-            stream, made, update = ro.stream(plain), 0, None
-            async for chunk in stream:
-                made += len(chunk.token_ids)
-                if made >= 16 and update is None:
-                    update = asyncio.get_running_loop().run_in_executor(None, lambda: (
-                        ro.update_weights(load_weights(harness.model_dir).items(), version=4,
-                                          pause="keep_kv")))
-                    # (held still until then, so that neither request can end first)
-                    assert wait_until(lambda: ro.updating or ro.weight_version == 4)
+            stream = ro.stream(plain)
+            update, error = await read_across_a_push(
+                stream, 16, lambda: ro.update_weights(load_weights(harness.model_dir).items(),
+                                                      version=4, pause="keep_kv"),
+                lambda: ro.updating or ro.weight_version == 4)
+            assert error is None, error
             await asyncio.wait_for(update, 120)
             return await held, stream.completion
 
