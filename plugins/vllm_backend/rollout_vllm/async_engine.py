@@ -15,12 +15,12 @@ from rollout.kit.process import children, die_with_parent_hook
 
 from rollout_vllm.common import (
     MMCacheCounts,
-    check_reset,
     chunks,
     counted_across_clear,
     refusal,
     sampling_params,
 )
+from rollout_vllm.engine import Spans
 from rollout_vllm.transport import ShmPipeline
 
 # vLLM's engine core outlives a process killed without close() (only its workers watch
@@ -101,7 +101,7 @@ class AsyncEngine:
         return self.engine.model_config
 
     async def generate(self, rid: str, prompt: dict, params: dict,
-                       lora=None) -> AsyncIterator[Chunk]:
+                       lora=None) -> AsyncIterator[Chunk | Spans]:
         from vllm.inputs import tokens_input
 
         self._check()
@@ -110,7 +110,7 @@ class AsyncEngine:
         # Tokens alone as a rendered token input: vLLM takes it on this thread. A prompt with
         # images goes through vLLM's renderer (its thread pool), which processes them.
         rendered = prompt if "multi_modal_data" in prompt else \
-            tokens_input(prompt["prompt_token_ids"])
+            tokens_input(prompt["prompt_token_ids"], cache_salt=prompt["cache_salt"])
         outputs = self.engine.generate(rendered, sampling, rid, lora_request=lora)
         finished = False
         try:
@@ -119,7 +119,7 @@ class AsyncEngine:
                 async for output in outputs:
                     finished = output.finished
                     for chunk in chunks([output], k, scores):
-                        if chunk.prompt_logprobs is not None:
+                        if isinstance(chunk, Chunk) and chunk.prompt_logprobs is not None:
                             scores = None  # (each of n samples' outputs repeats them)
                         yield chunk
         except Exception as exc:  # noqa: BLE001 - sorted: dead engine or this request's error
@@ -174,8 +174,15 @@ class AsyncEngine:
         await self._call("collective_rpc", "rollout_unload_adapter", timeout=timeout,
                          args=(lora.lora_int_id,))
 
-    async def reset_prefix_cache(self) -> None:
-        check_reset(await self._call("reset_prefix_cache", True))
+    async def pause(self) -> None:
+        # "keep": the core's scheduler holds its requests where they are, KV cache and all.
+        await self._call("pause_generation", mode="keep", clear_cache=False)
+
+    async def go_on(self) -> None:
+        await self._call("resume_generation")
+
+    async def name_weights(self, name: str) -> None:
+        await self._call("update_weight_version", name)
 
     async def release(self, level: int) -> None:
         with counted_across_clear(self.mm_counts):

@@ -4,6 +4,7 @@ OpenAI-compatible server in a child process (`mode="server"`)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
@@ -11,7 +12,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import aclosing
 
 import rollout
-from rollout import Capabilities, EngineDeadError, InvalidRequestError, RolloutError
+from rollout import (Capabilities, EngineDeadError, GenerationError, InvalidRequestError,
+                     RolloutError)
 from rollout.kit import options
 from rollout.kit.aio import engine_loop
 from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_unpacked
@@ -27,6 +29,7 @@ from rollout_vllm.common import private_socket_folder
 from rollout_vllm.cpu import cpu_engine_args, cpu_thread_binding, engine_threads
 from rollout_vllm.engine import AdapterEngine, Engine, WeightPath
 from rollout_vllm.in_process import InProcessEngine
+from rollout_vllm.kept import KeptRequest
 from rollout_vllm.lora import lora_request
 from rollout_vllm.server_engine import ServerEngine
 from rollout_vllm.transport import ENGINE_NAME, TRANSPORTS, GlooSender, ShmPipeline
@@ -148,6 +151,9 @@ def engine_arguments(model: str, mode: str, dtype: str, max_model_len: int,
             **cpu_engine_args(engine_args)}
 
 
+SERVER_KEEP_KV = ("vLLM's OpenAI server says which weights made each token only on its "
+                  "scale-out route (/inference/v1/generate), not on /v1/completions, which "
+                  "text requests take; mode='engine' or 'async' offer it")
 # What vLLM's sampling masks, routed experts and trace replay need; absent from the CPU
 # build.
 RUNNER_V2 = ("vLLM's Model Runner V2, which needs Triton: the CPU build refuses it ('Model "
@@ -165,6 +171,10 @@ class VLLMBackend:
                                                         stream_interval, logprobs_mode,
                                                         engine_args)
         self.logprobs_mode = logprobs_mode  # vLLM's is fixed at start
+        self.mode = mode
+        # Weight updates made (each chunk is stamped with it: Chunk.weight_update), begun,
+        # and failed midway.
+        self.updates = self._began = self._failed = 0
         from transformers import AutoConfig, AutoTokenizer
 
         config = AutoConfig.from_pretrained(model)
@@ -227,8 +237,10 @@ class VLLMBackend:
     def describe_capabilities(cls, sleep_reason: str | None = None,
                               images_reason: str | None = None,
                               adapters_reason: str | None = ADAPTERS_OFF,
-                              logprobs_mode: str = "raw") -> Capabilities:
-        # images: with a Qwen2-VL model; adapters: with enable_lora (the instance says).
+                              logprobs_mode: str = "raw",
+                              keep_kv_reason: str | None = None) -> Capabilities:
+        # images: with a Qwen2-VL model; adapters: with enable_lora; keep_kv: but in server
+        # mode (the instance says).
         unsupported = {"images": images_reason} if images_reason else {}
         unsupported["sampling_mask"] = (
             f"vLLM returns it only from {RUNNER_V2}, started with return_sampling_mask and "
@@ -239,9 +251,8 @@ class VLLMBackend:
         unsupported["trace_replay"] = (
             f"vLLM replays a trace (trace_decode_token_ids) only in {RUNNER_V2}; the HF "
             "backend replays them")
-        unsupported["keep_kv"] = (
-            "not wired to vLLM's own (pause_generation(mode=\"keep\")) yet: pause=\"keep\" "
-            "holds requests and recomputes their KV cache")
+        if keep_kv_reason:
+            unsupported["keep_kv"] = keep_kv_reason
         for other in set(LOGPROBS_MODES) - {logprobs_mode}:
             unsupported[f"logprobs_mode.{other}"] = (
                 f"vLLM fixes its logprobs mode at start; this one was started with "
@@ -256,7 +267,8 @@ class VLLMBackend:
     @rollout.hookimpl
     def capabilities(self) -> Capabilities:
         return self.describe_capabilities(self.sleep_reason, self.images_reason,
-                                          self.adapters_reason, self.logprobs_mode)
+                                          self.adapters_reason, self.logprobs_mode,
+                                          SERVER_KEEP_KV if self.mode == "server" else None)
 
     @rollout.hookimpl
     def prompt_encoder(self) -> PromptEncoder:
@@ -279,16 +291,22 @@ class VLLMBackend:
         s = request.sampling
         # Unique per call: two calls may share our id, and vLLM takes a duplicate silently.
         rid = f"{request.id}-{next(self.calls)}"
+        began, failed = self._began, self._failed
+        kept = KeptRequest(self.updates)
         try:
             # Token by token for a caller that streams; else `stream_interval` tokens a piece,
             # which costs vLLM less per token.
             params = {**vllm_sampling(s), "stream_interval": 1 if streaming
                       else self.stream_interval}
-            prompt = _prompt(prompt_token_ids, images)
+            prompt = _prompt(prompt_token_ids, images, str(self.updates))
             lora = None if request.adapter is None else self._lora_request(request.adapter)
-            async with aclosing(self.engine.generate(rid, prompt, params, lora)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            async with aclosing(self.engine.generate(rid, prompt, params, lora)) as items:
+                async for item in items:
+                    if self._failed != failed:  # (leaving the stream stops it in vLLM)
+                        raise GenerationError("a weight update failed midway beside this "
+                                              "request, and its weights are half new")
+                    for chunk in kept.take(item, self._began != began):
+                        yield chunk
         except EngineDeadError:
             raise
         except RolloutError as exc:
@@ -298,11 +316,28 @@ class VLLMBackend:
 
     @rollout.hookimpl
     def update_weights(self, buckets):
-        # Groups are made here, on the trainer's thread (it runs the trainer's iterator);
-        # the engine loop only carries each group's call. Every wait is bounded.
-        self.weights.update(layer_groups(buckets, self.shapes, self.weight_group_bytes))
-        self.loop.run(self.engine.reset_prefix_cache(), self.request_timeout + 60,
-                      "vLLM weight update")
+        """With the scheduler held between two steps: requests running beside a "keep_kv"
+        update keep their place and KV cache, and vLLM says which weights made each of their
+        tokens (named by the number of updates made). A failure midway fails them (the
+        weights are half new), and the core refuses requests until a full update succeeds.
+        No prefix-cache reset: each request is salted by the updates made (`_prompt`), so
+        none reuses what older weights cached, and vLLM evicts that as it needs the room."""
+        self._began += 1  # before the hold: a sample that sees it waits for vLLM's spans
+        self.loop.run(self.engine.pause(), 60, "vLLM pause_generation")
+        try:
+            # Groups are made here, on the trainer's thread (it runs the trainer's
+            # iterator); the engine loop only carries each group's call. Every wait is
+            # bounded.
+            self.weights.update(layer_groups(buckets, self.shapes, self.weight_group_bytes))
+            self.loop.run(self.engine.name_weights(str(self.updates + 1)), 60,
+                          "vLLM update_weight_version")
+            self.updates += 1
+        except BaseException:
+            self._failed += 1
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                self.loop.run(self.engine.go_on(), 60, "vLLM resume_generation")
+            raise
+        self.loop.run(self.engine.go_on(), 60, "vLLM resume_generation")
 
     # --- LoRA adapters (with enable_lora) -------------------------------------------------
 
@@ -368,11 +403,13 @@ def _images_reason(config, mode: str, model_config) -> str | None:
     return None
 
 
-def _prompt(prompt_token_ids: list[int], images) -> dict:
+def _prompt(prompt_token_ids: list[int], images, salt: str) -> dict:
     """vLLM's prompt: token ids with one placeholder per image (vLLM expands each to the
-    image's run), and the images with their content hashes (vLLM caches processed images,
-    and their encoder outputs, under these ids)."""
-    prompt = {"prompt_token_ids": prompt_token_ids}
+    image's run), the images with their content hashes (vLLM caches processed images, and
+    their encoder outputs, under these ids), and `salt` for its prefix cache: each weights'
+    prefixes apart, since requests kept beside a "keep_kv" update go on caching prefixes
+    the old weights made."""
+    prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": salt}
     if images:
         prompt["multi_modal_data"] = {"image": [im.image for im in images]}
         prompt["multi_modal_uuids"] = {"image": [im.id for im in images]}

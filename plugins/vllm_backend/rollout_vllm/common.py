@@ -1,8 +1,7 @@
 """What the vLLM engines share: a request's sampling as vLLM's SamplingParams, vLLM's delta
-outputs as chunks, its refusals as our typed errors, the prefix-cache reset's check, the
-counts of its multimodal processor cache in this process, where its sockets go, and the
-step after any reload of its weights (in the worker extension and the gloo transfer
-engine alike)."""
+outputs as chunks, its refusals as our typed errors, the counts of its multimodal processor
+cache in this process, where its sockets go, and the step after any reload of its weights
+(in the worker extension and the gloo transfer engine alike)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,10 @@ from contextlib import contextmanager
 
 from rollout import Chunk, GenerationError, InvalidRequestError, RolloutError, TokenLogprob
 
+from rollout_vllm.engine import Spans
+
 FINISH_REASONS = ("stop", "length", "abort")
+FIRST_WEIGHTS = "default"  # vLLM's weight version until one is named
 
 
 def private_socket_folder() -> None:
@@ -79,11 +81,20 @@ def sampling_params(params: dict, stream_interval: int):
         raise refusal(exc) from None
 
 
-def chunks(outputs: list, k: int | None, pk: int | None = None) -> list[Chunk]:
+def chunks(outputs: list, k: int | None, pk: int | None = None) -> list[Chunk | Spans]:
     """A chunk per sample from delta RequestOutputs (several merged when they piled up),
-    with vLLM's count of the prompt tokens it found in its prefix cache, and the prompt's
-    scores (`pk`: sampling.prompt_logprobs) first where vLLM gave them."""
-    made = _chunks(outputs, k)
+    with vLLM's count of the prompt tokens it found in its prefix cache, the prompt's
+    scores (`pk`: sampling.prompt_logprobs) first where vLLM gave them, and a finished
+    sample's `Spans` before its last chunk."""
+    made: list = []
+    spans = {o.index: o.weight_versions for output in outputs for o in output.outputs
+             if o.weight_versions}
+    for chunk in _chunks(outputs, k):
+        if chunk.finish_reason is not None and chunk.index in spans:
+            made.append(Spans(chunk.index, [(0 if v.version == FIRST_WEIGHTS else
+                                             int(v.version), v.start, v.end)
+                                            for v in spans[chunk.index]]))
+        made.append(chunk)
     if pk is not None:
         scored = next((o for o in outputs if o.prompt_logprobs), None)
         if scored is not None:
@@ -134,13 +145,6 @@ def _top(logprobs, k: int) -> list[tuple[TokenLogprob, ...]]:
     return [tuple(TokenLogprob(t, lp) for t, lp in sorted(
         ((int(t), float(x.logprob)) for t, x in step.items() if x.rank <= k),
         key=lambda pair: -pair[1])[:k]) for step in logprobs]
-
-
-def check_reset(success) -> None:
-    """vLLM answers False where blocks are still held; KV made under the old weights could
-    then be read under the new ones."""
-    if success is False:
-        raise GenerationError("vLLM did not reset its prefix cache after a weight update")
 
 
 class MMCacheCounts:

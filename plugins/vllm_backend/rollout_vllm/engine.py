@@ -14,11 +14,19 @@ every path ends in `rollout_vllm.worker` or `rollout_vllm.transfer_engine` insid
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from rollout import Chunk
     from rollout.kit.aio import LoopThread
+
+
+class Spans(NamedTuple):
+    """Sample `index`'s output tokens in runs by the weights that made them, (updates made,
+    start, end), as vLLM reports them as it finishes a sample."""
+
+    index: int
+    runs: list[tuple[int, int, int]]
 
 
 class WeightPath(Protocol):
@@ -44,9 +52,11 @@ class Engine(Protocol):
         not (the server's)."""
 
     def generate(self, rid: str, prompt: dict, params: dict,
-                 lora=None) -> AsyncIterator[Chunk]:
-        """The chunks of request `rid` as vLLM makes them. `prompt`: vLLM's prompt dict
-        (`prompt_token_ids`, and any images); `params`: vLLM's SamplingParams fields;
+                 lora=None) -> AsyncIterator[Chunk | Spans]:
+        """The chunks of request `rid` as vLLM makes them, each sample's `Spans` just
+        before its last chunk where the engine has them. `prompt`: vLLM's prompt dict
+        (`prompt_token_ids`, any images, and the `cache_salt` that keeps each weights'
+        prefixes apart); `params`: vLLM's SamplingParams fields;
         `lora`: vLLM's LoRARequest of an adapter loaded by `load_adapter`, or None.
         Closing or cancelling the iterator stops the request in vLLM. A request vLLM refuses
         raises its typed error; a dead engine raises EngineDeadError."""
@@ -58,9 +68,17 @@ class Engine(Protocol):
         `loop`: the engine loop; `timeout`: each load call's bound; `group_timeout`: a gloo
         group's bound on each broadcast."""
 
-    async def reset_prefix_cache(self) -> None:
-        """Drop vLLM's prefix cache after a weight update (KV computed under the old
-        weights must not be read under the new ones); raise if vLLM did not."""
+    async def pause(self) -> None:
+        """Hold the scheduler between two steps: running requests keep their place and
+        their KV cache, new ones wait (a weight update's, from the start of its load to
+        `go_on`)."""
+
+    async def go_on(self) -> None:
+        """Let the scheduler step again after `pause`."""
+
+    async def name_weights(self, name: str) -> None:
+        """vLLM's weight version from the next step on: it labels the tokens each step
+        makes, and gives a finished sample's runs by version (`Spans`)."""
 
     async def release(self, level: int) -> None:
         """vLLM's sleep at `level` (1: weights offloaded to host memory, KV cache dropped)."""

@@ -14,12 +14,12 @@ from rollout.kit.aio import LoopThread
 
 from rollout_vllm.common import (
     MMCacheCounts,
-    check_reset,
     chunks,
     counted_across_clear,
     refusal,
     sampling_params,
 )
+from rollout_vllm.engine import Spans
 
 
 class InProcessEngine:
@@ -39,6 +39,7 @@ class InProcessEngine:
         self.dead: str | None = None
         self.thread: threading.Thread | None = None
         self.mm_counts: MMCacheCounts | None = None
+        self.held = False  # no step while a weight update loads (the engine's thread's)
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -72,8 +73,8 @@ class InProcessEngine:
         self.loop.call_soon_threadsafe(_settle, ready, None, None)
         engine = self.engine
         try:
-            while self._run_commands(block=not engine.has_unfinished_requests()):
-                if engine.has_unfinished_requests():
+            while self._run_commands(block=self.held or not engine.has_unfinished_requests()):
+                if not self.held and engine.has_unfinished_requests():
                     outputs = engine.step()
                     if outputs:  # one hop to the loop per step, however many requests
                         self.loop.call_soon_threadsafe(self._deliver, outputs)
@@ -138,8 +139,7 @@ class InProcessEngine:
         return self.engine.model_config
 
     async def generate(self, rid: str, prompt: dict, params: dict,
-                       lora=None) -> AsyncIterator[Chunk]:
-        """`prompt`: vLLM's prompt dict (`prompt_token_ids`, and any images)."""
+                       lora=None) -> AsyncIterator[Chunk | Spans]:
         if self.dead:
             raise EngineDeadError(self.dead)
         sampling = sampling_params(params, self.stream_interval)
@@ -156,7 +156,7 @@ class InProcessEngine:
                 outputs = await stream.take(self.loop)
                 finished = outputs[-1].finished
                 for chunk in chunks(outputs, k, scores):
-                    if chunk.prompt_logprobs is not None:
+                    if isinstance(chunk, Chunk) and chunk.prompt_logprobs is not None:
                         scores = None  # (each of n samples' outputs may repeat them)
                     yield chunk
         finally:
@@ -208,9 +208,15 @@ class InProcessEngine:
         await self._call(lambda engine: engine.collective_rpc(
             "rollout_unload_adapter", timeout=timeout, args=(lora.lora_int_id,)))
 
-    async def reset_prefix_cache(self) -> None:
-        # Running requests (none in an update, which runs alone) would be preempted.
-        check_reset(await self._call(lambda engine: engine.reset_prefix_cache(True)))
+    async def pause(self) -> None:
+        # Commands run between steps on the engine's thread: no step runs until go_on.
+        await self._call(lambda engine: setattr(self, "held", True))
+
+    async def go_on(self) -> None:
+        await self._call(lambda engine: setattr(self, "held", False))
+
+    async def name_weights(self, name: str) -> None:
+        await self._call(lambda engine: engine.set_weight_version(name))
 
     async def release(self, level: int) -> None:
         with counted_across_clear(self.mm_counts):

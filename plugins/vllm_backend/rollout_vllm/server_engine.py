@@ -20,7 +20,7 @@ from rollout.kit.child_server import ChildServer
 from rollout.kit.images import EncodedImages, PromptImage
 from rollout.kit.process import HOST, ServerProcess, cli_flags
 
-from rollout_vllm.common import check_reset, finish_reason, request_error
+from rollout_vllm.common import finish_reason, request_error
 from rollout_vllm.transport import GlooSender, ShmPipeline
 
 SERVED_NAME = "rollout"
@@ -125,7 +125,8 @@ class ServerEngine:
         else:
             path, parse = "/v1/completions", _sse_chunks
             body = {"model": _model(lora), "prompt": prompt["prompt_token_ids"],
-                    "request_id": rid, "return_token_ids": True,
+                    "cache_salt": prompt["cache_salt"], "request_id": rid,
+                    "return_token_ids": True,
                     "return_tokens_as_token_ids": True,
                     "stream": True, "stream_interval": self.stream_interval,
                     # The last event's usage says how many prompt tokens were cached.
@@ -168,7 +169,8 @@ class ServerEngine:
 
         path = "/v1/completions"
         body = {"model": _model(lora), "prompt": prompt["prompt_token_ids"],
-                "request_id": rid, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                "cache_salt": prompt["cache_salt"], "request_id": rid,
+                "return_token_ids": True, "return_tokens_as_token_ids": True,
                 **{k: v for k, v in params.items() if v is not None}}
         try:
             async with self.server.session.post(
@@ -245,10 +247,14 @@ class ServerEngine:
     async def shutdown_weight_transfer(self, timeout: float) -> None:
         await self._call("/shutdown_weight_transfer_engine", timeout=timeout)
 
-    async def reset_prefix_cache(self) -> None:
-        answer = await self._call("/reset_prefix_cache?reset_running_requests=true",
-                                  timeout=60)
-        check_reset(answer.get("success") if isinstance(answer, dict) else answer)
+    async def pause(self) -> None:
+        await self._call("/pause?mode=keep&clear_cache=false", timeout=60)
+
+    async def go_on(self) -> None:
+        await self._call("/resume", timeout=60)
+
+    async def name_weights(self, name: str) -> None:
+        await self._call("/update_weight_version", {"new_version": name}, timeout=60)
 
     async def release(self, level: int) -> None:
         await self._call(f"/sleep?level={level}", timeout=300)
@@ -358,6 +364,7 @@ async def _generate_body(rid: str, prompt: dict, params: dict, encoded: EncodedI
         # keeps the whole top k when the sampled token is not in it (cut in _generate_chunks).
         sampling["logprobs"] = params["logprobs"] + 1
     return {"model": model, "request_id": rid, "token_ids": prompt["prompt_token_ids"],
+            "cache_salt": prompt["cache_salt"],
             "content_parts": [{"type": "image_url", "url": url, "uuid": uuid} for url, uuid
                               in zip(urls, prompt["multi_modal_uuids"]["image"], strict=True)],
             "sampling_params": sampling, "stream": True,

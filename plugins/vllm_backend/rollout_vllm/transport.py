@@ -18,9 +18,10 @@ One gloo group per backend (this process rank 0, the server's worker rank 1), op
 first update under a name never used before, concurrently with /init_weight_transfer_engine.
 Per update: /start_weight_update; per checked group of tensors one /update_weights call
 announcing names, dtypes and shapes, while the tensors go by broadcast; then
-/finish_weight_update with a version. A failed update ends vLLM's session anyway (so the
-next one can start; the core keeps the weights dirty until a full update succeeds); a
-failed broadcast also drops the group, so the server's pending receive fails now.
+/finish_weight_update (the backend names the version after it). A failed update ends
+vLLM's session anyway (so the next one can start; the core keeps the weights dirty until a
+full update succeeds); a failed broadcast also drops the group, so the server's pending
+receive fails now.
 """
 
 from __future__ import annotations
@@ -94,7 +95,6 @@ class GlooSender:
         self.engine, self.loop = engine, loop  # vLLM's server, and the engine loop it runs on
         self.timeout, self.group_timeout = timeout, group_timeout
         self.group: collective.Group | None = None
-        self.updates = 0  # vLLM's weight version: this backend's count of full updates
 
     def _run(self, coro, timeout: float, what: str):
         return self.loop.run(coro, timeout, what)
@@ -112,8 +112,8 @@ class GlooSender:
             if self.group is None:  # left after a failed broadcast: the server leaves too
                 self._shutdown_remote()
             raise
-        self.updates += 1
-        self._run(self.engine.finish_weight_update(str(self.updates), CONTROL_TIMEOUT_S),
+        # (The backend names the weights: VLLMBackend.update_weights.)
+        self._run(self.engine.finish_weight_update(None, CONTROL_TIMEOUT_S),
                   CONTROL_TIMEOUT_S + 10, "vLLM finish_weight_update")
 
     def _send(self, group: dict) -> None:

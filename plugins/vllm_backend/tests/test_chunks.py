@@ -1,5 +1,6 @@
 """What vLLM hands back, as chunks: delta outputs of one step or of several that piled up,
-and the events of a streamed /v1/completions."""
+the events of a streamed /v1/completions, and a sample's tokens split by the weights that
+made them (beside a "keep_kv" update)."""
 
 import math
 from types import SimpleNamespace as NS
@@ -10,6 +11,8 @@ pytest.importorskip("vllm")
 
 from rollout import Chunk, GenerationError, InvalidRequestError, TokenLogprob  # noqa: E402
 from rollout_vllm.common import chunks as _chunks  # noqa: E402
+from rollout_vllm.engine import Spans  # noqa: E402
+from rollout_vllm.kept import KeptRequest  # noqa: E402
 from rollout_vllm.server_engine import _sse_chunks  # noqa: E402
 
 
@@ -18,8 +21,9 @@ def logprobs(*steps):
     return [{t: NS(logprob=lp, rank=rank) for t, lp, rank in step} for step in steps]
 
 
-def output(*completions, finished=False, cached=None):
-    return NS(outputs=[NS(index=i, token_ids=list(tokens), logprobs=lps, finish_reason=finish)
+def output(*completions, finished=False, cached=None, spans=None):
+    return NS(outputs=[NS(index=i, token_ids=list(tokens), logprobs=lps, finish_reason=finish,
+                          weight_versions=spans if finish else None)
                        for i, tokens, lps, finish in completions], finished=finished,
               num_cached_tokens=cached)
 
@@ -70,3 +74,32 @@ def test_a_refusal_mid_stream_names_our_field():
     assert caught.value.field == "sampling.top_p"
     with pytest.raises(GenerationError):
         _sse_chunks({"error": {"code": 500, "message": "boom"}}, None)
+
+
+def test_a_finished_sample_gives_its_spans_before_its_last_chunk():
+    spans = [NS(version="default", start=0, end=3), NS(version="2", start=3, end=5)]
+    step = output((0, [5, 6], None, "length"), (1, [7], None, None), spans=spans)
+    assert _chunks([step], None) == [Spans(0, [(0, 0, 3), (2, 3, 5)]),
+                                     Chunk(0, (5, 6), finish_reason="length"), Chunk(1, (7,))]
+
+
+def test_tokens_after_an_update_began_are_held_and_split_by_the_weights_that_made_them():
+    kept = KeptRequest(updates=1)
+    assert kept.take(Chunk(0, (1, 2), (-0.1, -0.2)), holding=False) == [
+        Chunk(0, (1, 2), (-0.1, -0.2), weight_update=1)]
+    assert kept.take(Chunk(0, (3,), (-0.3,)), holding=True) == []  # made before or after?
+    assert kept.take(Spans(0, [(1, 0, 4), (2, 4, 6)]), holding=True) == []
+    assert kept.take(Chunk(0, (4, 5, 6), (-0.4, -0.5, -0.6), finish_reason="length",
+                           cached_tokens=3), holding=True) == [
+        Chunk(0, (3, 4), (-0.3, -0.4), weight_update=1),
+        Chunk(0, (5, 6), (-0.5, -0.6), finish_reason="length", cached_tokens=3,
+              weight_update=2)]
+
+
+def test_a_held_sample_whose_spans_miss_tokens_fails_rather_than_drop_them():
+    kept = KeptRequest(updates=0)
+    kept.take(Spans(0, [(0, 0, 1)]), holding=True)
+    with pytest.raises(GenerationError, match="do not cover"):
+        kept.take(Chunk(0, (3, 4), finish_reason="stop"), holding=True)
+    with pytest.raises(GenerationError, match="did not say"):  # no spans at all
+        KeptRequest(updates=0).take(Chunk(1, (3,), finish_reason="stop"), holding=True)

@@ -1,6 +1,8 @@
 """examples/grpo.py on vLLM, unchanged but for its backend options: weights pushed after
 every step reach the engine (versions and logprobs match the trainer), and the reward rises."""
 
+import json
+
 import pytest
 from conftest import ENGINE
 
@@ -12,6 +14,22 @@ def test_reward_rises_and_logprobs_match(tiny_model):
     run = run_grpo("vllm", ENGINE, tiny_model, "--steps", 20, "--seed", 0, "--check")
     assert run.summary["max_logprob_diff"] <= 1e-3
     assert run.summary["last_reward"] > run.summary["first_reward"] + 0.05, run.summary
+
+
+def test_kept_kv_pushes_check_the_exact_tokens_and_log_the_others_apart(tiny_model,
+                                                                         tmp_path):
+    """--pause keep_kv on vLLM's own pause (async mode): running samples keep their KV cache
+    across a push, and vLLM's spans label their tokens. Those their own weights' cache made
+    pass the check; the largest gap of those made over an older cache is logged apart."""
+    log = tmp_path / "steps.jsonl"
+    run = run_grpo("vllm", {**ENGINE, "mode": "async"}, tiny_model, "--async", 1,
+                   "--pause", "keep_kv", "--steps", 12, "--prompts", 4, "--group-size", 8,
+                   "--max-tokens", 32, "--seed", 0, "--log", log)
+    assert run.summary["pause"] == "keep_kv" and len(run.steps) == 12
+    assert run.summary["max_logprob_diff"] <= 1e-3
+    steps = [r for r in map(json.loads, log.read_text().splitlines()) if "reward" in r]
+    assert len(steps) == 12 and all(s["kept_kv_max_logprob_diff"] >= 0 for s in steps)
+    assert any(s["kept_kv_max_logprob_diff"] > 0 for s in steps)  # samples ran across
 
 
 @pytest.mark.parametrize("backend, options", [
