@@ -7,7 +7,9 @@ engine's thread share). The synchronous loop runs one phase at a time, so giving
 core (`0@2` on two) is its best setting; the asynchronous loop runs both phases at once,
 and `1@1` gives each its own core, as a disaggregated deployment gives the trainer and the
 engines their own GPUs; `1@2` gives both phases every core, and the operating system
-shares them over time. The baseline is the fastest synchronous run. Printed: per run,
+shares them over time; `1@2:keep_kv` pushes with `--pause keep_kv` (running samples keep
+their KV cache, no re-prefill) where the others use the example's default, keep. The
+baseline is the fastest synchronous run. Printed: per run,
 seconds per step (mean from step 2 on), held-out accuracy before and after, the share of
 tokens older weights sampled; then each asynchronous run's speed-up in steps per second
 over the baseline, and its accuracy difference. Targets (issue 54): >= 1.0x on this short
@@ -30,13 +32,17 @@ from pathlib import Path
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"
 
 
-def run(args, eta: int, threads: int, seed: int) -> dict:
-    log = Path(args.logs) / f"{args.backend}-eta{eta}-threads{threads}-seed{seed}.jsonl"
+def run(args, spec: str, seed: int) -> dict:
+    """One run of the example as `spec` (ETA@THREADS[:PAUSE]) with `seed`."""
+    config, _, pause = spec.partition(":")
+    eta, threads = (int(x) for x in config.split("@"))
+    log = Path(args.logs) / f"{args.backend}-{spec.replace(':', '-')}-seed{seed}.jsonl"
     flags = ["--task", "sums", "--backend", args.backend, "--steps", str(args.steps),
              "--prompts", "2", "--group-size", "8", "--max-tokens", str(args.max_tokens),
              "--lr", "1e-5",
              "--eval-every", str(args.eval_every), "--seed", str(seed), "--async", str(eta),
-             "--threads", str(threads), "--check-every", str(args.check_every), "--log", str(log)]
+             "--threads", str(threads), "--check-every", str(args.check_every), "--log", str(log),
+             *(["--pause", pause] if pause else [])]
     for option in args.backend_option:
         flags += ["--backend-option", option]
     command = ["taskset", "-c", args.cores, sys.executable, str(EXAMPLE), *flags]
@@ -44,12 +50,12 @@ def run(args, eta: int, threads: int, seed: int) -> dict:
     done = subprocess.run(command, capture_output=True, text=True, env=env,
                           timeout=args.timeout)
     if done.returncode != 0:
-        sys.exit(f"{eta}@{threads}, seed {seed} failed:\n"
+        sys.exit(f"{spec}, seed {seed} failed:\n"
                  f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     timed = [s for s in steps if "step_s" in s][1:]  # step 1 warms up
     evals = [s for s in steps if "accuracy" in s]
-    return {"run": f"{eta}@{threads}", "seed": seed,
+    return {"run": spec, "seed": seed,
             "s_per_step": statistics.mean(s["step_s"] for s in timed),
             "before": evals[0]["accuracy"], "after": evals[-1]["accuracy"],
             "stale_tokens": statistics.mean(s["stale_token_share"] for s in timed),
@@ -62,7 +68,8 @@ def main() -> None:
     parser.add_argument("--backend", default="hf")
     parser.add_argument("--backend-option", action="append", default=[])
     parser.add_argument("--runs", default="0@1,0@2,1@1,1@2",
-                        help="ETA@THREADS, comma-separated; ETA 0 is the synchronous loop")
+                        help="ETA@THREADS[:PAUSE], comma-separated; ETA 0 is the synchronous "
+                             "loop, PAUSE keep (the default) or keep_kv")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--steps", type=int, default=60)
@@ -73,9 +80,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args()
     Path(args.logs).mkdir(parents=True, exist_ok=True)
-    configs = [tuple(int(x) for x in c.split("@")) for c in args.runs.split(",")]
-    runs = [run(args, eta, threads, int(seed))
-            for seed in args.seeds.split(",") for eta, threads in configs]
+    runs = [run(args, spec, int(seed))
+            for seed in args.seeds.split(",") for spec in args.runs.split(",")]
     print("| run | seed | s/step | accuracy before | after | stale tokens | max logprob diff |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in runs:
