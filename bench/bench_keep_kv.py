@@ -16,8 +16,10 @@ engine gave:
 
     python bench/bench_keep_kv.py [--model smollm2] [--scales 1e-4,1e-3,1e-2,1e-1]
                                   [--backend sglang -o dtype=float32]
+                                  [--backend vllm -o mode=async -o dtype=float32]
 
-(on any backend that offers keep_kv: HF and SGLang; from that backend's environment)
+(on any backend that offers keep_kv: HF, SGLang, vLLM but in server mode; from that
+backend's environment)
 """
 
 from __future__ import annotations
