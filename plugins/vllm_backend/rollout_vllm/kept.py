@@ -36,7 +36,7 @@ class KeptRequest:
         held.append(item)
         if item.finish_reason is None:
             return []
-        held = self.held.pop(item.index)
+        del self.held[item.index]
         if not any(chunk.token_ids for chunk in held):  # the finish alone
             return [attrs.evolve(item, weight_update=self.updates)]
         return by_weights(held, self.given[item.index], self.spans.pop(item.index, None))
