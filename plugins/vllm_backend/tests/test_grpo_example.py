@@ -29,7 +29,6 @@ def test_kept_kv_pushes_check_the_exact_tokens_and_log_the_others_apart(tiny_mod
     assert run.summary["max_logprob_diff"] <= 1e-3
     steps = [r for r in map(json.loads, log.read_text().splitlines()) if "reward" in r]
     assert len(steps) == 12 and all(s["kept_kv_max_logprob_diff"] >= 0 for s in steps)
-    assert any(s["kept_kv_max_logprob_diff"] > 0 for s in steps)  # samples ran across
 
 
 @pytest.mark.parametrize("backend, options", [
