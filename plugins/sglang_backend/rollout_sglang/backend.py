@@ -27,6 +27,7 @@ from rollout.kit import options
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.structured import constraint_error
 from rollout.kit.text import TextStream, first_stop
+from rollout.kit.weight_spans import runs_of
 
 from rollout_sglang import protocol
 from rollout_sglang.engine import Engine
@@ -611,12 +612,9 @@ def joined(deltas: list[protocol.Delta]) -> protocol.Delta:
 def by_weights(delta: protocol.Delta, end: int, spans) -> list[tuple[int, protocol.Delta]]:
     """The tokens of `delta`, the last of a sample's `end` tokens, in runs of the weights
     that made them, (updates, run), from SGLang's (updates, start, end) spans."""
-    start, runs = end - len(delta.token_ids), []
-    for update, first, last in spans:
-        a, b = max(first, start), min(last, end)
-        if a < b:
-            runs.append((update, sliced(delta, a - start, b - start)))
-    return runs or [(spans[-1][0], delta)]  # (no tokens: the finish alone)
+    runs = runs_of(end - len(delta.token_ids), end, spans)
+    return [(update, sliced(delta, a, b)) for update, a, b in runs] \
+        or [(spans[-1][0], delta)]  # (no tokens: the finish alone)
 
 
 class _Sample:

@@ -10,6 +10,7 @@ from collections import Counter
 import attrs
 
 from rollout import Chunk, GenerationError
+from rollout.kit.weight_spans import runs_of
 
 from rollout_vllm.engine import Spans
 
@@ -52,15 +53,9 @@ def by_weights(held: list[Chunk], before: int, runs) -> list[Chunk]:
     last = held[-1]
     whole = {name: None if getattr(last, name) is None else
              [x for chunk in held for x in getattr(chunk, name)] for name in PER_TOKEN}
-    end = before + len(whole["token_ids"])
     pieces = [Chunk(last.index, weight_update=update, **{
-        name: value if value is None else value[a - before:b - before]
-        for name, value in whole.items()})
-        for update, a, b in ((u, max(first, before), min(stop, end)) for u, first, stop in runs)
-        if a < b]
-    if sum(len(piece.token_ids) for piece in pieces) != end - before:
-        raise GenerationError(f"vLLM's weight versions {runs} do not cover this sample's "
-                              f"tokens {before} to {end}")
+        name: value if value is None else value[a:b] for name, value in whole.items()})
+        for update, a, b in runs_of(before, before + len(whole["token_ids"]), runs)]
     pieces[-1] = attrs.evolve(pieces[-1], finish_reason=last.finish_reason,
                               cached_tokens=last.cached_tokens,
                               routed_experts=last.routed_experts)
