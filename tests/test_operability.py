@@ -15,7 +15,6 @@ import urllib.request
 import openai
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from processes import replicas_of
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import rollout
-from rollout.apps.agents.tokens import ChatTokens
 from rollout.apps.serving.app import ServerThread
 from rollout.service.service import LocalService
 from rollout.testing.server_contract import CALL_REGEX, KEY, MODEL, TOOLS

@@ -18,7 +18,7 @@ from rollout.contract.errors import (
     UnsupportedError,
     WeightsDirtyError,
 )
-from rollout.contract.hookspecs import hookimpl
+from rollout.hookspecs import hookimpl
 from rollout.contract.schemas import (
     Capabilities,
     Chunk,

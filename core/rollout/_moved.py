@@ -45,6 +45,8 @@ MOVED = {
     "rollout.testing.weights": "rollout.testing.weight_streams",
     # 0.2.x: the fan-out of an update in one place.
     "rollout.weights.remote": "rollout.weights.fanout",
+    # 0.2.x: the hooks above the kit and the weights whose types they name.
+    "rollout.contract.hookspecs": "rollout.hookspecs",
 }
 
 

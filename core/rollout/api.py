@@ -21,7 +21,8 @@ from typing import Any
 import attrs
 import pluggy
 
-from rollout.contract import convert, hookspecs
+from rollout import hookspecs
+from rollout.contract import convert
 from rollout.contract.errors import (
     BackendContractError,
     BackendReleasedError,
@@ -192,21 +193,11 @@ class Rollout(RequestFront):
             self._forget(flight)
 
     async def _collect(self, flight: _Flight, sink) -> Completion:
-        request, s = flight.request, flight.request.sampling
         try:
-            prompt = self.encoder.encode(request)
-            if s.max_tokens is None:  # the room left in the context
-                s = attrs.evolve(s, max_tokens=self.encoder.max_model_len - len(prompt))
-                request = attrs.evolve(request, sampling=s)
-            samples = [Sample(self.encoder.decode, s, sink is not None, i, len(prompt))
-                       for i in range(s.n)]
-            if request.continue_from is not None:
-                samples[0].go_on_from(request.continue_from, prompt)
-            # Decoding images takes a while: not on the loop.
-            images = await asyncio.to_thread(self.images.load, request) \
-                if image_sources(request) else ()
+            request, prompt, samples, images = await self._prepare(flight.request,
+                                                                    sink is not None)
         except InvalidRequestError as exc:
-            return Completion(request.id, error=exc)
+            return Completion(flight.request.id, error=exc)
         flight.started = time.monotonic()
         try:
             # Engine calls until every sample ends; a keep update ends one early (held),
@@ -234,6 +225,29 @@ class Rollout(RequestFront):
         except Exception as exc:  # noqa: BLE001 - a backend bug fails its request alone
             return Completion(request.id, error=GenerationError(
                 f"backend {self.name!r} failed on request {request.id!r}: {exc!r}"))
+        return self._assemble(flight, request, prompt, samples, sink)
+
+    async def _prepare(self, request: Request, streaming: bool):
+        """The request with its token budget set, its prompt's ids, a `Sample` per n and
+        its images; InvalidRequestError when the model cannot take it."""
+        s = request.sampling
+        prompt = self.encoder.encode(request)
+        if s.max_tokens is None:  # the room left in the context
+            s = attrs.evolve(s, max_tokens=self.encoder.max_model_len - len(prompt))
+            request = attrs.evolve(request, sampling=s)
+        samples = [Sample(self.encoder.decode, s, streaming, i, len(prompt))
+                   for i in range(s.n)]
+        if request.continue_from is not None:
+            samples[0].go_on_from(request.continue_from, prompt)
+        # Decoding images takes a while: not on the loop.
+        images = await asyncio.to_thread(self.images.load, request) \
+            if image_sources(request) else ()
+        return request, prompt, samples, images
+
+    def _assemble(self, flight: _Flight, request: Request, prompt: list[int],
+                  samples: list[Sample], sink) -> Completion:
+        """The samples' results, or the backend's breach of the contract by name."""
+        s = request.sampling
         if not flight.aborted and not all(x.finish for x in samples):
             return Completion(request.id, error=BackendContractError(
                 f"backend {self.name!r}: the output of request {request.id!r} ended with "

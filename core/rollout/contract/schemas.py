@@ -213,6 +213,21 @@ class SamplingParams:
         for name in ("return_sampling_mask", "return_routed_experts"):
             _valid(name, isinstance(getattr(self, name), bool), getattr(self, name),
                    "true or false")
+        _valid("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1,
+               self.min_p, "a number in [0, 1]; 0 means none")
+        _valid("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens
+               and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+               self.min_tokens, f"an integer from 0 to max_tokens ({self.max_tokens})")
+        _valid("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool),
+               self.include_stop_str_in_output, "true or false")
+        _valid("structured_outputs", self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputs),
+               self.structured_outputs, _STRUCTURED)
+        self._check_penalties()
+        if self.trace_decode_token_ids is not None:
+            self._check_trace()
+
+    def _check_penalties(self) -> None:
         _valid("repetition_penalty", _is_number(self.repetition_penalty)
                and 0 < self.repetition_penalty <= PENALTY_RANGE,
                self.repetition_penalty, _REPETITION)
@@ -220,11 +235,6 @@ class SamplingParams:
             value = getattr(self, name)
             _valid(name, _is_number(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE,
                    value, _PENALTY)
-        _valid("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1,
-               self.min_p, "a number in [0, 1]; 0 means none")
-        _valid("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens
-               and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
-               self.min_tokens, f"an integer from 0 to max_tokens ({self.max_tokens})")
         _valid("logit_bias", isinstance(self.logit_bias, dict), self.logit_bias,
                "a mapping of token id to bias")
         for token, bias in self.logit_bias.items():
@@ -232,13 +242,6 @@ class SamplingParams:
                    "not a token id", "integers >= 0 as keys")
             _valid(f"logit_bias.{token}", _is_number(bias) and -BIAS_RANGE <= bias <= BIAS_RANGE,
                    bias, f"a number from {-BIAS_RANGE} to {BIAS_RANGE}")
-        _valid("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool),
-               self.include_stop_str_in_output, "true or false")
-        _valid("structured_outputs", self.structured_outputs is None
-               or isinstance(self.structured_outputs, StructuredOutputs),
-               self.structured_outputs, _STRUCTURED)
-        if self.trace_decode_token_ids is not None:
-            self._check_trace()
 
     def _check_trace(self) -> None:
         trace = self.trace_decode_token_ids

@@ -223,14 +223,18 @@ class SGLangBackend:
         self.max_lora_rank = args.get("max_lora_rank")
         self.lora_names: dict[str, str] = {}  # adapter name -> the name SGLang has it under
         self._new_lora = itertools.count(1)  # a new SGLang name per load
-        self.engine: Engine = InProcessEngine(args, startup_timeout) if mode == "engine" \
-            else ServerEngine(args, startup_timeout, request_timeout)
-        self.weights = make_sender(weight_transport, self.engine, request_timeout,
-                                   weight_group_timeout)
         self._session_open = False  # an SGLang weight-update session we began and did not end
         # Weight updates made (each chunk is stamped with it: Chunk.weight_update), begun,
         # and failed midway.
         self.updates = self._began = self._failed = 0
+        self._start(args, mode, startup_timeout, weight_transport, weight_group_timeout)
+
+    def _start(self, args: dict, mode: str, startup_timeout: float, weight_transport: str,
+               weight_group_timeout: float) -> None:
+        self.engine: Engine = InProcessEngine(args, startup_timeout) if mode == "engine" \
+            else ServerEngine(args, startup_timeout, self.request_timeout)
+        self.weights = make_sender(weight_transport, self.engine, self.request_timeout,
+                                   weight_group_timeout)
         try:
             self.engine.start()
             # SGLang's scheduler keeps a few tokens of the context for itself and refuses
@@ -375,23 +379,10 @@ class SGLangBackend:
                     "a weight update ran beside this sample, whose logprobs are rescored "
                     "(penalties, logit_bias or min_tokens with raw logprobs) by the weights "
                     "loaded when it ends: they would not be those that made its tokens")
-        experts = None
-        if s.return_routed_experts:  # every token but the last ran through the model
-            if routing is None:
-                raise GenerationError("SGLang sent no routed experts")
-            ran = (expanded or len(prompt)) + len(sample.tokens) - 1
-            experts = protocol.routed_experts(routing, ran, self.moe_top_k)
+        # Every token but the last ran through the model.
+        experts = self._experts(s, routing, (expanded or len(prompt)) + len(sample.tokens) - 1)
         last = given._replace(logprobs=logprobs, top_logprobs=top)
-        runs = [(updates, last)]
-        if waiting:
-            waiting[-1] = last
-            spans = protocol.weight_spans(meta)
-            if spans is None:  # a sample cut here: SGLang did not end it
-                raise GenerationError(
-                    "a weight update ran beside this sample, which the backend ends itself "
-                    "(stop_token_ids with ignore_eos, or stop with min_tokens): SGLang says "
-                    "which weights made each token only as it ends a sample")
-            runs = by_weights(joined(waiting), len(sample.tokens), spans)
+        runs = _runs(updates, last, waiting, meta, len(sample.tokens))
         for update, run in runs[:-1]:
             yield Chunk(index, run.token_ids, run.logprobs, run.top_logprobs,
                         sampling_mask=run.sampling_mask, weight_update=update)
@@ -399,6 +390,13 @@ class SGLangBackend:
         yield Chunk(index, run.token_ids, run.logprobs, run.top_logprobs, given.finish_reason,
                     cached_tokens=cached, sampling_mask=run.sampling_mask,
                     routed_experts=experts, weight_update=update)
+
+    def _experts(self, s, routing, ran: int):
+        if not s.return_routed_experts:
+            return None
+        if routing is None:
+            raise GenerationError("SGLang sent no routed experts")
+        return protocol.routed_experts(routing, ran, self.moe_top_k)
 
     def _check_sampling(self, s) -> None:
         """What SGLang cannot do as the contract says is refused, never done otherwise."""
@@ -683,3 +681,21 @@ class _Sample:
                 len(self.decode(tokens[:end - 1])) >= match[1]:
             end -= 1
         return end - before
+
+
+def _runs(updates: int, last: protocol.Delta, held: list[protocol.Delta], meta: dict,
+          length: int):
+    """A sample's last tokens in runs by the weights that made them: `last` under `updates`,
+    or, where an update began beside the sample and `held` its outputs from then on (the
+    last of them the one `last` completes), those split by the spans SGLang gave as it
+    ended the sample."""
+    if not held:
+        return [(updates, last)]
+    spans = protocol.weight_spans(meta)
+    if spans is None:  # a sample cut here: SGLang did not end it
+        raise GenerationError(
+            "a weight update ran beside this sample, which the backend ends itself "
+            "(stop_token_ids with ignore_eos, or stop with min_tokens): SGLang says "
+            "which weights made each token only as it ends a sample")
+    return by_weights(joined([*held[:-1], last]), length, spans)
+

@@ -194,25 +194,7 @@ class VLLMBackend:
         self.request_timeout = request_timeout
         self.stream_interval = stream_interval
         self.calls = itertools.count()  # numbers each engine call's id
-        private_socket_folder()
-        cpu_thread_binding()
-        self.engine: Engine = (
-            InProcessEngine(args, stream_interval) if mode == "engine" else
-            AsyncEngine(args, stream_interval) if mode == "async" else
-            ServerEngine(args, startup_timeout, request_timeout, stream_interval))
-        # The engine's asyncio side lives on the loop the core runs requests on: no hop
-        # between loops per token.
-        self.loop = engine_loop()
-        # Chosen here, once: every update takes this path, whatever the engine.
-        self.weights: WeightPath = self.engine.weight_path(
-            weight_transport, self.loop, request_timeout, weight_group_timeout)
-        try:
-            parameters = sum(math.prod(shape) for shape in self.shapes.values())
-            with engine_threads(parameters or None):  # (None: no safetensors to count)
-                self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
-        except BaseException:
-            self.loop.run(self.engine.close(), 60, "stopping vLLM")
-            raise
+        self._start(args, startup_timeout, weight_transport, weight_group_timeout)
         self.images_reason = _images_reason(config, mode, self.engine.model_config())
         # Adapters in every mode, where vLLM reserved its LoRA slots at the start.
         self.adapters_reason = None if args.get("enable_lora") else ADAPTERS_OFF
@@ -222,6 +204,28 @@ class VLLMBackend:
         self.prompts = PromptEncoder(
             self.tokenizer, text_config.vocab_size, self.max_model_len,
             image_token_id=None if self.images_reason else config.image_token_id)
+
+    def _start(self, args: dict, startup_timeout: float, weight_transport: str,
+               weight_group_timeout: float) -> None:
+        private_socket_folder()
+        cpu_thread_binding()
+        self.engine: Engine = (
+            InProcessEngine(args, self.stream_interval) if self.mode == "engine" else
+            AsyncEngine(args, self.stream_interval) if self.mode == "async" else
+            ServerEngine(args, startup_timeout, self.request_timeout, self.stream_interval))
+        # The engine's asyncio side lives on the loop the core runs requests on: no hop
+        # between loops per token.
+        self.loop = engine_loop()
+        # Chosen here, once: every update takes this path, whatever the engine.
+        self.weights: WeightPath = self.engine.weight_path(
+            weight_transport, self.loop, self.request_timeout, weight_group_timeout)
+        try:
+            parameters = sum(math.prod(shape) for shape in self.shapes.values())
+            with engine_threads(parameters or None):  # (None: no safetensors to count)
+                self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
+        except BaseException:
+            self.loop.run(self.engine.close(), 60, "stopping vLLM")
+            raise
 
     @property
     def shm(self) -> ShmPipeline | None:

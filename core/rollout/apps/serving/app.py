@@ -86,6 +86,20 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[
         _errors_middleware(metrics),
         _auth_middleware(api_key, {"/metrics"} if public_metrics else set())])
+    app.add_routes(_route_table(routes))
+
+    async def load_adapters(app: web.Application) -> None:
+        for name, path in (lora_modules or {}).items():
+            try:
+                await routes.load_folder(name, path)
+            except ApiError as exc:  # the server does not start
+                raise InvalidRequestError("lora", f"{name}={path}: {exc.message}",
+                                          "NAME=PATH of a PEFT adapter folder") from None
+    app.on_startup.append(load_adapters)
+    return app
+
+
+def _route_table(routes: _Routes) -> list[web.AbstractRouteDef]:
     # Each sampling route also under /sessions/{session}, for a harness that can set its
     # base URL and nothing else.
     sampling = [(prefix + path, handler) for prefix in ("", "/sessions/{session}")
@@ -94,7 +108,7 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
                                       ("/v1/responses", routes.responses),
                                       ("/v1/messages", routes.messages),
                                       ("/v1/messages/count_tokens", routes.count_tokens))]
-    app.add_routes([
+    return [
         web.get("/metrics", routes.metrics),
         *(web.post(path, handler) for path, handler in sampling),
         web.get("/v1/responses/{id}", routes.stored_response),
@@ -114,17 +128,7 @@ def make_app(service: Service, model_name: str, api_key: str | None = None,
         web.post("/v1/load_lora_adapter", routes.load_lora_adapter),
         web.post("/v1/unload_lora_adapter", routes.unload_lora_adapter),
         *(web.route("*", path, _not_served) for path in TRL_NCCL_ROUTES),
-    ])
-
-    async def load_adapters(app: web.Application) -> None:
-        for name, path in (lora_modules or {}).items():
-            try:
-                await routes.load_folder(name, path)
-            except ApiError as exc:  # the server does not start
-                raise InvalidRequestError("lora", f"{name}={path}: {exc.message}",
-                                          "NAME=PATH of a PEFT adapter folder") from None
-    app.on_startup.append(load_adapters)
-    return app
+    ]
 
 
 async def _not_served(request: web.Request) -> web.Response:
