@@ -60,10 +60,19 @@ verl_tests() (
     python -m pytest tests/test_integrations_verl.py --durations=30 "$@"
 )
 # The vLLM backend on the real engine (CPU build); the HF backend beside it for the
-# cross-engine comparison.
-vllm_tests() (
+# cross-engine comparison. In two steps of about equal length, so that neither worker
+# waits for the other's one long step: the modules below, and the rest (which holds every
+# module that shares the session's engines: conftest.shared_vllm).
+VLLM_FIRST=(test_real_model.py test_server_contract.py test_trl_grpo.py test_grpo_example.py
+            test_async_contract.py test_ray_cluster.py)
+vllm_first_tests() (
   source scripts/env.sh "${VLLM[@]}" &&
-    python -m pytest plugins/vllm_backend/tests --durations=30 "$@"
+    python -m pytest "${VLLM_FIRST[@]/#/plugins/vllm_backend/tests/}" --durations=30 "$@"
+)
+vllm_rest_tests() (
+  source scripts/env.sh "${VLLM[@]}" &&
+    python -m pytest plugins/vllm_backend/tests "${VLLM_FIRST[@]/#/--ignore=plugins/vllm_backend/tests/}" \
+      --durations=30 "$@"
 )
 # The SGLang backend on the real engine (the PyPI wheel, a CUDA build, run on CPU with the
 # test-only driver stub and start-up shim in plugins/sglang_backend/tests/cpu/, which need
@@ -78,7 +87,7 @@ sglang_tests() (
 # spin their threads on every core they may use would fight the other worker's for each.
 # Each worker takes the next step nobody has taken (longest first) until none is left, so
 # neither idles while the other has two to go. Every line is prefixed with its step's name.
-STEPS=(vllm_tests sglang_tests core_tests hf_tests verl_tests)
+STEPS=(sglang_tests core_tests vllm_rest_tests vllm_first_tests hf_tests verl_tests)
 read -r first_cores second_cores < <(python3 -c '
 import os
 cores = sorted(os.sched_getaffinity(0))

@@ -54,7 +54,7 @@ class Lent:
 def shared_vllm(tiny_model):
     """`shared_vllm(mode)`: one tiny-model engine per mode (ENGINE's settings, nothing
     else) for the modules that only sample from it and leave its weights alone. An engine
-    start costs 15-40 s of CI's two cores; five modules share the engine mode's."""
+    start costs 15-40 s of CI's two cores."""
     import rollout
 
     started = {}

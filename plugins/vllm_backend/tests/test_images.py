@@ -50,14 +50,13 @@ def ro(vlm_dir):
     backend.close()
 
 
-def test_a_text_model_refuses_images(tiny_model):
-    # First in this file: its engine is closed before the vision model's starts.
-    with rollout.load_backend("vllm", model=str(tiny_model), **ENGINE) as text_only:
-        assert "text-only" in text_only.capabilities.unsupported["images"]
-        assert "stats" not in text_only.health()  # no image counters to give
-        completion = text_only.generate([greedy([ask(picture(0), "what?")])])[0]
-        assert completion.error.field == "messages"
-        assert "does not support images" in completion.error.detail
+def test_a_text_model_refuses_images(shared_vllm):
+    text_only = shared_vllm("engine")
+    assert "text-only" in text_only.capabilities.unsupported["images"]
+    assert "stats" not in text_only.health()  # no image counters to give
+    completion = text_only.generate([greedy([ask(picture(0), "what?")])])[0]
+    assert completion.error.field == "messages"
+    assert "does not support images" in completion.error.detail
 
 
 def test_greedy_equals_the_hf_backend(ro, hf):

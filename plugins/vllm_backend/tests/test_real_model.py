@@ -2,7 +2,8 @@
 backend (first-token logprobs within the agreement tolerance, tokens up to a near-tie), the
 right sums and the model's chat template; in bfloat16, vLLM's default dtype on a CPU, the
 same right sums; a push of the whole model that takes effect; and a few GRPO steps on the
-sums task, in process and through two replica processes.
+sums task through two replica processes (the loop in process runs on the tiny model, in
+test_grpo_example.py).
 
 One float32 engine serves the first two tests: the agreement test only reads it, and the
 push test, which runs after it (pytest keeps the file's order), changes its weights and then
@@ -54,18 +55,11 @@ def test_bfloat16_answers_the_same_sums(real_model):
         checks.check_sums_right(checks.greedy_sums(ro, logprobs=0))
 
 
-def test_a_few_grpo_steps_on_the_sums(real_model):
-    """The example's sums task in process: every step's logprobs equal the float32
-    trainer's after each push; held-out accuracy measured through the pushed weights."""
-    run = run_grpo("vllm", ENGINE, "smollm2", *GRPO_ARGS, "--steps", 3, timeout=900)
-    assert len(run.steps) == 3 and run.summary["max_logprob_diff"] <= 1e-3, run.summary
-    assert run.summary["accuracy_before"] is not None and run.summary["accuracy_after"] is not None
-
-
 def test_a_few_grpo_steps_through_two_replica_processes(real_model):
-    """The same loop sampling from two `rollout serve` replicas: every step's weights
-    travel to both processes through shared memory before the next samples. Two steps: the
-    second samples from weights pushed across processes."""
+    """The example's sums task sampling from two `rollout serve` replicas: every step's
+    weights travel to both processes through shared memory before the next samples, and
+    the samples' logprobs equal the float32 trainer's. Two steps: the second samples from
+    weights pushed across processes; held-out accuracy measured through them."""
     run = run_grpo("vllm", ENGINE, "smollm2", *GRPO_ARGS, "--steps", 2, "--replicas", 2,
                    timeout=900)
     assert len(run.steps) == 2 and run.summary["max_logprob_diff"] <= 1e-3, run.summary
