@@ -698,4 +698,3 @@ def _runs(updates: int, last: protocol.Delta, held: list[protocol.Delta], meta: 
             "(stop_token_ids with ignore_eos, or stop with min_tokens): SGLang says "
             "which weights made each token only as it ends a sample")
     return by_weights(joined([*held[:-1], last]), length, spans)
-
