@@ -8,7 +8,9 @@ core (`0@2` on two) is its best setting; the asynchronous loop runs both phases 
 and `1@1` gives each its own core, as a disaggregated deployment gives the trainer and the
 engines their own GPUs; `1@2` gives both phases every core, and the operating system
 shares them over time; `1@2:keep_kv` pushes with `--pause keep_kv` (running samples keep
-their KV cache, no re-prefill) where the others use the example's default, keep. The
+their KV cache, no re-prefill) where the others use the example's default, keep;
+`+K=V` adds a backend option to one run (`1@2+nice=19`: vLLM's engine processes at
+niceness 19, so the trainer gets the cores first and the engine what is left). The
 baseline is the fastest synchronous run. Printed: per run,
 seconds per step (mean from step 2 on), held-out accuracy before and after, the share of
 tokens older weights sampled; then each asynchronous run's speed-up in steps per second
@@ -33,17 +35,19 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"
 
 
 def run(args, spec: str, seed: int) -> dict:
-    """One run of the example as `spec` (ETA@THREADS[:PAUSE]) with `seed`."""
-    config, _, pause = spec.partition(":")
+    """One run of the example as `spec` (ETA@THREADS[:PAUSE][+K=V...]) with `seed`."""
+    spec_, *options = spec.split("+")
+    config, _, pause = spec_.partition(":")
     eta, threads = (int(x) for x in config.split("@"))
-    log = Path(args.logs) / f"{args.backend}-{spec.replace(':', '-')}-seed{seed}.jsonl"
+    name = "".join(c if c.isalnum() or c in "@.-" else "-" for c in spec)
+    log = Path(args.logs) / f"{args.backend}-{name}-seed{seed}.jsonl"
     flags = ["--task", "sums", "--backend", args.backend, "--steps", str(args.steps),
              "--prompts", "2", "--group-size", "8", "--max-tokens", str(args.max_tokens),
              "--lr", "1e-5",
              "--eval-every", str(args.eval_every), "--seed", str(seed), "--async", str(eta),
              "--threads", str(threads), "--check-every", str(args.check_every), "--log", str(log),
              *(["--pause", pause] if pause else [])]
-    for option in args.backend_option:
+    for option in [*args.backend_option, *options]:
         flags += ["--backend-option", option]
     command = ["taskset", "-c", args.cores, sys.executable, str(EXAMPLE), *flags]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
@@ -68,8 +72,9 @@ def main() -> None:
     parser.add_argument("--backend", default="hf")
     parser.add_argument("--backend-option", action="append", default=[])
     parser.add_argument("--runs", default="0@1,0@2,1@1,1@2",
-                        help="ETA@THREADS[:PAUSE], comma-separated; ETA 0 is the synchronous "
-                             "loop, PAUSE keep (the default) or keep_kv")
+                        help="ETA@THREADS[:PAUSE][+K=V...], comma-separated; ETA 0 is the "
+                             "synchronous loop, PAUSE keep (the default) or keep_kv, K=V a "
+                             "backend option of that run")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--steps", type=int, default=60)

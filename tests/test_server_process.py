@@ -167,3 +167,48 @@ def test_a_killed_server_slow_to_go_does_not_fail_its_stop(monkeypatch, caplog):
     assert "killed, not yet gone" in caplog.text
     monkeypatch.undo()
     assert server.proc.wait(30) in (-signal.SIGTERM, -signal.SIGKILL)  # stopped, and gone
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="Linux: niceness per thread")
+def test_renice_takes_every_thread_of_a_process_tree_and_leaves_its_owner_alone():
+    """A child with a second thread, and a grandchild: all at the niceness asked, this
+    process's threads as they were; a thread the child starts after it has it too."""
+    import os
+
+    from rollout.kit.process import descendants, renice
+
+    tree = textwrap.dedent("""
+        import os, subprocess, sys, threading, time
+        grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+        print(grandchild.pid, flush=True)
+        sys.stdin.readline()  # reniced: start one more thread, and say its niceness
+        threading.Thread(target=lambda: print(os.getpriority(os.PRIO_PROCESS,
+                         threading.get_native_id()), flush=True)).start()
+        time.sleep(600)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", tree], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(child.stdout.readline())
+        assert descendants(child.pid) == [grandchild]
+        ours = niceness(os.getpid())
+        renice([child.pid, grandchild], 19)
+        assert niceness(child.pid) == niceness(grandchild) == {19}
+        assert len(list(Path(f"/proc/{child.pid}/task").iterdir())) >= 2
+        assert niceness(os.getpid()) == ours
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert int(child.stdout.readline()) == 19
+    finally:
+        for pid in (*descendants(child.pid), child.pid):
+            os.kill(pid, signal.SIGKILL)
+        child.wait(30)
+
+
+def niceness(pid: int) -> set[int]:
+    """The niceness of each of a process's threads."""
+    import os
+
+    return {os.getpriority(os.PRIO_PROCESS, int(t.name))
+            for t in Path(f"/proc/{pid}/task").iterdir()}

@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from rollout.contract.errors import EngineDeadError, RolloutTimeoutError
@@ -119,6 +119,34 @@ def children(pid: int) -> list[int]:
                 for c in (task / "children").read_text().split()]
     except OSError:
         return []
+
+
+def descendants(pid: int) -> list[int]:
+    """A process's children, theirs, and so on (Linux; none elsewhere)."""
+    found, todo = [], children(pid)
+    while todo:
+        found.append(todo.pop())
+        todo += children(found[-1])
+    return found
+
+
+NICEST = 19
+
+
+def renice(pids: Iterable[int], nice: int) -> None:
+    """Every thread of each process at niceness `nice`: Linux keeps one per thread, and a
+    thread starts with its creator's, so those the processes start later have it too.
+    Elsewhere, the process. One gone meanwhile is skipped."""
+    for pid in pids:
+        try:
+            threads = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            threads = [pid]
+        for thread in threads:
+            try:
+                os.setpriority(os.PRIO_PROCESS, thread, nice)
+            except ProcessLookupError:  # ended meanwhile
+                pass
 
 
 PR_SET_PDEATHSIG = 1

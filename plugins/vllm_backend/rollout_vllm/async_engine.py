@@ -100,6 +100,9 @@ class AsyncEngine:
     def model_config(self):
         return self.engine.model_config
 
+    def yield_cores(self) -> None:
+        pass  # its outputs come to this process through a socket: no spin here
+
     async def generate(self, rid: str, prompt: dict, params: dict,
                        lora=None) -> AsyncIterator[Chunk | Spans]:
         from vllm.inputs import tokens_input

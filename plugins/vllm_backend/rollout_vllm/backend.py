@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import aclosing
@@ -16,6 +17,7 @@ from rollout import (Capabilities, EngineDeadError, GenerationError, InvalidRequ
                      RolloutError)
 from rollout.kit import options
 from rollout.kit.aio import engine_loop
+from rollout.kit.process import NICEST, descendants, renice
 from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_unpacked
 from rollout.weights.lora import linear_modules, no_such_adapter, read_adapter
 from rollout.weights.checkpoint import checked_tensors, checkpoint_shapes
@@ -99,7 +101,7 @@ def _has_ebnf_rule(grammar: str) -> bool:
 
 
 def checked_options(mode: str, weight_transport: str | None, stream_interval,
-                    logprobs_mode, engine_args: dict | None) -> tuple[str, dict]:
+                    logprobs_mode, nice, engine_args: dict | None) -> tuple[str, dict]:
     """The backend's options checked (InvalidRequestError naming the field), before anything
     loads: the weight transport (the mode's default where none is given) and engine_args,
     with vLLM's name for the logprobs mode in them."""
@@ -121,6 +123,8 @@ def checked_options(mode: str, weight_transport: str | None, stream_interval,
     if not isinstance(stream_interval, int) or stream_interval < 1:
         raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
                                   "an integer >= 1")
+    if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= NICEST:
+        raise InvalidRequestError("nice", f"got {nice!r}", f"an integer from 0 to {NICEST}")
     return weight_transport, {**options.engine_args(engine_args, "vLLM"),
                               "logprobs_mode": f"{logprobs_mode}_logprobs"}
 
@@ -166,10 +170,11 @@ class VLLMBackend:
                  engine_args: dict | None = None, startup_timeout: float = 600.0,
                  request_timeout: float = 3600.0, weight_group_bytes: int | None = None,
                  stream_interval: int = 16, weight_transport: str | None = None,
-                 weight_group_timeout: float = 300.0, logprobs_mode: str = "raw"):
+                 weight_group_timeout: float = 300.0, logprobs_mode: str = "raw",
+                 nice: int = 0):
         weight_transport, engine_args = checked_options(mode, weight_transport,
                                                         stream_interval, logprobs_mode,
-                                                        engine_args)
+                                                        nice, engine_args)
         self.logprobs_mode = logprobs_mode  # vLLM's is fixed at start
         self.mode = mode
         # Weight updates made (each chunk is stamped with it: Chunk.weight_update), begun,
@@ -194,7 +199,7 @@ class VLLMBackend:
         self.request_timeout = request_timeout
         self.stream_interval = stream_interval
         self.calls = itertools.count()  # numbers each engine call's id
-        self._start(args, startup_timeout, weight_transport, weight_group_timeout)
+        self._start(args, startup_timeout, weight_transport, weight_group_timeout, nice)
         self.images_reason = _images_reason(config, mode, self.engine.model_config())
         # Adapters in every mode, where vLLM reserved its LoRA slots at the start.
         self.adapters_reason = None if args.get("enable_lora") else ADAPTERS_OFF
@@ -206,8 +211,9 @@ class VLLMBackend:
             image_token_id=None if self.images_reason else config.image_token_id)
 
     def _start(self, args: dict, startup_timeout: float, weight_transport: str,
-               weight_group_timeout: float) -> None:
+               weight_group_timeout: float, nice: int) -> None:
         private_socket_folder()
+        ours = set(descendants(os.getpid()))
         cpu_thread_binding()
         self.engine: Engine = (
             InProcessEngine(args, self.stream_interval) if self.mode == "engine" else
@@ -223,6 +229,9 @@ class VLLMBackend:
             parameters = sum(math.prod(shape) for shape in self.shapes.values())
             with engine_threads(parameters or None):  # (None: no safetensors to count)
                 self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
+            if nice:  # the engine's processes: those started since
+                renice(set(descendants(os.getpid())) - ours, nice)
+                self.engine.yield_cores()
         except BaseException:
             self.loop.run(self.engine.close(), 60, "stopping vLLM")
             raise

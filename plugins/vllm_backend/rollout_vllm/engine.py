@@ -51,6 +51,11 @@ class Engine(Protocol):
         """vLLM's ModelConfig where the model lives in this process; None where it does
         not (the server's)."""
 
+    def yield_cores(self) -> None:
+        """The engine's processes were niced (the backend's `nice`): where this process
+        waits for them by spinning, it waits on a socket instead, or its spin, at normal
+        priority, would take the cores they give up."""
+
     def generate(self, rid: str, prompt: dict, params: dict,
                  lora=None) -> AsyncIterator[Chunk | Spans]:
         """The chunks of request `rid` as vLLM makes them, each sample's `Spans` just

@@ -138,6 +138,13 @@ class InProcessEngine:
     def model_config(self):
         return self.engine.model_config
 
+    def yield_cores(self) -> None:
+        # vLLM's reader spins for a second after each read of the worker's outputs
+        # (shm_broadcast.SpinCondition, sched_yield in a loop): it would hold a core, and
+        # the GIL, beside a trainer in this process, and starve a niced worker.
+        for queue_ in self.engine.engine_core.engine_core.model_executor.response_mqs:
+            queue_._spin_condition.busy_loop_s = 0
+
     async def generate(self, rid: str, prompt: dict, params: dict,
                        lora=None) -> AsyncIterator[Chunk | Spans]:
         if self.dead:

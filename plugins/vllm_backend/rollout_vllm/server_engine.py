@@ -84,6 +84,9 @@ class ServerEngine:
     def model_config(self):
         return None  # in the server's process
 
+    def yield_cores(self) -> None:
+        pass  # nothing of vLLM's runs in this process
+
     def mm_cache_counts(self) -> tuple[int, int] | None:
         """(hits, lookups) of the server's multimodal processor cache, from its /metrics
         (Prometheus counters: cumulative, kept across sleep); None where it has none or

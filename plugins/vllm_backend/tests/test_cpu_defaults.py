@@ -1,27 +1,50 @@
 """vLLM's CPU build beside other work: the KV cache sized from the memory free now, no
-chunked prefill (a seeded one kills the engine), and on a machine of two cores the model's
-threads not bound to one of them, and a small model on one thread."""
+chunked prefill (a seeded one kills the engine), on a machine of two cores the model's
+threads not bound to one of them, a small model on one thread, and with `nice` the engine's
+processes yielding the cores to this one's."""
 
 import os
+import time
 
 import psutil
 import pytest
 from conftest import ENGINE
 
 import rollout
+from rollout.kit.process import descendants
 from rollout_vllm import cpu
 
 
-def test_the_kv_cache_is_sized_from_free_memory_with_a_cap(tiny_model, monkeypatch):
-    # vLLM's own default asks for 0.92 of all memory and fails when other work holds some.
+def test_the_kv_cache_is_sized_from_free_memory_and_a_niced_engine_yields_its_cores(
+        tiny_model, monkeypatch):
+    """Two ways of living beside other work, on one engine (a start costs half a minute):
+    vLLM's own default cache asks for 0.92 of all memory and fails when other work holds
+    some; and with `nice`, every thread of the engine's processes runs at that niceness
+    (this process's do not), and this process does not spin waiting for the worker."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setattr(cpu, "KV_CAP_BYTES", 256 * 2**20)  # below half of what is free
-    with rollout.load_backend("vllm", model=str(tiny_model), mode="engine", **ENGINE) as ro:
+    others = set(descendants(os.getpid()))  # engines other modules lent, say
+    ours = niceness([os.getpid()])
+    with rollout.load_backend("vllm", model=str(tiny_model), mode="engine", nice=19,
+                              **ENGINE) as ro:
         size = ro._backend.engine.engine.vllm_config.cache_config.kv_cache_memory_bytes
         assert size == 256 * 2**20
         [result] = ro.generate([{"prompt": "the ka lo", "sampling": {
             "temperature": 0.0, "max_tokens": 4, "ignore_eos": True}}])[0].unwrap()
         assert result.completion_tokens == 4
+        engine = set(descendants(os.getpid())) - others
+        assert engine and niceness(engine) == {19}
+        assert niceness([os.getpid()]) == ours
+        # vLLM's reader would spin for a second after the last output: a core's worth.
+        idle = time.process_time()
+        time.sleep(1.0)
+        assert time.process_time() - idle < 0.3
+
+
+def niceness(pids) -> set[int]:
+    """The niceness of every thread of `pids`."""
+    return {os.getpriority(os.PRIO_PROCESS, thread.id)
+            for pid in pids for thread in psutil.Process(pid).threads()}
 
 
 def test_below_the_cap_the_cache_takes_a_share_of_free_memory(monkeypatch):

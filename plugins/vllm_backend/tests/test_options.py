@@ -15,6 +15,9 @@ from rollout import InvalidRequestError
     ({"engine_args": "{max_num_seqs: 4}"}, "engine_args"),  # YAML, not the JSON -o parses
     ({"logprobs_mode": "processed_logits"}, "logprobs_mode"),
     ({"engine_args": {"logprobs_mode": "processed_logprobs"}}, "engine_args.logprobs_mode"),
+    ({"nice": -5}, "nice"),  # (a higher priority than ours: not this option's job)
+    ({"nice": 20}, "nice"),
+    ({"nice": "19"}, "nice"),
 ])
 def test_bad_option_names_the_field(tiny_model, options, field):
     with pytest.raises(InvalidRequestError, match=field) as caught:
