@@ -39,6 +39,8 @@ the same code runs on every backend:
     python examples/grpo.py --config grpo.yaml   # the same keys as the flags
     python examples/grpo.py --backend hf --replicas 2   # replica processes, pushed over shm
     python examples/grpo.py --task sums --async 1   # sampling overlaps training, on every core
+    python examples/grpo.py --task sums --async 1 --backend vllm \
+        --backend-option dtype=float32 --backend-option nice=19   # the trainer's cores first
     python examples/grpo.py --server http://127.0.0.1:8000 --model DIR   # a rollout serve
 
 With `--lora RANK` the trainer trains a LoRA adapter of that rank on every linear layer

@@ -20,9 +20,10 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
-from rollout.contract.errors import EngineDeadError, RolloutTimeoutError
+from rollout.contract.errors import EngineDeadError, InvalidRequestError, RolloutTimeoutError
 
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
@@ -131,6 +132,24 @@ def descendants(pid: int) -> list[int]:
 
 
 NICEST = 19
+
+
+def check_nice(nice) -> None:
+    """A backend's `nice` option: the niceness of its engine's processes, 0 (as this
+    process) to NICEST; below 0 would be a higher priority than ours, which needs
+    privileges and is not this option's job."""
+    if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= NICEST:
+        raise InvalidRequestError("nice", f"got {nice!r}", f"an integer from 0 to {NICEST}")
+
+
+@contextmanager
+def niced_children(nice: int):
+    """The processes this one starts within the block, and theirs, at niceness `nice` once it
+    ends (every thread: `renice`); with 0, nothing is changed."""
+    before = set(descendants(os.getpid()))
+    yield
+    if nice:
+        renice(set(descendants(os.getpid())) - before, nice)
 
 
 def renice(pids: Iterable[int], nice: int) -> None:

@@ -24,6 +24,7 @@ from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, iter_unpacked
 from rollout.weights.checkpoint import checkpoint_shapes
 from rollout.weights.lora import linear_modules, no_such_adapter, read_adapter
 from rollout.kit import options
+from rollout.kit.process import check_nice, niced_children
 from rollout.kit.prompts import PromptEncoder, prompt_field
 from rollout.kit.structured import constraint_error
 from rollout.kit.text import TextStream, first_stop
@@ -118,7 +119,7 @@ def vision_args(model: str, image_cache_mb: int) -> dict:
 
 
 def checked_options(mode: str, stream_interval, image_cache_mb, weight_transport: str | None,
-                    engine_args: dict | None) -> tuple[str, dict]:
+                    nice, engine_args: dict | None) -> tuple[str, dict]:
     """The backend's options checked (InvalidRequestError naming the field), before anything
     loads: the weight transport (the mode's default where none is given) and engine_args."""
     if mode not in MODES:
@@ -132,6 +133,7 @@ def checked_options(mode: str, stream_interval, image_cache_mb, weight_transport
             or image_cache_mb < 0:
         raise InvalidRequestError("image_cache_mb", f"got {image_cache_mb!r}",
                                   "a whole number of MiB >= 0 (0: no cache)")
+    check_nice(nice)
     # The update group in server mode: measured 5x faster than a tensor payload there.
     weight_transport = weight_transport or ("gloo" if mode == "server" else "tensor")
     if weight_transport not in TRANSPORTS:
@@ -179,9 +181,9 @@ class SGLangBackend:
                  engine_args: dict | None = None, startup_timeout: float = 600.0,
                  request_timeout: float = 3600.0, weight_group_bytes: int = DEFAULT_BUCKET_BYTES,
                  weight_transport: str | None = None, weight_group_timeout: float = 600.0,
-                 image_cache_mb: int = 256, stream_interval: int = 16):
+                 image_cache_mb: int = 256, stream_interval: int = 16, nice: int = 0):
         weight_transport, engine_args = checked_options(
-            mode, stream_interval, image_cache_mb, weight_transport, engine_args)
+            mode, stream_interval, image_cache_mb, weight_transport, nice, engine_args)
         from transformers import AutoConfig, AutoTokenizer
 
         if device is None:
@@ -227,16 +229,17 @@ class SGLangBackend:
         # Weight updates made (each chunk is stamped with it: Chunk.weight_update), begun,
         # and failed midway.
         self.updates = self._began = self._failed = 0
-        self._start(args, mode, startup_timeout, weight_transport, weight_group_timeout)
+        self._start(args, mode, startup_timeout, weight_transport, weight_group_timeout, nice)
 
     def _start(self, args: dict, mode: str, startup_timeout: float, weight_transport: str,
-               weight_group_timeout: float) -> None:
+               weight_group_timeout: float, nice: int) -> None:
         self.engine: Engine = InProcessEngine(args, startup_timeout) if mode == "engine" \
             else ServerEngine(args, startup_timeout, self.request_timeout)
         self.weights = make_sender(weight_transport, self.engine, self.request_timeout,
                                    weight_group_timeout)
         try:
-            self.engine.start()
+            with niced_children(nice):  # (SGLang's side in this process waits on sockets)
+                self.engine.start()
             # SGLang's scheduler keeps a few tokens of the context for itself and refuses
             # longer prompts; they get our typed error instead.
             limit = self.engine.run(self.engine.max_input_tokens(), 60, "SGLang server info")

@@ -1,8 +1,10 @@
 """An in-process SGLang engine whose scheduler dies mid-request fails the waiting call
 fast: SGLang's watchdog sends this process SIGQUIT, and the backend's handler fails what
 waits on the engine loop. Closing it then ends its own processes and no other child of
-this process (SGLang's shutdown alone kills them all)."""
+this process (SGLang's shutdown alone kills them all). Started with `nice`, its processes
+run at that niceness, and no other child of this process does."""
 
+import os
 import subprocess
 import sys
 
@@ -16,10 +18,12 @@ from rollout.testing.server_death import check_failure_fails_calls, kill_when_ru
 def test_killed_scheduler_fails_waiting_calls_within_seconds(tiny_model):
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        with rollout.load_backend("sglang", model=str(tiny_model), mode="engine",
+        with rollout.load_backend("sglang", model=str(tiny_model), mode="engine", nice=19,
                                   **ENGINE) as backend:
             engine = backend._backend.engine
             schedulers = engine.llm.get_all_child_pids()
+            assert niceness(engine._children) == {19}
+            assert niceness([bystander.pid]) == niceness([os.getpid()])
             check_failure_fails_calls(backend, kill_when_running(backend, schedulers),
                                       ("SIGQUIT",))
         assert engine._children, "the engine's processes were not recorded"
@@ -29,3 +33,9 @@ def test_killed_scheduler_fails_waiting_calls_within_seconds(tiny_model):
     finally:
         bystander.kill()
         bystander.wait(10)
+
+
+def niceness(pids) -> set[int]:
+    """The niceness of every thread of `pids`."""
+    return {os.getpriority(os.PRIO_PROCESS, thread.id)
+            for pid in pids for thread in psutil.Process(pid).threads()}

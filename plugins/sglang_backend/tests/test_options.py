@@ -18,6 +18,8 @@ import rollout
     ({"stream_interval": 0}, "stream_interval"),
     ({"stream_interval": "8"}, "stream_interval"),
     ({"engine_args": {"stream_interval": 16}}, "engine_args.stream_interval"),
+    ({"nice": -1}, "nice"),
+    ({"nice": 19.0}, "nice"),
 ])
 def test_a_bad_option_is_refused_naming_it(tiny_model, options, field):
     with pytest.raises(rollout.InvalidRequestError) as caught:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import aclosing
@@ -17,7 +16,7 @@ from rollout import (Capabilities, EngineDeadError, GenerationError, InvalidRequ
                      RolloutError)
 from rollout.kit import options
 from rollout.kit.aio import engine_loop
-from rollout.kit.process import NICEST, descendants, renice
+from rollout.kit.process import check_nice, niced_children
 from rollout.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_unpacked
 from rollout.weights.lora import linear_modules, no_such_adapter, read_adapter
 from rollout.weights.checkpoint import checked_tensors, checkpoint_shapes
@@ -123,8 +122,7 @@ def checked_options(mode: str, weight_transport: str | None, stream_interval,
     if not isinstance(stream_interval, int) or stream_interval < 1:
         raise InvalidRequestError("stream_interval", f"got {stream_interval!r}",
                                   "an integer >= 1")
-    if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= NICEST:
-        raise InvalidRequestError("nice", f"got {nice!r}", f"an integer from 0 to {NICEST}")
+    check_nice(nice)
     return weight_transport, {**options.engine_args(engine_args, "vLLM"),
                               "logprobs_mode": f"{logprobs_mode}_logprobs"}
 
@@ -213,7 +211,6 @@ class VLLMBackend:
     def _start(self, args: dict, startup_timeout: float, weight_transport: str,
                weight_group_timeout: float, nice: int) -> None:
         private_socket_folder()
-        ours = set(descendants(os.getpid()))
         cpu_thread_binding()
         self.engine: Engine = (
             InProcessEngine(args, self.stream_interval) if self.mode == "engine" else
@@ -227,10 +224,10 @@ class VLLMBackend:
             weight_transport, self.loop, self.request_timeout, weight_group_timeout)
         try:
             parameters = sum(math.prod(shape) for shape in self.shapes.values())
-            with engine_threads(parameters or None):  # (None: no safetensors to count)
+            # (None: no safetensors to count)
+            with engine_threads(parameters or None), niced_children(nice):
                 self.loop.run(self.engine.start(), startup_timeout, "starting vLLM")
-            if nice:  # the engine's processes: those started since
-                renice(set(descendants(os.getpid())) - ours, nice)
+            if nice:
                 self.engine.yield_cores()
         except BaseException:
             self.loop.run(self.engine.close(), 60, "stopping vLLM")
