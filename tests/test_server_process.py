@@ -172,7 +172,8 @@ def test_a_killed_server_slow_to_go_does_not_fail_its_stop(monkeypatch, caplog):
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="Linux: niceness per thread")
 def test_renice_takes_every_thread_of_a_process_tree_and_leaves_its_owner_alone():
     """A child with a second thread, and a grandchild: all at the niceness asked, this
-    process's threads as they were; a thread the child starts after it has it too."""
+    process's threads as they were; a thread the child starts after it has it too; and a
+    lower niceness asked later leaves them as they are."""
     import os
 
     from rollout.kit.process import descendants, renice
@@ -196,6 +197,8 @@ def test_renice_takes_every_thread_of_a_process_tree_and_leaves_its_owner_alone(
         renice([child.pid, grandchild], 19)
         assert niceness(child.pid) == niceness(grandchild) == {19}
         assert len(list(Path(f"/proc/{child.pid}/task").iterdir())) >= 2
+        renice([child.pid], 5)  # never a higher priority than a thread has
+        assert niceness(child.pid) == {19}
         assert niceness(os.getpid()) == ours
         child.stdin.write("\n")
         child.stdin.flush()

@@ -153,9 +153,10 @@ def niced_children(nice: int):
 
 
 def renice(pids: Iterable[int], nice: int) -> None:
-    """Every thread of each process at niceness `nice`: Linux keeps one per thread, and a
-    thread starts with its creator's, so those the processes start later have it too.
-    Elsewhere, the process. One gone meanwhile is skipped."""
+    """Every thread of each process at niceness `nice`, or its own where that is higher (a
+    higher priority needs privileges): Linux keeps one per thread, and a thread starts with
+    its creator's, so those the processes start later have it too. Elsewhere, the process.
+    One gone meanwhile is skipped."""
     for pid in pids:
         try:
             threads = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
@@ -163,7 +164,9 @@ def renice(pids: Iterable[int], nice: int) -> None:
             threads = [pid]
         for thread in threads:
             try:
-                os.setpriority(os.PRIO_PROCESS, thread, nice)
+                own = os.getpriority(os.PRIO_PROCESS, thread)
+                if own < nice:
+                    os.setpriority(os.PRIO_PROCESS, thread, nice)
             except ProcessLookupError:  # ended meanwhile
                 pass
 

@@ -18,12 +18,13 @@ from rollout.testing.server_death import check_failure_fails_calls, kill_when_ru
 def test_killed_scheduler_fails_waiting_calls_within_seconds(tiny_model):
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        with rollout.load_backend("sglang", model=str(tiny_model), mode="engine", nice=19,
+        ours = niceness([os.getpid()])
+        with rollout.load_backend("sglang", model=str(tiny_model), mode="engine", nice=5,
                                   **ENGINE) as backend:
             engine = backend._backend.engine
             schedulers = engine.llm.get_all_child_pids()
-            assert niceness(engine._children) == {19}
-            assert niceness([bystander.pid]) == niceness([os.getpid()])
+            assert niceness(engine._children) == {max(5, *ours)}  # (never above ours)
+            assert niceness([bystander.pid]) == ours
             check_failure_fails_calls(backend, kill_when_running(backend, schedulers),
                                       ("SIGQUIT",))
         assert engine._children, "the engine's processes were not recorded"

@@ -25,7 +25,8 @@ def test_the_kv_cache_is_sized_from_free_memory_and_a_niced_engine_yields_its_co
     monkeypatch.setattr(cpu, "KV_CAP_BYTES", 256 * 2**20)  # below half of what is free
     others = set(descendants(os.getpid()))  # engines other modules lent, say
     ours = niceness([os.getpid()])
-    with rollout.load_backend("vllm", model=str(tiny_model), mode="engine", nice=19,
+    # Not 19: on a machine busy with other work a niced engine still gets some of it.
+    with rollout.load_backend("vllm", model=str(tiny_model), mode="engine", nice=5,
                               **ENGINE) as ro:
         size = ro._backend.engine.engine.vllm_config.cache_config.kv_cache_memory_bytes
         assert size == 256 * 2**20
@@ -33,7 +34,7 @@ def test_the_kv_cache_is_sized_from_free_memory_and_a_niced_engine_yields_its_co
             "temperature": 0.0, "max_tokens": 4, "ignore_eos": True}}])[0].unwrap()
         assert result.completion_tokens == 4
         engine = set(descendants(os.getpid())) - others
-        assert engine and niceness(engine) == {19}
+        assert engine and niceness(engine) == {max(5, *ours)}  # (never above ours)
         assert niceness([os.getpid()]) == ours
         # vLLM's reader would spin for a second after the last output: a core's worth.
         idle = time.process_time()
