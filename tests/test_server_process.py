@@ -176,7 +176,7 @@ def test_renice_takes_every_thread_of_a_process_tree_and_leaves_its_owner_alone(
     lower niceness asked later leaves them as they are."""
     import os
 
-    from rollout.kit.process import descendants, renice
+    from rollout.kit.process import descendants, niceness, renice
 
     tree = textwrap.dedent("""
         import os, subprocess, sys, threading, time
@@ -193,13 +193,13 @@ def test_renice_takes_every_thread_of_a_process_tree_and_leaves_its_owner_alone(
     try:
         grandchild = int(child.stdout.readline())
         assert descendants(child.pid) == [grandchild]
-        ours = niceness(os.getpid())
+        ours = niceness([os.getpid()])
         renice([child.pid, grandchild], 19)
-        assert niceness(child.pid) == niceness(grandchild) == {19}
+        assert niceness([child.pid]) == niceness([grandchild]) == {19}
         assert len(list(Path(f"/proc/{child.pid}/task").iterdir())) >= 2
         renice([child.pid], 5)  # never a higher priority than a thread has
-        assert niceness(child.pid) == {19}
-        assert niceness(os.getpid()) == ours
+        assert niceness([child.pid]) == {19}
+        assert niceness([os.getpid()]) == ours
         child.stdin.write("\n")
         child.stdin.flush()
         assert int(child.stdout.readline()) == 19
@@ -207,11 +207,3 @@ def test_renice_takes_every_thread_of_a_process_tree_and_leaves_its_owner_alone(
         for pid in (*descendants(child.pid), child.pid):
             os.kill(pid, signal.SIGKILL)
         child.wait(30)
-
-
-def niceness(pid: int) -> set[int]:
-    """The niceness of each of a process's threads."""
-    import os
-
-    return {os.getpriority(os.PRIO_PROCESS, int(t.name))
-            for t in Path(f"/proc/{pid}/task").iterdir()}

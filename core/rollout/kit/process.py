@@ -146,29 +146,39 @@ def check_nice(nice) -> None:
 def niced_children(nice: int):
     """The processes this one starts within the block, and theirs, at niceness `nice` once it
     ends (every thread: `renice`); with 0, nothing is changed."""
+    if not nice:
+        yield
+        return
     before = set(descendants(os.getpid()))
     yield
-    if nice:
-        renice(set(descendants(os.getpid())) - before, nice)
+    renice(set(descendants(os.getpid())) - before, nice)
+
+
+def _threads(pid: int) -> list[int]:
+    """A process's threads (Linux); elsewhere, the process."""
+    try:
+        return [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return [pid]
 
 
 def renice(pids: Iterable[int], nice: int) -> None:
     """Every thread of each process at niceness `nice`, or its own where that is higher (a
     higher priority needs privileges): Linux keeps one per thread, and a thread starts with
-    its creator's, so those the processes start later have it too. Elsewhere, the process.
-    One gone meanwhile is skipped."""
+    its creator's, so those the processes start later have it too. One gone meanwhile is
+    skipped."""
     for pid in pids:
-        try:
-            threads = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
-        except OSError:
-            threads = [pid]
-        for thread in threads:
+        for thread in _threads(pid):
             try:
-                own = os.getpriority(os.PRIO_PROCESS, thread)
-                if own < nice:
+                if os.getpriority(os.PRIO_PROCESS, thread) < nice:
                     os.setpriority(os.PRIO_PROCESS, thread, nice)
             except ProcessLookupError:  # ended meanwhile
                 pass
+
+
+def niceness(pids: Iterable[int]) -> set[int]:
+    """The niceness of every thread of `pids`."""
+    return {os.getpriority(os.PRIO_PROCESS, thread) for pid in pids for thread in _threads(pid)}
 
 
 PR_SET_PDEATHSIG = 1

@@ -12,6 +12,7 @@ import psutil
 from conftest import ENGINE
 
 import rollout
+from rollout.kit.process import niceness
 from rollout.testing.server_death import check_failure_fails_calls, kill_when_running
 
 
@@ -34,9 +35,3 @@ def test_killed_scheduler_fails_waiting_calls_within_seconds(tiny_model):
     finally:
         bystander.kill()
         bystander.wait(10)
-
-
-def niceness(pids) -> set[int]:
-    """The niceness of every thread of `pids`."""
-    return {os.getpriority(os.PRIO_PROCESS, thread.id)
-            for pid in pids for thread in psutil.Process(pid).threads()}

@@ -11,7 +11,7 @@ import pytest
 from conftest import ENGINE
 
 import rollout
-from rollout.kit.process import descendants
+from rollout.kit.process import descendants, niceness
 from rollout_vllm import cpu
 
 
@@ -40,12 +40,6 @@ def test_the_kv_cache_is_sized_from_free_memory_and_a_niced_engine_yields_its_co
         idle = time.process_time()
         time.sleep(1.0)
         assert time.process_time() - idle < 0.3
-
-
-def niceness(pids) -> set[int]:
-    """The niceness of every thread of `pids`."""
-    return {os.getpriority(os.PRIO_PROCESS, thread.id)
-            for pid in pids for thread in psutil.Process(pid).threads()}
 
 
 def test_below_the_cap_the_cache_takes_a_share_of_free_memory(monkeypatch):
