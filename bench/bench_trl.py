@@ -1,5 +1,9 @@
 """TRL's `GRPOTrainer` (its own transformers generation) against examples/grpo.py (a
-`rollout` backend as the sampler, vLLM by default) on the same GRPO run.
+`rollout` backend as the sampler, vLLM by default) on the same GRPO run, each at its best
+setting on these cores: TRL's loop as it is, grpo.py with `--async 1` (sampling one batch
+ahead while the trainer trains, the engine yielding the cores to it; one step off-policy,
+with truncated importance weights; `--async 0`: its
+synchronous loop).
 
 The task is examples/grpo.py's `--task sums` on SmolLM2-135M-Instruct: "What is a + b? Reply
 with only the number.", reward 1 when the answer's last number is the sum. Both sides take
@@ -25,7 +29,7 @@ A third side, `trl+rollout`, is TRL's trainer unchanged but for
 Run in the vLLM environment with TRL added (one environment holds both):
     source scripts/env.sh vllm requirements/test.txt requirements/trl.txt
     pip install --no-deps -e . -e plugins/hf_backend -e plugins/vllm_backend
-    python bench/bench_trl.py [--steps 20] [--seed 0] [--backend vllm]
+    python bench/bench_trl.py [--steps 20] [--seed 0] [--backend vllm] [--async 1]
         [--sides rollout,trl,trl+rollout]
 """
 
@@ -65,6 +69,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--held-out", type=int, default=100)
     parser.add_argument("--model", default="smollm2", help="model folder or known name")
     parser.add_argument("--backend", default="vllm", help="rollout's sampler: vllm, hf, ...")
+    parser.add_argument("--async", dest="eta", type=int, default=1, metavar="ETA",
+                        help="examples/grpo.py's --async (its best setting on shared cores: "
+                        "1; 0: the synchronous loop)")
     parser.add_argument("--backend-option", action="append", default=None, metavar="K=V",
                         help="for the backend (repeatable); vLLM's default: "
                         + " ".join(VLLM_OPTIONS))
@@ -92,7 +99,8 @@ def run_rollout(args: argparse.Namespace, model_dir: str) -> dict:
                 "--steps", str(args.steps), "--prompts", str(args.prompts),
                 "--group-size", str(args.group), "--max-tokens", str(args.max_tokens),
                 "--temperature", "1.0", "--lr", str(args.lr), "--seed", str(args.seed),
-                "--held-out", str(args.held_out), "--log", str(log)]
+                "--held-out", str(args.held_out), "--async", str(args.eta),
+                "--log", str(log)]
         print("rollout:", " ".join(argv[1:]), flush=True)
         started = time.perf_counter()
         child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -278,7 +286,7 @@ def main() -> None:
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     results = {}
     if "rollout" in args.sides:
-        results[f"rollout-{args.backend}"] = run_rollout(args, model_dir)
+        results[f"rollout-{args.backend} eta {args.eta}"] = run_rollout(args, model_dir)
     if "trl" in args.sides:
         results["trl"] = run_trl(args, model_dir)
     if "trl+rollout" in args.sides:

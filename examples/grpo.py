@@ -40,7 +40,7 @@ the same code runs on every backend:
     python examples/grpo.py --backend hf --replicas 2   # replica processes, pushed over shm
     python examples/grpo.py --task sums --async 1   # sampling overlaps training, on every core
     python examples/grpo.py --task sums --async 1 --backend vllm \
-        --backend-option dtype=float32 --backend-option nice=19   # the trainer's cores first
+        --backend-option dtype=float32   # the engine at nice 19: the trainer's cores first
     python examples/grpo.py --server http://127.0.0.1:8000 --model DIR   # a rollout serve
 
 With `--lora RANK` the trainer trains a LoRA adapter of that rank on every linear layer
@@ -58,6 +58,7 @@ evaluation; examples/plot_grpo.py draws the reward curves from such files.
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 import sys
@@ -71,6 +72,8 @@ import rollout.kit.models
 from rollout.apps.datasets import sums
 from rollout.apps.rl import (CORRECTIONS, GroupSampler, first_and_later_gaps, importance_weights,
                              mismatch)
+from rollout.contract.plugins import load_factory
+from rollout.kit.process import NICEST
 from rollout.service.served import open_sampler
 
 WORDS = "the ka lo mi ne su ta ri po def return print x y if for".split()
@@ -158,6 +161,18 @@ def backend_options(pairs: list[str]) -> dict:
         if not sep:
             sys.exit(f"--backend-option wants k=v, got {pair!r}")
         options[key.replace("-", "_")] = yaml.safe_load(value)
+    return options
+
+
+def sampler_options(args: argparse.Namespace) -> dict:
+    """The backend's options. With --async and the trainer on the CPU, an engine that can
+    yield the cores (a backend with a `nice` option: vLLM, SGLang) runs at the lowest
+    priority unless told otherwise: training gets the shared cores first and sampling what
+    is left, so the overlap never slows training down (docs/rl-loop.md)."""
+    options = backend_options(args.backend_option)
+    if (args.eta and args.device == "cpu" and not args.server and "nice" not in options
+            and "nice" in inspect.signature(load_factory(args.backend)).parameters):
+        options["nice"] = NICEST
     return options
 
 
@@ -351,7 +366,7 @@ def train(args: argparse.Namespace, model_dir: str) -> int:
 
     # The sampler: which engine, and where it runs, is configuration only. Served ones
     # take the same calls; their weights travel through shared memory.
-    sampler = open_sampler(args.backend, model_dir, backend_options(args.backend_option),
+    sampler = open_sampler(args.backend, model_dir, sampler_options(args),
                            args.replicas, server=args.server, api_key=args.api_key)
     # Some engines cannot seed a request (SGLang on CPU); then sampling is merely unseeded.
     seeded = sampler.capabilities.supports("seed")

@@ -3,7 +3,7 @@
 
 import json
 
-from rollout.testing.grpo import run_grpo, run_grpo_script
+from rollout.testing.grpo import run_grpo, run_grpo_script, sampler_options
 
 
 def test_reward_rises_and_logprobs_match(tiny_model):
@@ -13,6 +13,12 @@ def test_reward_rises_and_logprobs_match(tiny_model):
     assert run.summary["max_logprob_diff"] <= 1e-3
     # It rises by far more than this on most seeds (0.15 to 0.5 in 20 steps).
     assert run.summary["last_reward"] > run.summary["first_reward"] + 0.05, run.summary
+
+
+def test_an_engine_in_this_process_takes_no_priority_option():
+    """HF's engine is a thread of the trainer's process: nothing to renice, and its backend
+    takes no `nice` (vLLM's tests check the default where there is one)."""
+    assert sampler_options("--backend", "hf", "--async", "1") == {}
 
 
 def test_config_file_and_a_failed_logprob_check(tiny_model, tmp_path):

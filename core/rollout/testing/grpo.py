@@ -6,6 +6,7 @@ installed from (editable), as the tests that use it are.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,6 +22,15 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "grpo.py"
 class GrpoRun:
     summary: dict  # the JSON line the example prints last
     steps: list[str]  # its "step N ..." lines, one per training step
+
+
+def sampler_options(*argv: str) -> dict:
+    """The backend options the example gives its sampler for these flags (its own module,
+    imported; nothing is started)."""
+    spec = importlib.util.spec_from_file_location("grpo_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.sampler_options(example.parse_args(list(argv)))
 
 
 def run_grpo_script(*args, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import ENGINE
 
-from rollout.testing.grpo import run_grpo
+from rollout.testing.grpo import run_grpo, sampler_options
 
 
 def test_reward_rises_and_logprobs_match(tiny_model):
@@ -16,13 +16,24 @@ def test_reward_rises_and_logprobs_match(tiny_model):
     assert run.summary["last_reward"] > run.summary["first_reward"] + 0.05, run.summary
 
 
+def test_asynchronous_on_the_trainers_cores_the_engine_yields_them():
+    """--async with a CPU trainer: vLLM's processes at the lowest priority unless told
+    otherwise (the option's effect on the engine: test_cpu_defaults)."""
+    assert sampler_options("--backend", "vllm", "--async", "1") == {"nice": 19}
+    assert sampler_options("--backend", "vllm") == {}  # synchronous: the phases take turns
+    assert sampler_options("--backend", "vllm", "--async", "1", "--device", "cuda") == {}
+    assert sampler_options("--backend", "vllm", "--async", "1",
+                           "--backend-option", "nice=0") == {"nice": 0}
+
+
 def test_kept_kv_pushes_check_the_exact_tokens_and_log_the_others_apart(tiny_model,
                                                                          tmp_path):
     """--pause keep_kv on vLLM's own pause (async mode): running samples keep their KV cache
     across a push, and vLLM's spans label their tokens. Those their own weights' cache made
     pass the check; the largest gap of those made over an older cache is logged apart."""
     log = tmp_path / "steps.jsonl"
-    run = run_grpo("vllm", {**ENGINE, "mode": "async"}, tiny_model, "--async", 1,
+    # At the trainer's priority: a niced engine would wait on whatever else runs here.
+    run = run_grpo("vllm", {**ENGINE, "mode": "async", "nice": 0}, tiny_model, "--async", 1,
                    "--pause", "keep_kv", "--steps", 12, "--prompts", 4, "--group-size", 8,
                    "--max-tokens", 32, "--seed", 0, "--log", log)
     assert run.summary["pause"] == "keep_kv" and len(run.steps) == 12
