@@ -9,8 +9,9 @@ and `1@1` gives each its own core, as a disaggregated deployment gives the train
 engines their own GPUs; `1@2` gives both phases every core, and the operating system
 shares them over time; `1@2:keep_kv` pushes with `--pause keep_kv` (running samples keep
 their KV cache, no re-prefill) where the others use the example's default, keep;
-`+K=V` adds a backend option to one run (`1@2+nice=19`: vLLM's engine processes at
-niceness 19, so the trainer gets the cores first and the engine what is left). The
+`+K=V` adds a backend option to one run (`1@2+nice=0`: vLLM's or SGLang's engine
+processes at the trainer's priority; the example's asynchronous loop runs them at 19, so
+the trainer gets the cores first and the engine what is left). The
 baseline is the fastest synchronous run. Printed: per run,
 seconds per step (mean from step 2 on), held-out accuracy before and after, the share of
 tokens older weights sampled; then each asynchronous run's speed-up in steps per second

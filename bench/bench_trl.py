@@ -2,8 +2,7 @@
 `rollout` backend as the sampler, vLLM by default) on the same GRPO run, each at its best
 setting on these cores: TRL's loop as it is, grpo.py with `--async 1` (sampling one batch
 ahead while the trainer trains, the engine yielding the cores to it; one step off-policy,
-with truncated importance weights; `--async 0`: its
-synchronous loop).
+with truncated importance weights; `--async 0`: its synchronous loop).
 
 The task is examples/grpo.py's `--task sums` on SmolLM2-135M-Instruct: "What is a + b? Reply
 with only the number.", reward 1 when the answer's last number is the sum. Both sides take
@@ -49,10 +48,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-# vLLM on CPU: a KV cache that fits a small machine, the engine in the sampler's process, and
-# no model hub anywhere.
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# vLLM on CPU: a KV cache that fits a small machine, and no model hub anywhere. (Its worker
+# stays in a process of its own, vLLM's default there, which the engine's `nice` needs.)
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
 VLLM_OPTIONS = ["dtype=float32", "enforce_eager=true"]
 WINDOW = 5  # steps the final training reward is averaged over
 SIDES = ("rollout", "trl", "trl+rollout")

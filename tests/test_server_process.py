@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout.contract.errors import InvalidRequestError
 from rollout.kit.process import ServerProcess
 
 # A server that starts a worker in its process group; the worker ignores SIGTERM, as an
@@ -207,3 +208,20 @@ def test_renice_takes_every_thread_of_a_process_tree_and_leaves_its_owner_alone(
         for pid in (*descendants(child.pid), child.pid):
             os.kill(pid, signal.SIGKILL)
         child.wait(30)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="Linux: niceness per thread")
+def test_nice_is_refused_for_an_engine_that_starts_no_process():
+    """An engine that runs in this process (vLLM's worker with VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    has nothing to renice: the option is refused by name, and nothing of ours is reniced."""
+    import os
+
+    from rollout.kit.process import niced_children, niceness
+
+    ours = niceness([os.getpid()])
+    with pytest.raises(InvalidRequestError) as refused, niced_children(5):
+        pass  # starts nothing
+    assert refused.value.field == "nice" and "runs in this one" in str(refused.value)
+    assert niceness([os.getpid()]) == ours
+    with niced_children(0):  # the default: nothing to check
+        pass

@@ -145,13 +145,18 @@ def check_nice(nice) -> None:
 @contextmanager
 def niced_children(nice: int):
     """The processes this one starts within the block, and theirs, at niceness `nice` once it
-    ends (every thread: `renice`); with 0, nothing is changed."""
+    ends (every thread: `renice`); with 0, nothing is changed. An engine that started none
+    (it runs in this process) has nothing to renice: `nice` is refused, not dropped."""
     if not nice:
         yield
         return
     before = set(descendants(os.getpid()))
     yield
-    renice(set(descendants(os.getpid())) - before, nice)
+    started = set(descendants(os.getpid())) - before
+    if not started:
+        raise InvalidRequestError("nice", f"got {nice}, but the engine started no process of "
+                                  "its own: it runs in this one, beside the caller", "0")
+    renice(started, nice)
 
 
 def _threads(pid: int) -> list[int]:
