@@ -71,6 +71,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--async", dest="eta", type=int, default=1, metavar="ETA",
                         help="examples/grpo.py's --async (its best setting on shared cores: "
                         "1; 0: the synchronous loop)")
+    parser.add_argument("--check-every", type=int, default=10, metavar="N",
+                        help="examples/grpo.py's logprob check every N steps (TRL runs none; "
+                        "under --async a check of older tokens costs a forward pass)")
     parser.add_argument("--backend-option", action="append", default=None, metavar="K=V",
                         help="for the backend (repeatable); vLLM's default: "
                         + " ".join(VLLM_OPTIONS))
@@ -99,6 +102,7 @@ def run_rollout(args: argparse.Namespace, model_dir: str) -> dict:
                 "--group-size", str(args.group), "--max-tokens", str(args.max_tokens),
                 "--temperature", "1.0", "--lr", str(args.lr), "--seed", str(args.seed),
                 "--held-out", str(args.held_out), "--async", str(args.eta),
+                "--check-every", str(args.check_every),
                 "--log", str(log)]
         print("rollout:", " ".join(argv[1:]), flush=True)
         started = time.perf_counter()

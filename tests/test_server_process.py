@@ -174,7 +174,8 @@ def test_a_killed_server_slow_to_go_does_not_fail_its_stop(monkeypatch, caplog):
 def test_renice_takes_every_thread_of_a_process_tree_and_leaves_its_owner_alone():
     """A child with a second thread, and a grandchild: all at the niceness asked, this
     process's threads as they were; a thread the child starts after it has it too; and a
-    lower niceness asked later leaves them as they are."""
+    lower niceness asked later leaves them as they are. At 19 every thread is idle too
+    (SCHED_IDLE), the later one as well."""
     import os
 
     from rollout.kit.process import descendants, niceness, renice
@@ -186,7 +187,8 @@ def test_renice_takes_every_thread_of_a_process_tree_and_leaves_its_owner_alone(
         print(grandchild.pid, flush=True)
         sys.stdin.readline()  # reniced: start one more thread, and say its niceness
         threading.Thread(target=lambda: print(os.getpriority(os.PRIO_PROCESS,
-                         threading.get_native_id()), flush=True)).start()
+                         threading.get_native_id()), os.sched_getscheduler(0),
+                         flush=True)).start()
         time.sleep(600)
     """)
     child = subprocess.Popen([sys.executable, "-c", tree], stdin=subprocess.PIPE,
@@ -197,13 +199,16 @@ def test_renice_takes_every_thread_of_a_process_tree_and_leaves_its_owner_alone(
         ours = niceness([os.getpid()])
         renice([child.pid, grandchild], 19)
         assert niceness([child.pid]) == niceness([grandchild]) == {19}
-        assert len(list(Path(f"/proc/{child.pid}/task").iterdir())) >= 2
+        threads = list(Path(f"/proc/{child.pid}/task").iterdir())
+        assert len(threads) >= 2
+        # The nicest is also idle: it runs only on a core nothing else wants.
+        assert {os.sched_getscheduler(int(t.name)) for t in threads} == {os.SCHED_IDLE}
         renice([child.pid], 5)  # never a higher priority than a thread has
         assert niceness([child.pid]) == {19}
         assert niceness([os.getpid()]) == ours
         child.stdin.write("\n")
         child.stdin.flush()
-        assert int(child.stdout.readline()) == 19
+        assert child.stdout.readline().split() == ["19", str(os.SCHED_IDLE)]
     finally:
         for pid in (*descendants(child.pid), child.pid):
             os.kill(pid, signal.SIGKILL)
