@@ -168,7 +168,7 @@ def sampler_options(args: argparse.Namespace) -> dict:
     """The backend's options. With --async and the trainer on the CPU, an engine that can
     yield the cores (a backend with a `nice` option: vLLM, SGLang) runs at the lowest
     priority unless told otherwise: training gets the shared cores first and sampling what
-    is left, so the overlap never slows training down (docs/rl-loop.md)."""
+    is left, so the overlap slows training as little as it can (docs/rl-loop.md)."""
     options = backend_options(args.backend_option)
     if (args.eta and args.device == "cpu" and not args.server and "nice" not in options
             and "nice" in inspect.signature(load_factory(args.backend)).parameters):

@@ -172,9 +172,8 @@ def renice(pids: Iterable[int], nice: int) -> None:
     higher priority needs privileges): Linux keeps one per thread, and a thread starts with
     its creator's, so those the processes start later have it too. At NICEST also under
     Linux's SCHED_IDLE policy (inherited the same way): such a thread runs only where
-    nothing else wants the core. Niceness 19 alone still takes a share of a busy core: a
-    trainer beside a vLLM engine trained 5.43 s a step with the engine at 19, 5.15 with it
-    idle, 4.71 alone (docs/rl-loop.md). One gone meanwhile is skipped."""
+    nothing else wants the core (at niceness 19 alone it still takes a share of a busy
+    one: docs/rl-loop.md). One gone meanwhile is skipped."""
     idle = nice == NICEST and hasattr(os, "SCHED_IDLE")
     for pid in pids:
         for thread in _threads(pid):
