@@ -137,6 +137,8 @@ class Rollout(RequestFront):
             needs.append(("trace_replay", "sampling.trace_decode_token_ids"))
         if request.sampling.seed is not None:
             needs.append(("seed", "sampling.seed"))
+        if request.sampling.batch_invariant:
+            needs.append(("batch_invariant", "sampling.batch_invariant"))
         if request.sampling.prompt_logprobs is not None:
             needs.append(("prompt_logprobs", "sampling.prompt_logprobs"))
             if image_sources(request):

@@ -148,6 +148,10 @@ class SamplingParams:
     have drawn from), so given tokens are scored as the engine would have sampled them. The
     trace ends the sample (an EOS in it does not); it takes no stop, stop token, min_tokens,
     structured output or n > 1, and max_tokens null or at least its length.
+    `batch_invariant` asks for tokens and logprobs that do not depend on what else the engine
+    runs beside the request (other requests, their lengths, padding): the same as the
+    request alone. A backend that cannot promise it refuses the request naming the field
+    (`Capabilities`, "batch_invariant").
     """
 
     temperature: float = 1.0
@@ -174,6 +178,7 @@ class SamplingParams:
     return_routed_experts: bool = False
     trace_decode_token_ids: tuple[int, ...] | None = attrs.field(default=None,
                                                                  converter=_tuple)
+    batch_invariant: bool = False
 
     def __attrs_post_init__(self):
         _valid("temperature", _is_number(self.temperature) and self.temperature >= 0,
@@ -210,7 +215,7 @@ class SamplingParams:
                "None (the backend's), " + ", ".join(LOGPROBS_MODES))
         _valid("ignore_eos", isinstance(self.ignore_eos, bool),
                self.ignore_eos, "true or false")
-        for name in ("return_sampling_mask", "return_routed_experts"):
+        for name in ("return_sampling_mask", "return_routed_experts", "batch_invariant"):
             _valid(name, isinstance(getattr(self, name), bool), getattr(self, name),
                    "true or false")
         _valid("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1,
@@ -708,6 +713,8 @@ CAPABILITIES = {
     "trace_replay": "generate given tokens, each scored as if drawn "
                     "(sampling.trace_decode_token_ids)",
     "seed": "reproduce a sample from a per-request seed",
+    "batch_invariant": "a request's tokens and logprobs independent of the requests the "
+                       "engine runs beside it (sampling.batch_invariant)",
     "keep_kv": "update weights while requests run in the engine, their KV cache as the "
                "old weights made it (update_weights(pause=\"keep_kv\"))",
     "chat": "render chat messages with the model's chat template",

@@ -210,6 +210,45 @@ class OnPolicyContract:
             assert isinstance(completion.error, InvalidRequestError), completion.error
             assert completion.error.field == f"sampling.{field}"
 
+    @HYPOTHESIS
+    @given(s=sampled_settings(), neighbours=st.lists(st.tuples(
+        st.integers(0, 24), st.integers(0, 12), st.integers(1, 12)), min_size=1, max_size=8))
+    def test_a_batch_invariant_request_is_the_same_beside_any_other(self, harness, reference,
+                                                                      s, neighbours):
+        """`sampling.batch_invariant`: tokens, logprobs and top logprobs are exactly those of
+        the request alone, beside neighbours of other lengths that share some of its prompt
+        (a neighbour: (tokens of the prompt it shares, tokens of its own, max_tokens)). A
+        backend that cannot promise it refuses the request by name; the others of the batch
+        are answered."""
+        prompt = list(reference.repeating)
+        sampling = {**s, "max_tokens": 8, "ignore_eos": True, "logprobs": 2,
+                    "batch_invariant": True}
+        if not harness.caps.supports("seed"):  # the same draw cannot be asked for twice
+            sampling.update(temperature=0.0, top_p=1.0)
+            sampling.pop("top_k", None)
+        else:
+            sampling["seed"] = 11
+        asked = {"prompt_token_ids": prompt, "sampling": sampling}
+        others = [{"prompt_token_ids": prompt[:shared] + [(7 * i + 3) % reference.vocab
+                                                          for i in range(own or 1)],
+                   "sampling": {"max_tokens": max_tokens, "ignore_eos": True}}
+                  for shared, own, max_tokens in neighbours]
+        if not harness.caps.supports("batch_invariant"):
+            refused, other = harness.rollout.generate([asked, others[0]])
+            assert isinstance(refused.error, InvalidRequestError), refused.error
+            assert refused.error.field == "sampling.batch_invariant"
+            assert other.ok, other.error
+            pytest.skip("batch_invariant unsupported: "
+                        f"{harness.caps.unsupported['batch_invariant']}")
+        (alone,) = harness.rollout.generate([asked])[0].unwrap()
+        half = len(others) // 2
+        beside = harness.rollout.generate(others[:half] + [asked] + others[half:] + [asked])
+        for completion in (beside[half], beside[-1]):
+            (result,) = completion.unwrap()
+            assert result.token_ids == alone.token_ids
+            assert result.logprobs == alone.logprobs
+            assert result.top_logprobs == alone.top_logprobs
+
     @pytest.mark.parametrize("mode", LOGPROBS_MODES)
     def test_logprobs_are_those_of_the_distribution_named(self, harness, reference, mode):
         """With no transform at temperature 1 the two modes agree; the default mode is the

@@ -464,6 +464,19 @@ class ServerContract(ServedBackend):
         assert self.refused_by_name(ro, server.url, "routed_experts", "return_routed_experts",
                                     body)
 
+    def test_a_batch_invariant_request_through_http_is_the_engines(self, server, ro):
+        """`batch_invariant` reaches the engine: the server's answer is the Rollout's own,
+        to the last bit of each logprob (or a refusal naming the field)."""
+        body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 6, "logprobs": 0,
+                "temperature": 0, "batch_invariant": True, "return_token_ids": True}
+        if self.refused_by_name(ro, server.url, "batch_invariant", "batch_invariant", body):
+            return
+        (choice,) = completions(server.url, body)
+        expected = direct(ro, prompt=body["prompt"], sampling={
+            "max_tokens": 6, "logprobs": 0, "temperature": 0, "batch_invariant": True})[0]
+        assert choice["token_ids"] == list(expected.token_ids)
+        assert choice["logprobs"]["token_logprobs"] == list(expected.logprobs)
+
     def test_structured_outputs_through_both_names(self, client, ro):
         schema = {"type": "object", "properties": {"x": DIGIT}, "required": ["x"],
                   "additionalProperties": False}

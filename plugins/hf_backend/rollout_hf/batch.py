@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from rollout.kit.sampler import Row
+from rollout.kit.sampler import LogitsProcessor, Row
 
 from rollout_hf.vision import prefill_inputs
 
@@ -30,6 +30,8 @@ class Batch:
         # [rows, 1]: a position offset per row (M-RoPE after images, vision.py); None: all 0
         self.deltas = deltas
         self.next_ids: torch.Tensor | None = None  # [rows]: chosen, not yet in the cache
+        self.processor: LogitsProcessor | None = None  # None: no row uses one
+        self.processor_stale = False  # rows joined: rebuild the processor for the batch
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -6,7 +6,9 @@ Each step the engine:
 1. drops the rows of cancelled requests (an abort, a timeout, a dropped client);
 2. admits waiting rows while fewer than `batch_size` decode;
 3. runs one decode step for the running rows and a prefill for the admitted ones, and
-   merges the newcomers into the running batch (batch.py);
+   merges the newcomers into the running batch (batch.py). A row that asked for batch
+   invariance (`sampling.batch_invariant`) runs alone instead, in a batch of its own:
+   its forward passes and draws then have the same shapes whatever else runs;
 4. chooses every row's token (`rollout.kit.sampler`, each row with its own parameters
    and seed), with logprobs where asked;
 5. hands the step's tokens to each event loop in one `call_soon_threadsafe` (handoff.py);
@@ -63,10 +65,9 @@ class Engine:
         self._step_lock = threading.Lock()  # held through each step; lifecycle calls take it
         self._step_started: float | None = None
         # The engine thread's own (and a lifecycle call's, holding the step lock):
-        self._batch = Batch()
+        self._batch = Batch()  # the rows that decode together
+        self._alone: list[Batch] = []  # a batch of one for each batch-invariant row
         self._joining: list[Row] = []  # rows being admitted in this step
-        self._processor: LogitsProcessor | None = None
-        self._processor_stale = False  # rows joined: rebuild the processor for the batch
         self.routers = RouterTap(routers(model))  # (no router: a dense model)
         if device.type == "cpu":
             _start_openmp_team()
@@ -123,7 +124,7 @@ class Engine:
         try:
             while True:
                 with self._work:
-                    while not (self._stopping or self._waiting or self._batch.rows):
+                    while not (self._stopping or self._waiting or self._running()):
                         self._work.wait(IDLE_WAIT_S)
                     if self._stopping:
                         return
@@ -140,38 +141,53 @@ class Engine:
         finally:
             self._die(death)
 
+    def _batches(self) -> list[Batch]:
+        return [self._batch, *self._alone]
+
     def _step(self) -> None:
-        batch = self._batch
         self._drop_cancelled()
-        self._joining = self._admit(self.batch_size - len(batch))
+        joining = self._admit(self.batch_size - sum(map(len, self._batches())))
+        output: dict[Job, list] = {}
+        self._advance(self._batch, [row for row in joining if not row.alone], output)
+        for batch in self._alone:
+            self._advance(batch, [], output)
+        for row in joining:
+            if row.alone:
+                self._alone.append(Batch())
+                self._advance(self._alone[-1], [row], output)
+        self._alone = [batch for batch in self._alone if batch.rows]
+        self._send(output)
+
+    def _advance(self, batch: Batch, joining: list[Row], output: dict[Job, list]) -> None:
+        """One step of `batch`: a decode of its rows, a prefill of `joining` (who then join
+        it), and the next token of each; the tokens (and prompt scores) into `output`."""
+        self._joining = joining
         parts = []
         if batch.rows:
             with self._adapted(batch.rows), self.routers.reading(batch.rows,
                                                                  [1] * len(batch)):
                 parts.append(batch.decode(self.model))
-        scores = {}
-        if self._joining:
-            scoring = [i for i, row in enumerate(self._joining) if _to_score(row.owner)]
-            with self._adapted(self._joining), self.routers.reading(
-                    self._joining, [len(row.prompt) for row in self._joining]):
-                newcomers, logits, every = prefill(self.model, self._joining, self.pad_id,
+        if joining:
+            scoring = [i for i, row in enumerate(joining) if _to_score(row.owner)]
+            with self._adapted(joining), self.routers.reading(
+                    joining, [len(row.prompt) for row in joining]):
+                newcomers, logits, every = prefill(self.model, joining, self.pad_id,
                                                    self.device, every=bool(scoring))
             for i in scoring:  # one row of a job scores its prompt, once
-                row = self._joining[i]
+                row = joining[i]
                 if not row.owner.scored:
                     row.owner.scored = True
-                    scores[row.owner] = [score_prompt(every[i], row.prompt,
-                                                      row.owner.prompt_logprobs)]
+                    output.setdefault(row.owner, []).append(
+                        score_prompt(every[i], row.prompt, row.owner.prompt_logprobs))
             parts.append(logits)
             batch.join(newcomers)
-            self._processor_stale = True
+            batch.processor_stale = True
         self._joining = []
         if not batch.rows:
             return
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        chosen, logprobs, tops, masks = self._choose(batch.rows, logits)
+        chosen, logprobs, tops, masks = self._choose(batch, logits)
         ids = chosen.tolist()
-        output: dict[Job, list] = scores
         keep = []
         for i, row in enumerate(batch.rows):
             finish = row.push(ids[i], self.tokenizer)
@@ -181,9 +197,11 @@ class Engine:
                       self.updates))
             if finish is None:
                 keep.append(i)
-        self._send(output)
         batch.next_ids = chosen
-        self._select(keep)
+        self._select(batch, keep)
+
+    def _running(self) -> list[Row]:
+        return [row for batch in self._batches() for row in batch.rows] + self._joining
 
     def _adapted(self, rows: list[Row]):
         """The forward pass of `rows`, each row with its own LoRA adapter (or none)."""
@@ -200,28 +218,29 @@ class Engine:
                     rows.append(row)
         return rows
 
-    def _choose(self, rows: list[Row], logits: torch.Tensor):
-        if self._processor_stale:  # rows joined: per-row state for the new batch
-            self._processor = LogitsProcessor(rows, logits.shape[-1], self.grammar_vocab,
+    def _choose(self, batch: Batch, logits: torch.Tensor):
+        rows = batch.rows
+        if batch.processor_stale:  # rows joined: per-row state for the new batch
+            batch.processor = LogitsProcessor(rows, logits.shape[-1], self.grammar_vocab,
                                               self.device) \
                 if any(uses_processing(r) for r in rows) else None
-            self._processor_stale = False
-        return next_tokens(rows, logits, self._processor)
+            batch.processor_stale = False
+        return next_tokens(rows, logits, batch.processor)
 
-    def _select(self, keep: list[int]) -> None:
-        """Keep only the batch rows at `keep`."""
-        if len(keep) == len(self._batch):
+    def _select(self, batch: Batch, keep: list[int]) -> None:
+        """Keep only the rows of `batch` at `keep`."""
+        if len(keep) == len(batch):
             return
         if not keep:
-            self._processor = None
-        elif self._processor is not None:
-            self._processor.select(keep, torch.tensor(keep, device=self.device))
-        self._batch.keep(keep)
+            batch.processor = None
+        elif batch.processor is not None:
+            batch.processor.select(keep, torch.tensor(keep, device=self.device))
+        batch.keep(keep)
 
     def _drop_cancelled(self) -> None:
-        rows = self._batch.rows
-        keep = [i for i, row in enumerate(rows) if not row.owner.cancelled]
-        self._select(keep)
+        for batch in self._batches():
+            self._select(batch, [i for i, row in enumerate(batch.rows)
+                                 if not row.owner.cancelled])
 
     def _send(self, output: dict[Job, list], even_cancelled: bool = False) -> None:
         """One call_soon_threadsafe per event loop for everything in `output`."""
@@ -239,8 +258,8 @@ class Engine:
     def fail_running(self, exc: BaseException, during: str = "a step") -> None:
         """A step (or a weight update beside running rows, holding the step lock) raised:
         fail the requests it ran, start again with an empty batch."""
-        jobs = {row.owner for row in self._batch.rows + self._joining}
-        self._batch, self._joining, self._processor = Batch(), [], None
+        jobs = {row.owner for row in self._running()}
+        self._batch, self._alone, self._joining = Batch(), [], []
         with self._work:  # their other samples do not run either
             self._waiting = deque(r for r in self._waiting if r.owner not in jobs)
         failures = {}
@@ -257,8 +276,8 @@ class Engine:
                                         else f"the HF engine thread died: {death!r}")
             rows = list(self._waiting)
             self._waiting.clear()
-        jobs = {row.owner for row in rows + self._batch.rows + self._joining}
-        self._batch, self._joining, self._processor = Batch(), [], None
+        jobs = {row.owner for row in rows + self._running()}
+        self._batch, self._alone, self._joining = Batch(), [], []
         self._send({job: [EngineDeadError(str(self.dead))] for job in jobs},
                    even_cancelled=True)
 

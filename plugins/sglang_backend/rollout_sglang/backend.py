@@ -259,6 +259,10 @@ class SGLangBackend:
         unsupported["trace_replay"] = (
             "SGLang's sampling parameters have no trace replay (vLLM's "
             "trace_decode_token_ids): it samples every token")
+        unsupported["batch_invariant"] = (
+            "SGLang is batch-invariant only in its deterministic inference, a mode of the "
+            "whole server that rollout does not start (and SGLang refuses on CPU); the HF "
+            "backend runs such a request alone")
         if adapters_reason:
             unsupported["adapters"] = adapters_reason
         return Capabilities(unsupported=unsupported)

@@ -261,6 +261,10 @@ class VLLMBackend:
         unsupported["trace_replay"] = (
             f"vLLM replays a trace (trace_decode_token_ids) only in {RUNNER_V2}; the HF "
             "backend replays them")
+        unsupported["batch_invariant"] = (
+            "vLLM's batch invariance (VLLM_BATCH_INVARIANT) is a mode of the whole engine "
+            "made of Triton kernels for GPUs, which rollout does not start; the HF backend "
+            "runs such a request alone")
         if keep_kv_reason:
             unsupported["keep_kv"] = keep_kv_reason
         for other in set(LOGPROBS_MODES) - {logprobs_mode}:

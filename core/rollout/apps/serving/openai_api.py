@@ -44,7 +44,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore
                    "stop_token_ids", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "min_p", "min_tokens", "logit_bias",
                    "include_stop_str_in_output", "logprobs_mode", "return_sampling_mask",
-                   "return_routed_experts", "trace_decode_token_ids")
+                   "return_routed_experts", "trace_decode_token_ids", "batch_invariant")
 COMMON_FIELDS = ("model", "stream", "stream_options", "return_token_ids",
                  "return_tokens_as_token_ids", "max_tokens",
                  "max_completion_tokens", "response_format", "structured_outputs",

@@ -55,6 +55,7 @@ def rows_for(request: Request, prompt: list[int], *, owner: object, eos_ids: fro
             stop=s.stop, logprobs=s.logprobs, generator=generator,
             processed=s.logprobs_mode == "processed", mask=s.return_sampling_mask,
             routing=[] if s.return_routed_experts else None, trace=s.trace_decode_token_ids,
+            alone=s.batch_invariant,
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, min_p=s.min_p, min_tokens=s.min_tokens,
             logit_bias=dict(s.logit_bias), adapter=request.adapter,

@@ -32,6 +32,7 @@ class Row:
     # None where not asked. The backend appends after each forward pass.
     routing: list | None = None
     trace: tuple[int, ...] | None = None  # the tokens to take in place of draws (trace replay)
+    alone: bool = False  # run in a batch of its own (sampling.batch_invariant)
     # What processors.py applies (the defaults change nothing and cost nothing).
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
