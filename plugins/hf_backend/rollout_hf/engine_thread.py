@@ -146,7 +146,9 @@ class Engine:
 
     def _step(self) -> None:
         self._drop_cancelled()
-        joining = self._admit(self.batch_size - sum(map(len, self._batches())))
+        running = sum(len(batch) for batch in self._batches())
+        # (Rows admitted stay in _joining until the step ends: if it raises, they fail too.)
+        self._joining = joining = self._admit(self.batch_size - running)
         output: dict[Job, list] = {}
         self._advance(self._batch, [row for row in joining if not row.alone], output)
         for batch in self._alone:
@@ -156,12 +158,12 @@ class Engine:
                 self._alone.append(Batch())
                 self._advance(self._alone[-1], [row], output)
         self._alone = [batch for batch in self._alone if batch.rows]
+        self._joining = []
         self._send(output)
 
     def _advance(self, batch: Batch, joining: list[Row], output: dict[Job, list]) -> None:
         """One step of `batch`: a decode of its rows, a prefill of `joining` (who then join
         it), and the next token of each; the tokens (and prompt scores) into `output`."""
-        self._joining = joining
         parts = []
         if batch.rows:
             with self._adapted(batch.rows), self.routers.reading(batch.rows,
@@ -182,7 +184,6 @@ class Engine:
             parts.append(logits)
             batch.join(newcomers)
             batch.processor_stale = True
-        self._joining = []
         if not batch.rows:
             return
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -201,6 +202,7 @@ class Engine:
         self._select(batch, keep)
 
     def _running(self) -> list[Row]:
+        """Every admitted row (one that joined a batch in this step may be listed twice)."""
         return [row for batch in self._batches() for row in batch.rows] + self._joining
 
     def _adapted(self, rows: list[Row]):
