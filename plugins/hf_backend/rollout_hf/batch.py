@@ -1,4 +1,5 @@
-"""The rows that decode together and their KV cache, which rows join and leave.
+"""The rows that decode together, their KV cache and logits processor, which rows join
+and leave.
 
 Rows are left-padded: every row's tokens sit at the right end of the cache, `mask` marks
 the real ones, and each row's positions count only its own tokens. So rows of any prompt
