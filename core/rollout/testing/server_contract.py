@@ -464,18 +464,21 @@ class ServerContract(ServedBackend):
         assert self.refused_by_name(ro, server.url, "routed_experts", "return_routed_experts",
                                     body)
 
-    def test_a_batch_invariant_request_through_http_is_the_engines(self, server, ro):
-        """`batch_invariant` reaches the engine: the server's answer is the Rollout's own,
-        to the last bit of each logprob (or a refusal naming the field)."""
+    def test_a_batch_invariant_request_through_http_is_the_engines(self, server, client, ro):
+        """`batch_invariant`, sent by the openai client as an extension field, is taken:
+        the server answers as the Rollout itself does, to the last bit of each logprob (or
+        refuses naming the field). The contract suite checks what the field promises."""
         body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 6, "logprobs": 0,
                 "temperature": 0, "batch_invariant": True, "return_token_ids": True}
         if self.refused_by_name(ro, server.url, "batch_invariant", "batch_invariant", body):
             return
-        (choice,) = completions(server.url, body)
+        (choice,) = client.completions.create(
+            model=MODEL, prompt=body["prompt"], max_tokens=6, logprobs=0, temperature=0,
+            extra_body={"batch_invariant": True, "return_token_ids": True}).choices
         expected = direct(ro, prompt=body["prompt"], sampling={
             "max_tokens": 6, "logprobs": 0, "temperature": 0, "batch_invariant": True})[0]
-        assert choice["token_ids"] == list(expected.token_ids)
-        assert choice["logprobs"]["token_logprobs"] == list(expected.logprobs)
+        assert choice.model_extra["token_ids"] == list(expected.token_ids)
+        assert choice.logprobs.token_logprobs == list(expected.logprobs)
 
     def test_structured_outputs_through_both_names(self, client, ro):
         schema = {"type": "object", "properties": {"x": DIGIT}, "required": ["x"],
