@@ -465,12 +465,9 @@ class ServerEngine:
         await self._call("/begin_weight_update", {}, timeout=60)
 
     async def update_tensors(self, group: list) -> None:
-        import torch.multiprocessing
-
         from rollout_sglang.weights import serialize
 
-        # The server is not our child, so tensors cannot travel as file descriptors.
-        torch.multiprocessing.set_sharing_strategy("file_system")
+        # The server is not our child: tensors travel as named files (serialize).
         body = protocol.update_tensor_body(serialize(group, as_text=True))
         await self._call("/update_weights_from_tensor", body)  # `group` stays alive until here
 
@@ -491,11 +488,8 @@ class ServerEngine:
 
     async def load_adapter(self, name: str, rank: int, scale: float, modules: list[str],
                            tensors: dict) -> None:
-        import torch.multiprocessing
-
         from rollout_sglang.weights import flattened, serialize
 
-        torch.multiprocessing.set_sharing_strategy("file_system")  # as update_tensors
         await self._call("/load_lora_adapter_from_tensors", protocol.adapter_body(
             name, rank, scale, modules, serialize(flattened(tensors), as_text=True)))
 

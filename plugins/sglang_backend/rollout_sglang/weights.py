@@ -27,10 +27,23 @@ def checked_groups(buckets: Iterable[Bucket], shapes: dict[str, tuple[int, ...]]
 
 def serialize(group: list, as_text: bool):
     """SGLang's tensor payload (pickle; tensor data travels through shared memory, so the
-    receiver must be on this host). `as_text` gives the base64 form the HTTP API takes."""
+    receiver must be on this host). `as_text` gives the base64 form the HTTP API takes, for
+    a server that is not this process's child: its tensors travel as named files (torch's
+    "file_system" sharing), not as file descriptors. That strategy is the whole process's,
+    so the one before is put back: an engine in this process, whose scheduler is its
+    child, keeps file descriptors, which need no torch_shm_manager (a connection to it
+    timed out on a loaded machine)."""
+    import torch.multiprocessing
     from sglang.srt.utils import MultiprocessingSerializer
 
-    return MultiprocessingSerializer.serialize(group, output_str=as_text)
+    if not as_text:
+        return MultiprocessingSerializer.serialize(group)
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        return MultiprocessingSerializer.serialize(group, output_str=True)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
 
 
 def flattened(tensors: dict) -> dict:
