@@ -23,7 +23,10 @@ Aborts and timeouts are the core's: it stops a request by cancelling the consume
 `generate` iterator. The cancellation reaches the iterator wherever it waits (before or
 after the engine has registered the request); its clean-up (a `finally`) must remove the
 request from the engine, without waiting on it for long. What the iterator yielded before is
-what the caller gets back, with finish reason `abort`.
+what the caller gets back, with finish reason `abort`. An iterator that holds tokens back
+(`streaming` False) should yield them as the cancellation comes, before it raises it again
+(a bounded wait for the engine, with no finish reason): an abort then returns every token
+made, and a "keep" weight update continues from them instead of making them again.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def generate(request: Request, prompt_token_ids: list[int], streaming: bool,
     :param prompt_token_ids: the prompt as the core encoded it; exactly what the engine sees.
     :param streaming: whether the caller reads chunks as they come (`Rollout.stream`, the
         server). When False, a backend may hand tokens over a few at a time if that is
-        cheaper; an abort then returns what was handed over.
+        cheaper (and hands over the rest when it is stopped: see "Aborts" above).
     :param images: the prompt's images, loaded (RGB PIL images with a content hash id), one
         per image placeholder token of `prompt_token_ids`, in order; empty for a text
         prompt. Only a backend that supports `images` gets any, and only a backend that

@@ -7,18 +7,20 @@ from __future__ import annotations
 import asyncio
 import subprocess
 from collections.abc import AsyncIterator
-from contextlib import aclosing, suppress
+from contextlib import suppress
 
 from rollout import Chunk, EngineDeadError
 from rollout.kit.aio import LoopThread
 from rollout.kit.process import children, die_with_parent_hook
 
 from rollout_vllm.common import (
+    END_TIMEOUT_S,
     MMCacheCounts,
     chunks,
     counted_across_clear,
     refusal,
     sampling_params,
+    unfinished,
 )
 from rollout_vllm.engine import Spans
 from rollout_vllm.transport import ShmPipeline
@@ -114,24 +116,47 @@ class AsyncEngine:
         # images goes through vLLM's renderer (its thread pool), which processes them.
         rendered = prompt if "multi_modal_data" in prompt else \
             tokens_input(prompt["prompt_token_ids"], cache_salt=prompt["cache_salt"])
-        outputs = self.engine.generate(rendered, sampling, rid, lora_request=lora)
+        collector = None
         finished = False
         try:
-            # Closing vLLM's generator (GeneratorExit) or cancelling it aborts the request.
-            async with aclosing(outputs):
-                async for output in outputs:
-                    finished = output.finished
-                    for chunk in chunks([output], k, scores):
-                        if isinstance(chunk, Chunk) and chunk.prompt_logprobs is not None:
-                            scores = None  # (each of n samples' outputs repeats them)
-                        yield chunk
+            # vLLM's AsyncLLM.generate, with the collector of the request's outputs in hand.
+            collector = await self.engine.add_request(rid, rendered, sampling,
+                                                      lora_request=lora)
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                for chunk in chunks([output], k, scores):
+                    if isinstance(chunk, Chunk) and chunk.prompt_logprobs is not None:
+                        scores = None  # (each of n samples' outputs repeats them)
+                    yield chunk
+        except asyncio.CancelledError:
+            if collector is None or self.engine.errored:
+                raise
+            # An abort, or a "keep" update that continues the request later: first what
+            # vLLM made and did not hand over yet, so that no token is lost or made again.
+            finished = True
+            for chunk in unfinished(await self._end(collector, k, scores)):
+                yield chunk
+            raise
         except Exception as exc:  # noqa: BLE001 - sorted: dead engine or this request's error
             raise self._error(exc) from None
         finally:
             if not finished and self.engine is not None and not self.engine.errored:
-                # Also stops a request whose add was still being sent when it was cancelled
-                # (vLLM's generator aborts only once the add returned); a no-op otherwise.
+                # Also stops a request whose add was still being sent when it was cancelled;
+                # a no-op after it ended.
                 await self.engine.abort(rid)
+
+    async def _end(self, collector, k: int | None, scores: int | None) -> list:
+        """End the request in the engine; the chunks of what vLLM made for it and held back
+        (up to `stream_interval` - 1 tokens a sample), which its abort puts in the
+        request's collector."""
+        try:
+            await asyncio.wait_for(self.engine.abort(collector.request_id, internal=True),
+                                   END_TIMEOUT_S)
+            tail = collector.get_nowait()
+        except Exception:  # noqa: BLE001 - a dead engine: what was handed over stands
+            return []
+        return chunks([tail], k, scores) if tail is not None else []
 
     def _error(self, exc: Exception) -> Exception:
         from vllm.v1.engine.exceptions import EngineDeadError as Dead

@@ -12,12 +12,17 @@ import tempfile
 import threading
 from contextlib import contextmanager
 
+import attrs
+
 from rollout import Chunk, GenerationError, InvalidRequestError, RolloutError, TokenLogprob
 
 from rollout_vllm.engine import Spans
 
 FINISH_REASONS = ("stop", "length", "abort")
 FIRST_WEIGHTS = "default"  # vLLM's weight version until one is named
+# A request that is stopped: how long to wait for what vLLM made and held back (one step,
+# or a weight load that runs); after it, what was handed over is what the caller gets.
+END_TIMEOUT_S = 10
 
 
 def private_socket_folder() -> None:
@@ -101,6 +106,20 @@ def chunks(outputs: list, k: int | None, pk: int | None = None) -> list[Chunk | 
             made.insert(0, Chunk(0, **prompt_scores(scored.prompt_token_ids,
                                                     scored.prompt_logprobs, pk)))
     return made
+
+
+def unfinished(items: list) -> list:
+    """The chunks (and `Spans`) of a request's last outputs, taken as it is stopped: vLLM
+    ends its samples with "abort", which is not theirs to say (the core stops them, and may
+    go on from them later); chunks left with nothing to give are dropped."""
+    kept = []
+    for item in items:
+        if isinstance(item, Chunk) and item.finish_reason == "abort":
+            item = attrs.evolve(item, finish_reason=None)
+            if not item.token_ids and item.prompt_logprobs is None:
+                continue
+        kept.append(item)
+    return kept
 
 
 def prompt_scores(prompt: list[int], steps: list, k: int) -> dict:

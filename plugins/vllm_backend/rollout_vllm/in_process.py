@@ -13,11 +13,13 @@ from rollout import Chunk, EngineDeadError
 from rollout.kit.aio import LoopThread
 
 from rollout_vllm.common import (
+    END_TIMEOUT_S,
     MMCacheCounts,
     chunks,
     counted_across_clear,
     refusal,
     sampling_params,
+    unfinished,
 )
 from rollout_vllm.engine import Spans
 
@@ -166,18 +168,58 @@ class InProcessEngine:
                     if isinstance(chunk, Chunk) and chunk.prompt_logprobs is not None:
                         scores = None  # (each of n samples' outputs may repeat them)
                     yield chunk
+        except asyncio.CancelledError:
+            if not stream.sent or self.dead:
+                raise
+            # An abort, or a "keep" update that continues the request later: first what
+            # vLLM made and did not hand over yet, so that no token is lost or made again.
+            tail = await self._end(rid)
+            finished = True
+            for chunk in unfinished(chunks(stream.drain() + tail, k, scores)):
+                yield chunk
+            raise
         finally:
             del self.streams[rid]
             if not finished and stream.sent and not self.dead:
                 # The command queue is FIFO: this comes after the add, registered or not.
                 self.commands.put(lambda engine: engine.abort_request([rid]))
 
+    async def _end(self, rid: str) -> list:
+        """End request `rid` in the engine; the outputs of what vLLM made for it and held
+        back (up to `stream_interval` - 1 tokens a sample). Bounded: the command waits for
+        the step that runs, or for a weight load."""
+        def end(engine):
+            from vllm.v1.engine import FinishReason
+
+            processor = engine.output_processor
+            states = [processor.request_states.get(i)
+                      for i in processor.external_req_ids.get(rid, ())]
+            try:
+                held_back = [state.make_request_output([], None, FinishReason.ABORT, None)
+                             for state in states if state is not None]
+            finally:
+                engine.abort_request([rid])
+            return [output for output in held_back if output is not None]
+
+        try:
+            # Queued at once: the engine's thread runs it before any command that comes
+            # after the cancellation.
+            return await asyncio.wait_for(self._submit(end), END_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - too slow, or a dead engine: what was handed
+            return []      # over stands
+
     async def _call(self, fn):
         """Run `fn(engine)` on the engine's thread between steps; its result."""
+        return await self._submit(fn)
+
+    def _submit(self, fn) -> asyncio.Future:
+        """Queue `fn(engine)` for the engine's thread now (commands run in the order they
+        came); the future of its result."""
         if self.dead:
             raise EngineDeadError(self.dead)
         future = self.loop.create_future()
         self.calls.add(future)
+        future.add_done_callback(self.calls.discard)
 
         def run(engine):
             try:
@@ -188,10 +230,7 @@ class InProcessEngine:
                 self.loop.call_soon_threadsafe(_settle, future, result, None)
 
         self.commands.put(run)
-        try:
-            return await future
-        finally:
-            self.calls.discard(future)
+        return future
 
     def weight_path(self, transport: str, loop: LoopThread, timeout: float,
                     group_timeout: float) -> TensorPath:
@@ -269,6 +308,11 @@ class _Outputs:
         self.items: list = []
         self.waiter: asyncio.Future | None = None
         self.sent = False  # handed to the engine's thread
+
+    def drain(self) -> list:
+        """The outputs that came and were not taken (its error left out)."""
+        items, self.items = self.items, []
+        return [item for item in items if not isinstance(item, BaseException)]
 
     def put(self, item) -> None:
         self.items.append(item)
