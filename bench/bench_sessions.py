@@ -4,7 +4,8 @@ recording sessions (the default) and one not (`sessions_kept=0`), side by side, 
 alternating.
 
 Each of `--clients` clients runs sessions of `--turns` chat turns, one call after the other,
-every call naming its session (`X-Session-ID`): a tool call in the hermes format (held by a
+every call naming its session (`X-Session-ID`), seeded alike for both servers where the
+backend takes seeds (so that both do the same work, call for call): a tool call in the hermes format (held by a
 regex, as a random model would not write one), its result sent back, then free text; on a
 model whose template takes no tools (SmolLM2's), free text at every turn. Printed:
 calls/s of each server and their ratio (target >= 0.98), the server's memory per 1,000
@@ -39,10 +40,12 @@ ids = itertools.count()
 
 
 async def one_session(http, url: str, turns: int, record: list | None, tools: bool,
-                      tokens: Counter, asked: dict) -> int:
+                      tokens: Counter, asked: dict, seed: int | None) -> int:
     """A session's turns; their answers (with token ids) appended to `record`, their prompt
     tokens (and the engine's cached ones) counted in `tokens`. Without
-    `tools` (a template that takes none, as SmolLM2's) every turn is free text."""
+    `tools` (a template that takes none, as SmolLM2's) every turn is free text. `seed`
+    (where the backend takes seeds): the session's, from which each turn's comes, so that
+    both servers sample the same sessions, call for call."""
     name = f"s{next(ids)}"
     messages = [{"role": "user", "content": "what is 2 + 3?"}]
     answers = []
@@ -50,6 +53,7 @@ async def one_session(http, url: str, turns: int, record: list | None, tools: bo
         tool = tools and turn % 2 == 0
         body = {"model": MODEL, "messages": messages, "temperature": 1.0,
                 "return_token_ids": True, **asked, **({"tools": TOOLS} if tools else {}),
+                **({} if seed is None else {"seed": seed * turns + turn}),
                 **({"structured_outputs": {"regex": CALL_REGEX}, "max_tokens": 64} if tool
                    else {"max_tokens": 16, **({"tool_choice": "none"} if tools else {})})}
         async with http.post(f"{url}/v1/chat/completions", json=body,
@@ -76,8 +80,10 @@ async def one_session(http, url: str, turns: int, record: list | None, tools: bo
 
 async def run_load(url: str, clients: int, turns: int, seconds: float, tools: bool,
                    record: list | None = None, tokens: Counter | None = None,
-                   asked: dict | None = None) -> float:
-    """Calls/s over `seconds`; `asked`: fields every call adds."""
+                   asked: dict | None = None, seeds: int | None = None) -> float:
+    """Calls/s over `seconds`; `asked`: fields every call adds. `seeds`: where client c's
+    k-th session's seed starts from, so that two runs from the same start sample the same
+    sessions in the same order (and differ only in how many they finish)."""
     import aiohttp
 
     tokens = Counter() if tokens is None else tokens
@@ -85,13 +91,16 @@ async def run_load(url: str, clients: int, turns: int, seconds: float, tools: bo
         deadline = time.monotonic() + seconds
         done = [0]
 
-        async def client():
-            while time.monotonic() < deadline:
+        async def client(c: int):
+            for k in itertools.count():
+                if time.monotonic() >= deadline:
+                    break
                 done[0] += await one_session(http, url, turns, record, tools, tokens,
-                                             asked or {})
+                                             asked or {}, None if seeds is None
+                                             else seeds + k * clients + c)
 
         started = time.monotonic()
-        await asyncio.gather(*(client() for _ in range(clients)))
+        await asyncio.gather(*(client(c) for c in range(clients)))
         return done[0] / (time.monotonic() - started)
 
 
@@ -160,6 +169,9 @@ def main() -> None:
                               **{"max_model_len": 2048, **dict(args.options)})
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tools = takes_tools(tokenizer)
+    # Both servers then sample the same calls in a round (not SGLang on CPU, which takes no
+    # seeds); each round its own, so that no round finds another's in a prefix cache.
+    seeded = ro.capabilities.supports("seed")
     rates: dict[str, list[float]] = {"recorded": [], "not recorded": []}
     usage = {name: Counter() for name in rates}
     with ServerThread(BorrowedService(ro, MODEL), api_key=KEY) as recording, \
@@ -172,7 +184,8 @@ def main() -> None:
             for name in order:
                 rate = asyncio.run(run_load(servers[name].url, args.clients, args.turns,
                                             args.seconds, tools, tokens=usage[name],
-                                            asked=asked))
+                                            asked=asked,
+                                            seeds=round_ * 10**6 if seeded else None))
                 rates[name].append(rate)
                 print(f"round {round_ + 1} {name:>12}: {rate:7.2f} calls/s", flush=True)
         # Memory per 1,000 sessions, and the drift, over sessions recorded for that.

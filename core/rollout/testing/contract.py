@@ -73,6 +73,33 @@ async def read_across_a_push(stream, after: int, push, began):
     return update, None
 
 
+async def stopped_beside_a_stream(sampler, request: dict, tokens: int = 5, hold=None):
+    """`request` (greedy) twice at once, one call streamed (every token handed over as it
+    is made) and one not (which a backend may hand over a few tokens at a time), both
+    aborted once the stream has `tokens`, after `await hold()` where given (an engine held
+    then makes no more). Returns (the quiet call's Result, the streamed token ids): a
+    backend that hands over what it holds when stopped gives both as many tokens, give or
+    take a step between their starts."""
+    quiet = asyncio.ensure_future(sampler.agenerate({**request, "id": "quiet"}))
+    enough = asyncio.get_running_loop().create_future()
+
+    async def read():
+        made = []
+        async for chunk in sampler.stream({**request, "id": "streamed"}):
+            made += chunk.token_ids
+            if len(made) >= tokens and not enough.done():
+                enough.set_result(None)
+        return made
+
+    streamed = asyncio.ensure_future(read())
+    await asyncio.wait_for(asyncio.shield(enough), 120)
+    if hold is not None:
+        await hold()
+    sampler.abort(["quiet", "streamed"])
+    return (await asyncio.wait_for(quiet, 60)).unwrap()[0], \
+        await asyncio.wait_for(streamed, 60)
+
+
 def across_a_keep(sampler: Sampler, rollout: Rollout, request: dict, weights: dict,
                   version: int, after: int = 1, pause: str = "keep"):
     """`request` streamed through `sampler`; once `after` tokens are out, `weights` are

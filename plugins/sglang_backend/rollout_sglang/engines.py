@@ -36,6 +36,9 @@ from rollout_sglang import protocol
 from rollout_sglang.coalesce import coalesce_requests
 
 POLL_S = 0.25
+# A sample that is stopped: how long to wait for what SGLang made and held back (one step);
+# after it, what was handed over is what the caller gets.
+END_TIMEOUT_S = 10
 # Without it SGLang returns logprobs divided by the temperature; the contract wants raw ones.
 ENGINE_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 # Stream outputs carry the new tokens only (protocol.parse_delta reads them so): otherwise
@@ -237,6 +240,16 @@ class InProcessEngine:
                     yield out
             except ValueError as exc:  # SGLang's request validation
                 raise protocol.engine_error(str(exc)) from None
+            except asyncio.CancelledError:
+                # An abort, or a "keep" update that continues the sample later: first what
+                # SGLang made and did not hand over yet, so that no token is lost or made
+                # again. SGLang's generator has asked the scheduler to abort the request,
+                # which answers with those tokens; its state waits for that answer.
+                state = self._tm.rid_to_state.get(body["rid"])
+                if state is not None and self.dead is None:
+                    for out in await _held_back(state):
+                        yield out
+                raise
 
     async def generate(self, body: dict) -> dict:
         """One answer, for a body without streaming."""
@@ -343,6 +356,22 @@ class InProcessEngine:
 
 
 # --- HTTP server ------------------------------------------------------------------------
+
+async def _held_back(state) -> list[dict]:
+    """The outputs that SGLang's scheduler sends for an aborted request (its `ReqState`),
+    the abort's finish taken off (the caller stops the sample, and may go on from it);
+    none if they do not come within END_TIMEOUT_S."""
+    try:
+        async with asyncio.timeout(END_TIMEOUT_S):
+            while not state.finished:
+                await state.event.wait()
+                state.event.clear()
+    except TimeoutError:
+        return []
+    outs, state.out_list = state.out_list, []
+    return [{**out, "meta_info": {**out["meta_info"], "finish_reason": None}}
+            for out in outs if out.get("output_ids")]
+
 
 class ServerEngine:
     """SGLang's HTTP server, started by us as a child process on 127.0.0.1.
