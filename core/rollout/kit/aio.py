@@ -5,6 +5,7 @@ backend's `generate`. Every wait on them has a timeout."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -123,24 +124,36 @@ class Relay:
 KEEPALIVE_S = 2.0
 
 
-async def lines(content) -> AsyncIterator[bytes]:
+class Lines:
     """The non-empty lines of a streamed response body (aiohttp's `response.content`) as
     they arrive, however long (n samples with top logprobs outgrow aiohttp's line limit).
     Each line gives the loop a turn: reading from a buffer that is not empty does not wait,
     so a stream whose lines have piled up (the process waited seconds for a CPU, or parses
     slower than the server sends) would hold the loop to its end, and every other request
-    on the loop with it."""
-    buffer = bytearray()
-    async for data in content.iter_any():
-        buffer += data
-        *complete, rest = buffer.split(b"\n")
-        buffer = bytearray(rest)
-        for line in complete:
-            if line.strip():
-                yield bytes(line)
-                await asyncio.sleep(0)
-    if buffer.strip():
-        yield bytes(buffer)
+    on the loop with it. A read that is cancelled loses no line: the caller may read on
+    (what a stopped sample's server sends last)."""
+
+    def __init__(self, content):
+        self.content = content
+        self.complete: collections.deque[bytes] = collections.deque()
+        self.rest = bytearray()
+
+    def __aiter__(self) -> Lines:
+        return self
+
+    async def __anext__(self) -> bytes:
+        await asyncio.sleep(0)
+        while not self.complete:
+            data = await self.content.readany()
+            if not data:
+                if not self.rest.strip():
+                    raise StopAsyncIteration
+                self.rest, last = bytearray(), bytes(self.rest)
+                return last
+            *complete, rest = (self.rest + data).split(b"\n")
+            self.rest = bytearray(rest)
+            self.complete.extend(bytes(line) for line in complete if line.strip())
+        return self.complete.popleft()
 
 
 def client_session(reuse_connections: bool = True, **kwargs):

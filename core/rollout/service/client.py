@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import contextmanager
 
 from rollout.contract import convert
-from rollout.kit.aio import client_session, lines
+from rollout.kit.aio import Lines, client_session
 from rollout.contract.errors import EngineDeadError, NoReplicaError, OverloadedError, \
     RolloutError, RolloutTimeoutError, WeightsDirtyError
 from rollout.contract.schemas import Capabilities, Chunk, Completion, Request
@@ -205,7 +205,7 @@ class RemoteStream:
             if refused is not None:  # a 400 is the request's own error, raised as itself
                 raise (_typed_refusal if refused[0] == 400 else _refusal)(url, *refused)
             with self.service._reaching():
-                async for line in lines(response.content):
+                async for line in Lines(response.content):
                     item = json.loads(line)
                     if "chunk" in item:
                         yield convert.structure(item["chunk"], Chunk)

@@ -100,6 +100,18 @@ async def stopped_beside_a_stream(sampler, request: dict, tokens: int = 5, hold=
         await asyncio.wait_for(streamed, 60)
 
 
+def check_it_kept_what_was_held_back(quiet, streamed: list[int], tokens: int = 5) -> None:
+    """What `stopped_beside_a_stream` returns, from a backend that hands over what it
+    holds when stopped: the quiet call was aborted with as many tokens as the stream (give
+    or take the step between their starts), the same ones, each with its logprob."""
+    assert quiet.finish_reason == "abort"
+    assert len(streamed) >= tokens
+    assert abs(len(quiet.token_ids) - len(streamed)) <= 1, (len(quiet.token_ids), len(streamed))
+    shorter = min(len(quiet.token_ids), len(streamed))
+    assert list(quiet.token_ids[:shorter]) == streamed[:shorter]
+    assert len(quiet.logprobs) == len(quiet.token_ids)
+
+
 def across_a_keep(sampler: Sampler, rollout: Rollout, request: dict, weights: dict,
                   version: int, after: int = 1, pause: str = "keep"):
     """`request` streamed through `sampler`; once `after` tokens are out, `weights` are

@@ -26,8 +26,8 @@ import threading
 import time
 import weakref
 
-from rollout import EngineDeadError, GenerationError, RolloutTimeoutError
-from rollout.kit.aio import engine_loop, lines
+from rollout import EngineDeadError, GenerationError, RolloutError, RolloutTimeoutError
+from rollout.kit.aio import Lines, engine_loop
 from rollout.kit.child_server import ChildServer
 from rollout.kit.images import EncodedImages
 from rollout.kit.process import HOST, ServerProcess, cli_flags
@@ -359,8 +359,7 @@ class InProcessEngine:
 
 async def _held_back(state) -> list[dict]:
     """The outputs that SGLang's scheduler sends for an aborted request (its `ReqState`),
-    the abort's finish taken off (the caller stops the sample, and may go on from it);
-    none if they do not come within END_TIMEOUT_S."""
+    as `_unfinished`; none if they do not come within END_TIMEOUT_S."""
     try:
         async with asyncio.timeout(END_TIMEOUT_S):
             while not state.finished:
@@ -369,8 +368,30 @@ async def _held_back(state) -> list[dict]:
     except TimeoutError:
         return []
     outs, state.out_list = state.out_list, []
+    return _unfinished(outs)
+
+
+def _unfinished(outs: list[dict]) -> list[dict]:
+    """The outputs SGLang sends as it aborts a request, their finish taken off (the caller
+    stops the sample, and may go on from it); those with no token dropped."""
     return [{**out, "meta_info": {**out["meta_info"], "finish_reason": None}}
             for out in outs if out.get("output_ids")]
+
+
+async def _outputs(lines: Lines):
+    """The outputs of SGLang's server-sent events, to its [DONE]; ConnectionError if the
+    stream ends without it."""
+    async for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        out = json.loads(data)
+        if "error" in out:  # SGLang's validation, sent as an event
+            raise protocol.engine_error(_message(out))
+        yield out
+    raise ConnectionError("the stream ended without [DONE]")
 
 
 class ServerEngine:
@@ -471,20 +492,33 @@ class ServerEngine:
             ) as response:
                 if response.status != 200:
                     _answer("/generate", response.status, _json(await response.text()))
-                async for line in lines(response.content):
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        return
-                    out = json.loads(data)
-                    if "error" in out:  # SGLang's validation, sent as an event
-                        raise protocol.engine_error(_message(out))
-                    yield out
-        except aiohttp.ClientError as exc:
+                lines = Lines(response.content)  # read on after a cancellation
+                started = False
+                try:
+                    async for out in _outputs(lines):
+                        started = True
+                        yield out
+                except asyncio.CancelledError:
+                    # As in process (InProcessEngine.stream), once the server holds the
+                    # request (before, closing the connection aborts it).
+                    if started:
+                        for out in await self._held_back(body["rid"], lines):
+                            yield out
+                    raise
+        except (aiohttp.ClientError, ConnectionError) as exc:
             raise await self.server.failure(exc, "SGLang server call") from None
-        raise await self.server.failure(ConnectionError("the stream ended without [DONE]"),
-                                        "SGLang server call")
+
+    async def _held_back(self, rid: str, lines: Lines) -> list[dict]:
+        """Abort a request and read the rest of its stream: what SGLang made and held
+        back, which its abort sends; none if it does not come within END_TIMEOUT_S."""
+        import aiohttp
+
+        try:
+            async with asyncio.timeout(END_TIMEOUT_S):
+                await self._call("/abort_request", {"rid": rid})
+                return _unfinished([out async for out in _outputs(lines)])
+        except (TimeoutError, ConnectionError, aiohttp.ClientError, RolloutError):
+            return []
 
     async def generate(self, body: dict) -> dict:
         """One answer, for a body without streaming."""

@@ -26,6 +26,12 @@ from pathlib import Path
 
 import pytest
 
+from rollout.testing.contract import (
+    check_it_kept_what_was_held_back,
+    on_engine_loop,
+    stopped_beside_a_stream,
+)
+
 pytest.importorskip("sglang", reason="SGLang is not installed in this environment")
 
 HERE = Path(__file__).parent / "cpu"
@@ -64,3 +70,18 @@ _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 # 64 long sequences (70 MB for the tiny model): with less, SGLang queues a short request
 # behind them, and the test of concurrent calls would measure the pool, not the backend.
 ENGINE = {"dtype": "float32", "max_total_tokens": 64 * 2048 + 4096}
+
+
+class KeepsWhatSGLangHeldBack:
+    """A contract test class's test, in both modes."""
+
+    def test_an_aborted_request_keeps_what_sglang_held_back(self, harness):
+        """A caller that does not stream gets its tokens 16 at a time (`stream_interval`);
+        an abort (and a "keep" update, which stops requests the same way) still gets every
+        token SGLang made, not only those handed over, so none is lost or made again.
+        Measured against a stream of the same greedy request beside it, aborted at once."""
+        greedy = {"prompt": "the ka lo", "sampling": {
+            "max_tokens": harness.max_model_len - 16, "ignore_eos": True, "temperature": 0,
+            "logprobs": 0}}
+        quiet, streamed = on_engine_loop(stopped_beside_a_stream(harness.rollout, greedy))
+        check_it_kept_what_was_held_back(quiet, streamed)

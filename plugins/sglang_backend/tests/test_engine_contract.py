@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from conftest import ENGINE
+from conftest import ENGINE, KeepsWhatSGLangHeldBack
 
 import rollout
 from rollout.testing import BackendContract
@@ -12,7 +12,6 @@ from rollout.testing.contract import (
     ADAPTER,
     on_engine_loop,
     read_across_a_push,
-    stopped_beside_a_stream,
 )
 from rollout.testing.model_folders import load_weights
 from rollout.testing.probes import PROBE_PROMPTS, PROBE_TOKENS
@@ -24,7 +23,7 @@ from rollout.testing.probes import PROBE_PROMPTS, PROBE_TOKENS
 LORA = {"enable_lora": True, "max_lora_rank": 8}
 
 
-class TestSGLangEngine(BackendContract):
+class TestSGLangEngine(BackendContract, KeepsWhatSGLangHeldBack):
     reference_key = "sglang"  # one engine configuration (conftest.ENGINE) in every mode
 
     @pytest.fixture(scope="class")
@@ -119,20 +118,3 @@ class TestSGLangEngine(BackendContract):
         assert "rescored" in held.error.message
         [result] = went_on.unwrap()
         assert [s.version for s in result.weight_versions] == [None, 4]
-
-    def test_an_aborted_request_keeps_what_sglang_held_back(self, harness):
-        """A caller that does not stream gets its tokens 16 at a time (`stream_interval`);
-        an abort (and a "keep" update, which stops requests the same way) still gets every
-        token SGLang made, not only those handed over, so none is lost or made again.
-        Measured against a stream of the same greedy request beside it, aborted at once."""
-        greedy = {"prompt": "the ka lo", "sampling": {
-            "max_tokens": harness.max_model_len - 16, "ignore_eos": True, "temperature": 0,
-            "logprobs": 0}}
-        quiet, streamed = on_engine_loop(stopped_beside_a_stream(harness.rollout, greedy))
-        assert quiet.finish_reason == "abort"
-        assert len(streamed) >= 5
-        assert abs(len(quiet.token_ids) - len(streamed)) <= 1, \
-            (len(quiet.token_ids), len(streamed))
-        shorter = min(len(quiet.token_ids), len(streamed))
-        assert list(quiet.token_ids[:shorter]) == streamed[:shorter]
-        assert len(quiet.logprobs) == len(quiet.token_ids)

@@ -2,13 +2,13 @@
 suite."""
 
 import pytest
-from conftest import ENGINE
+from conftest import ENGINE, KeepsWhatSGLangHeldBack
 
 import rollout
 from rollout.testing import BackendContract
 
 
-class TestSGLangServer(BackendContract):
+class TestSGLangServer(BackendContract, KeepsWhatSGLangHeldBack):
     reference_key = "sglang"  # one engine configuration (conftest.ENGINE) in every mode
 
     @pytest.fixture(scope="class")

@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 import attrs
 
 from rollout import Chunk, GenerationError, RolloutError, TokenLogprob
-from rollout.kit.aio import LoopThread, lines
+from rollout.kit.aio import LoopThread, Lines
 from rollout.kit.child_server import ChildServer
 from rollout.kit.images import EncodedImages, PromptImage
 from rollout.kit.process import HOST, ServerProcess, cli_flags
 
-from rollout_vllm.common import finish_reason, request_error
+from rollout_vllm.common import END_TIMEOUT_S, finish_reason, request_error, unfinished
 from rollout_vllm.transport import GlooSender, ShmPipeline
 
 SERVED_NAME = "rollout"
@@ -111,9 +111,10 @@ class ServerEngine:
                        lora=None) -> AsyncIterator[Chunk]:
         """Streamed as the server makes tokens: token ids alone to /v1/completions, token
         ids with images to /inference/v1/generate (/v1/completions takes no images with
-        ids). Cancelling closes the connection, which makes the server abort the request
-        (an abort sent by id could reach a busy server after the request has finished, or
-        before it has started)."""
+        ids). Cancelled, the request is aborted by its id once the server has sent its first
+        token (before, the server may not hold it yet: closing the connection aborts it),
+        and what the server made and held back (`stream_interval`) is read, then the
+        cancellation goes on."""
         import aiohttp
 
         self.server.check()
@@ -125,8 +126,9 @@ class ServerEngine:
         if "multi_modal_data" in prompt:
             path, parse = "/inference/v1/generate", _generate_chunks
             body = await _generate_body(rid, prompt, params, self.encoded, _model(lora))
+            served_id = f"generate-tokens-{rid}"
         else:
-            path, parse = "/v1/completions", _sse_chunks
+            path, parse, served_id = "/v1/completions", _sse_chunks, f"cmpl-{rid}-0"
             body = {"model": _model(lora), "prompt": prompt["prompt_token_ids"],
                     "cache_salt": prompt["cache_salt"], "request_id": rid,
                     "return_token_ids": True,
@@ -144,9 +146,11 @@ class ServerEngine:
                 if response.status != 200:
                     await _json(response, path)
                 ending: list[Chunk] = []  # samples' last chunks, held for the cached count
-                async for line in lines(response.content):
-                    if line.startswith(b"data: {"):
-                        event = json.loads(line[6:])
+                lines = Lines(response.content)  # read on after a cancellation
+                started = False
+                try:
+                    async for event in _events(lines):
+                        started = True
                         for chunk in parse(event, k):
                             if chunk.finish_reason is None:
                                 yield chunk
@@ -157,12 +161,29 @@ class ServerEngine:
                             for chunk in ending:
                                 yield attrs.evolve(chunk, cached_tokens=cached)
                             ending = []
+                except asyncio.CancelledError:
+                    if started:
+                        for chunk in unfinished(ending + await self._end(served_id, lines,
+                                                                         parse, k)):
+                            yield chunk
+                    raise
                 for chunk in ending:  # (no usage came)
                     yield chunk
         except RolloutError:
             raise
         except (aiohttp.ClientError, OSError, RuntimeError) as exc:  # RuntimeError: closed
             raise await self.server.failure(exc, f"vLLM server call {path}") from None
+
+    async def _end(self, served_id: str, lines: Lines, parse, k: int | None) -> list[Chunk]:
+        """Abort a request (the server's own id for it) and read the rest of its stream:
+        the chunks of what vLLM made and held back, which its abort sends; none if they do
+        not come within END_TIMEOUT_S (what was handed over stands)."""
+        try:
+            async with asyncio.timeout(END_TIMEOUT_S):
+                await self._call("/abort_requests", {"request_ids": [served_id]})
+                return [chunk async for event in _events(lines) for chunk in parse(event, k)]
+        except (TimeoutError, RolloutError):
+            return []
 
     async def _scored(self, rid: str, prompt: dict, params: dict, lora
                       ) -> AsyncIterator[Chunk]:
@@ -301,6 +322,13 @@ def _prompt_scores(prompt: list[int], steps: list | None, k: int) -> dict:
                         key=lambda pair: -pair[1])[:k]
         tops.append(tuple(TokenLogprob(t, v) for t, v in ranked))
     return {"prompt_logprobs": values, "prompt_top_logprobs": tops if k else None}
+
+
+async def _events(lines: Lines) -> AsyncIterator[dict]:
+    """The JSON events of a server-sent stream."""
+    async for line in lines:
+        if line.startswith(b"data: {"):
+            yield json.loads(line[6:])
 
 
 def _cached_tokens(event: dict) -> int | None:

@@ -17,6 +17,7 @@ from conftest import ENGINE
 
 import rollout
 from rollout.kit.aio import engine_loop
+from rollout.testing.contract import check_it_kept_what_was_held_back, stopped_beside_a_stream
 
 LONG = {"prompt": "the ka lo", "sampling": {"max_tokens": 2000, "ignore_eos": True}}
 
@@ -79,3 +80,23 @@ def test_an_aborted_request_leaves_the_server(backend):
     while running(backend) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert running(backend) == 0
+
+
+def test_an_aborted_request_keeps_what_vllm_held_back(backend):
+    """A caller that does not stream gets its tokens 16 at a time (`stream_interval`); an
+    abort (and a "keep" update, which stops requests the same way) still gets every token
+    the server made, not only those it sent, so none is lost or made again. Measured
+    against a stream of the same greedy request beside it, both aborted with the server
+    held."""
+    greedy = {"prompt": "the ka lo", "sampling": {"max_tokens": 200, "ignore_eos": True,
+                                                  "temperature": 0, "logprobs": 0}}
+    engine = backend._backend.engine
+
+    async def run():
+        try:
+            return await stopped_beside_a_stream(backend, greedy, hold=engine.pause)
+        finally:
+            await engine.go_on()
+
+    quiet, streamed = on_engine_loop(run())
+    check_it_kept_what_was_held_back(quiet, streamed)
