@@ -5,10 +5,12 @@ alternating.
 
 Each of `--clients` clients runs sessions of `--turns` chat turns, one call after the other,
 every call naming its session (`X-Session-ID`), seeded alike for both servers where the
-backend takes seeds (so that both do the same work, call for call): a tool call in the hermes format (held by a
-regex, as a random model would not write one), its result sent back, then free text; on a
+backend takes seeds (so that both do the same work, call for call): a tool call in the
+hermes format (held by a regex, as a random model would not write one), its result sent back, then free text; on a
 model whose template takes no tools (SmolLM2's), free text at every turn. Printed:
-calls/s of each server and their ratio (target >= 0.98), the server's memory per 1,000
+calls/s of each server and their ratio (target >= 0.98), the ratio of this process's CPU
+time a call (clients, servers and an in-process engine: less noisy on a shared machine),
+the tokens each call prompted and sampled, the server's memory per 1,000
 sessions recorded, and the drift: over the recorded sessions, the tokens where the
 conversation rebuilt from its text by the chat template differs from the ids the engine
 sampled (a trainer that re-tokenizes trains on those), against 0 in the recording (each
@@ -64,6 +66,7 @@ async def one_session(http, url: str, turns: int, record: list | None, tools: bo
         tokens["calls"] += 1
         tokens["prompt"] += usage.get("prompt_tokens") or 0
         tokens["cached"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        tokens["completion"] += usage.get("completion_tokens") or 0
         choice = answer["choices"][0]
         answers.append(choice)
         messages.append({k: v for k, v in choice["message"].items()
@@ -173,6 +176,10 @@ def main() -> None:
     # seeds); each round its own, so that no round finds another's in a prefix cache.
     seeded = ro.capabilities.supports("seed")
     rates: dict[str, list[float]] = {"recorded": [], "not recorded": []}
+    # This process's CPU (clients, server, and the engine where it runs in process) over
+    # the calls made: less noisy than calls/s where the machine is shared, and it is
+    # recording's own cost where the engine waits for no one.
+    cpu_a_call: dict[str, list[float]] = {name: [] for name in rates}
     usage = {name: Counter() for name in rates}
     with ServerThread(BorrowedService(ro, MODEL), api_key=KEY) as recording, \
             ServerThread(BorrowedService(ro, MODEL), api_key=KEY, sessions_kept=0) as plain:
@@ -182,12 +189,16 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = list(servers) if round_ % 2 == 0 else list(servers)[::-1]
             for name in order:
+                calls, cpu = usage[name]["calls"], time.process_time()
                 rate = asyncio.run(run_load(servers[name].url, args.clients, args.turns,
                                             args.seconds, tools, tokens=usage[name],
                                             asked=asked,
                                             seeds=round_ * 10**6 if seeded else None))
                 rates[name].append(rate)
-                print(f"round {round_ + 1} {name:>12}: {rate:7.2f} calls/s", flush=True)
+                cpu_a_call[name].append((time.process_time() - cpu)
+                                        / max(usage[name]["calls"] - calls, 1))
+                print(f"round {round_ + 1} {name:>12}: {rate:7.2f} calls/s, "
+                      f"{cpu_a_call[name][-1] * 1000:.1f} ms of CPU a call", flush=True)
         # Memory per 1,000 sessions, and the drift, over sessions recorded for that.
         record: list = []
         tracemalloc.start()
@@ -205,10 +216,14 @@ def main() -> None:
           f"median of the rounds' ratios ({min(ratios):.2f} to {max(ratios):.2f}; target "
           f">= 0.98); medians {statistics.median(rates['recorded']):.2f} and "
           f"{statistics.median(rates['not recorded']):.2f} calls/s")
+    cpu = [r / n for r, n in zip(cpu_a_call["recorded"], cpu_a_call["not recorded"])]
+    print(f"CPU a call, recorded / not: {statistics.median(cpu):.3f}, the median of the "
+          f"rounds' ratios ({min(cpu):.2f} to {max(cpu):.2f})")
     for name, counted in usage.items():
         calls = max(counted["calls"], 1)
         print(f"{name}: {counted['prompt'] / calls:.1f} prompt tokens a call, "
-              f"{counted['cached'] / max(counted['prompt'], 1):.0%} of them cached")
+              f"{counted['cached'] / max(counted['prompt'], 1):.0%} of them cached, "
+              f"{counted['completion'] / calls:.1f} tokens sampled")
     print(f"memory: {grown / 2**20 / max(sessions, 1) * 1000:.1f} MiB per 1,000 sessions of "
           f"{args.turns} turns ({tokens / max(sessions, 1):.0f} tokens each; Python objects "
           "allocated while recording, tracemalloc)")
