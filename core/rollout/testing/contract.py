@@ -73,13 +73,13 @@ async def read_across_a_push(stream, after: int, push, began):
     return update, None
 
 
-async def stopped_beside_a_stream(sampler, request: dict, tokens: int = 5, hold=None):
+async def stopped_beside_a_stream(sampler, request: dict, tokens: int = 5, engine=None):
     """`request` (greedy) twice at once, one call streamed (every token handed over as it
     is made) and one not (which a backend may hand over a few tokens at a time), both
-    aborted once the stream has `tokens`, after `await hold()` where given (an engine held
-    then makes no more). Returns (the quiet call's Result, the streamed token ids): a
-    backend that hands over what it holds when stopped gives both as many tokens, give or
-    take a step between their starts."""
+    aborted once the stream has `tokens`, with `engine` held meanwhile where given (one
+    with `pause` and `go_on`, as vLLM's: held, it makes no more). Returns (the quiet call's
+    Result, the streamed token ids): a backend that hands over what it holds when stopped
+    gives both as many tokens, give or take a step between their starts."""
     quiet = asyncio.ensure_future(sampler.agenerate({**request, "id": "quiet"}))
     enough = asyncio.get_running_loop().create_future()
 
@@ -93,11 +93,15 @@ async def stopped_beside_a_stream(sampler, request: dict, tokens: int = 5, hold=
 
     streamed = asyncio.ensure_future(read())
     await asyncio.wait_for(asyncio.shield(enough), 120)
-    if hold is not None:
-        await hold()
-    sampler.abort(["quiet", "streamed"])
-    return (await asyncio.wait_for(quiet, 60)).unwrap()[0], \
-        await asyncio.wait_for(streamed, 60)
+    if engine is not None:
+        await engine.pause()
+    try:
+        sampler.abort(["quiet", "streamed"])
+        return (await asyncio.wait_for(quiet, 60)).unwrap()[0], \
+            await asyncio.wait_for(streamed, 60)
+    finally:
+        if engine is not None:
+            await engine.go_on()
 
 
 def check_it_kept_what_was_held_back(quiet, streamed: list[int], tokens: int = 5) -> None:

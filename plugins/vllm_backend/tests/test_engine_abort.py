@@ -84,14 +84,7 @@ def test_an_aborted_request_keeps_what_vllm_held_back(backend):
     a stream of the same greedy request beside it, both aborted with the engine held."""
     greedy = {"prompt": "the ka lo", "sampling": {"max_tokens": 200, "ignore_eos": True,
                                                   "temperature": 0, "logprobs": 0}}
-    engine = backend._backend.engine
-
-    async def run():
-        try:
-            return await stopped_beside_a_stream(backend, greedy, hold=engine.pause)
-        finally:
-            await engine.go_on()
-
-    quiet, streamed = engine_loop().run(run(), 240, "aborted beside a stream")
+    stopped = stopped_beside_a_stream(backend, greedy, engine=backend._backend.engine)
+    quiet, streamed = engine_loop().run(stopped, 240, "aborted beside a stream")
     check_it_kept_what_was_held_back(quiet, streamed)
     assert unfinished(backend) == 0

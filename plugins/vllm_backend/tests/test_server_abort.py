@@ -90,13 +90,6 @@ def test_an_aborted_request_keeps_what_vllm_held_back(backend):
     held."""
     greedy = {"prompt": "the ka lo", "sampling": {"max_tokens": 200, "ignore_eos": True,
                                                   "temperature": 0, "logprobs": 0}}
-    engine = backend._backend.engine
-
-    async def run():
-        try:
-            return await stopped_beside_a_stream(backend, greedy, hold=engine.pause)
-        finally:
-            await engine.go_on()
-
-    quiet, streamed = on_engine_loop(run())
+    stopped = stopped_beside_a_stream(backend, greedy, engine=backend._backend.engine)
+    quiet, streamed = on_engine_loop(stopped)
     check_it_kept_what_was_held_back(quiet, streamed)
