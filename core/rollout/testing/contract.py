@@ -74,18 +74,20 @@ async def read_across_a_push(stream, after: int, push, began):
 
 
 async def stopped_beside_a_stream(sampler, request: dict, tokens: int = 5, engine=None):
-    """`request` (greedy) twice at once, one call streamed (every token handed over as it
-    is made) and one not (which a backend may hand over a few tokens at a time), both
-    aborted once the stream has `tokens`, with `engine` held meanwhile where given (one
-    with `pause` and `go_on`, as vLLM's: held, it makes no more). Returns (the quiet call's
-    Result, the streamed token ids): a backend that hands over what it holds when stopped
-    gives both as many tokens, give or take a step between their starts."""
+    """`request` (greedy: `top_k` 1, which `n` > 1 may take) twice at once, one call streamed (every token handed over as it
+    is made; one sample) and one not (which a backend may hand over a few tokens at a time;
+    `n` samples), both aborted once the stream has `tokens`, with `engine` held meanwhile
+    where given (one with `pause` and `go_on`, as vLLM's: held, it makes no more). Returns
+    (the quiet call's Results, the streamed token ids): a backend that hands over what it
+    holds when stopped gives each as many tokens, give or take a step between their
+    starts."""
     quiet = asyncio.ensure_future(sampler.agenerate({**request, "id": "quiet"}))
     enough = asyncio.get_running_loop().create_future()
+    one = {**request, "id": "streamed", "sampling": {**request["sampling"], "n": 1}}
 
     async def read():
         made = []
-        async for chunk in sampler.stream({**request, "id": "streamed"}):
+        async for chunk in sampler.stream(one):
             made += chunk.token_ids
             if len(made) >= tokens and not enough.done():
                 enough.set_result(None)
@@ -97,23 +99,26 @@ async def stopped_beside_a_stream(sampler, request: dict, tokens: int = 5, engin
         await engine.pause()
     try:
         sampler.abort(["quiet", "streamed"])
-        return (await asyncio.wait_for(quiet, 60)).unwrap()[0], \
+        return (await asyncio.wait_for(quiet, 60)).unwrap(), \
             await asyncio.wait_for(streamed, 60)
     finally:
         if engine is not None:
             await engine.go_on()
 
 
-def check_it_kept_what_was_held_back(quiet, streamed: list[int], tokens: int = 5) -> None:
+def check_it_kept_what_was_held_back(quiet: list, streamed: list[int], tokens: int = 5) -> None:
     """What `stopped_beside_a_stream` returns, from a backend that hands over what it
-    holds when stopped: the quiet call was aborted with as many tokens as the stream (give
-    or take the step between their starts), the same ones, each with its logprob."""
-    assert quiet.finish_reason == "abort"
+    holds when stopped: each sample of the quiet call was aborted with as many tokens as
+    the stream (give or take the step between their starts), the same ones, each with its
+    logprob."""
     assert len(streamed) >= tokens
-    assert abs(len(quiet.token_ids) - len(streamed)) <= 1, (len(quiet.token_ids), len(streamed))
-    shorter = min(len(quiet.token_ids), len(streamed))
-    assert list(quiet.token_ids[:shorter]) == streamed[:shorter]
-    assert len(quiet.logprobs) == len(quiet.token_ids)
+    for result in quiet:
+        assert result.finish_reason == "abort"
+        assert abs(len(result.token_ids) - len(streamed)) <= 1, \
+            (len(result.token_ids), len(streamed))
+        shorter = min(len(result.token_ids), len(streamed))
+        assert list(result.token_ids[:shorter]) == streamed[:shorter]
+        assert len(result.logprobs) == len(result.token_ids)
 
 
 def across_a_keep(sampler: Sampler, rollout: Rollout, request: dict, weights: dict,

@@ -32,7 +32,7 @@ from rollout.kit.weight_spans import runs_of
 
 from rollout_sglang import protocol
 from rollout_sglang.engine import Engine
-from rollout_sglang.engines import STREAM_ARGS, InProcessEngine, ServerEngine
+from rollout_sglang.engines import END_TIMEOUT_S, STREAM_ARGS, InProcessEngine, ServerEngine
 from rollout_sglang.transport import TRANSPORTS, make_sender
 from rollout_sglang.weights import checked_groups
 
@@ -564,7 +564,8 @@ class SGLangBackend:
 
 
 async def _merged(streams: list):
-    """The items of several async iterators as they come, read on a task each."""
+    """The items of several async iterators as they come, read on a task each; cancelled,
+    those the iterators give as they are cancelled too."""
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
 
@@ -588,6 +589,17 @@ async def _merged(streams: list):
                 raise item
             else:
                 yield item
+    except asyncio.CancelledError:
+        # Stopped (an abort, a "keep" update): each stream, cancelled, hands over what
+        # SGLang made and held back (as one read on the request's own task does).
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks, timeout=2 * END_TIMEOUT_S)
+        while not queue.empty():
+            item = queue.get_nowait()
+            if item is not end and not isinstance(item, BaseException):
+                yield item
+        raise
     finally:
         for task in tasks:  # a task cancelled before it started never reached SGLang
             task.cancel()

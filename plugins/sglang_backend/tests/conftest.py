@@ -78,10 +78,11 @@ class KeepsWhatSGLangHeldBack:
     def test_an_aborted_request_keeps_what_sglang_held_back(self, harness):
         """A caller that does not stream gets its tokens 16 at a time (`stream_interval`);
         an abort (and a "keep" update, which stops requests the same way) still gets every
-        token SGLang made, not only those handed over, so none is lost or made again.
-        Measured against a stream of the same greedy request beside it, aborted at once."""
+        token SGLang made, not only those handed over, so none is lost or made again; each
+        of `n` samples too (read on a task each). Measured against a stream of the same
+        greedy request beside it, aborted at once."""
         greedy = {"prompt": "the ka lo", "sampling": {
-            "max_tokens": harness.max_model_len - 16, "ignore_eos": True, "temperature": 0,
-            "logprobs": 0}}
+            "max_tokens": harness.max_model_len - 16, "ignore_eos": True, "top_k": 1,
+            "logprobs": 0, "n": 2}}
         quiet, streamed = on_engine_loop(stopped_beside_a_stream(harness.rollout, greedy))
         check_it_kept_what_was_held_back(quiet, streamed)

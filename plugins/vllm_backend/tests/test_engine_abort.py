@@ -83,7 +83,7 @@ def test_an_aborted_request_keeps_what_vllm_held_back(backend):
     vLLM made, not only those handed over, so none is lost or made again. Measured against
     a stream of the same greedy request beside it, both aborted with the engine held."""
     greedy = {"prompt": "the ka lo", "sampling": {"max_tokens": 200, "ignore_eos": True,
-                                                  "temperature": 0, "logprobs": 0}}
+                                                  "top_k": 1, "logprobs": 0, "n": 2}}
     stopped = stopped_beside_a_stream(backend, greedy, engine=backend._backend.engine)
     quiet, streamed = engine_loop().run(stopped, 240, "aborted beside a stream")
     check_it_kept_what_was_held_back(quiet, streamed)

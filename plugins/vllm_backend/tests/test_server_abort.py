@@ -89,7 +89,7 @@ def test_an_aborted_request_keeps_what_vllm_held_back(backend):
     against a stream of the same greedy request beside it, both aborted with the server
     held."""
     greedy = {"prompt": "the ka lo", "sampling": {"max_tokens": 200, "ignore_eos": True,
-                                                  "temperature": 0, "logprobs": 0}}
+                                                  "top_k": 1, "logprobs": 0, "n": 2}}
     stopped = stopped_beside_a_stream(backend, greedy, engine=backend._backend.engine)
     quiet, streamed = on_engine_loop(stopped)
     check_it_kept_what_was_held_back(quiet, streamed)
