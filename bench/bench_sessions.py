@@ -6,15 +6,15 @@ alternating.
 Each of `--clients` clients runs sessions of `--turns` chat turns, one call after the other,
 every call naming its session (`X-Session-ID`), seeded alike for both servers where the
 backend takes seeds (so that both do the same work, call for call): a tool call in the
-hermes format (held by a regex, as a random model would not write one), its result sent back, then free text; on a
-model whose template takes no tools (SmolLM2's), free text at every turn. Printed:
-calls/s of each server and their ratio (target >= 0.98), the ratio of this process's CPU
-time a call (clients, servers and an in-process engine: less noisy on a shared machine),
-the tokens each call prompted and sampled, the server's memory per 1,000
-sessions recorded, and the drift: over the recorded sessions, the tokens where the
-conversation rebuilt from its text by the chat template differs from the ids the engine
-sampled (a trainer that re-tokenizes trains on those), against 0 in the recording (each
-call's sampled ids are checked to sit in the session as sampled).
+hermes format (held by a regex, as a random model would not write one), its result sent
+back, then free text; on a model whose template takes no tools (SmolLM2's), free text at
+every turn. Printed: calls/s of each server and their ratio (target >= 0.98), the ratio
+of this process's CPU time a call (clients, servers and an in-process engine), the tokens
+each call prompted and sampled, the server's memory per 1,000 sessions recorded, and the
+drift: over the recorded sessions, the tokens where the conversation rebuilt from its text
+by the chat template differs from the ids the engine sampled (a trainer that re-tokenizes
+trains on those), against 0 in the recording (each call's sampled ids are checked to sit
+in the session as sampled).
 
     python bench/bench_sessions.py [--model tiny|smollm2] [--backend hf|vllm|sglang]
         [-o KEY=VALUE] [--clients 8] [--turns 4] [--seconds 20] [--rounds 2]
@@ -177,8 +177,8 @@ def main() -> None:
     seeded = ro.capabilities.supports("seed")
     rates: dict[str, list[float]] = {"recorded": [], "not recorded": []}
     # This process's CPU (clients, server, and the engine where it runs in process) over
-    # the calls made: less noisy than calls/s where the machine is shared, and it is
-    # recording's own cost where the engine waits for no one.
+    # the calls made: recording's own work shows there where the engine waits for no one
+    # (contention raises it too: on 2 shared cores it spread as much as calls/s).
     cpu_a_call: dict[str, list[float]] = {name: [] for name in rates}
     usage = {name: Counter() for name in rates}
     with ServerThread(BorrowedService(ro, MODEL), api_key=KEY) as recording, \

@@ -74,13 +74,13 @@ async def read_across_a_push(stream, after: int, push, began):
 
 
 async def stopped_beside_a_stream(sampler, request: dict, tokens: int = 5, engine=None):
-    """`request` (greedy: `top_k` 1, which `n` > 1 may take) twice at once, one call streamed (every token handed over as it
-    is made; one sample) and one not (which a backend may hand over a few tokens at a time;
-    `n` samples), both aborted once the stream has `tokens`, with `engine` held meanwhile
-    where given (one with `pause` and `go_on`, as vLLM's: held, it makes no more). Returns
-    (the quiet call's Results, the streamed token ids): a backend that hands over what it
-    holds when stopped gives each as many tokens, give or take a step between their
-    starts."""
+    """`request` (greedy: `top_k` 1, which `n` > 1 may take) twice at once, one call
+    streamed (every token handed over as it is made; one sample) and one not (which a
+    backend may hand over a few tokens at a time; `n` samples), both aborted once the
+    stream has `tokens`, with `engine` held meanwhile where given (one with `pause` and
+    `go_on`, as vLLM's: held, it makes no more). Returns (the quiet call's Results, the
+    streamed token ids): a backend that hands over what it holds when stopped gives each
+    as many tokens, give or take a step between their starts."""
     quiet = asyncio.ensure_future(sampler.agenerate({**request, "id": "quiet"}))
     enough = asyncio.get_running_loop().create_future()
     one = {**request, "id": "streamed", "sampling": {**request["sampling"], "n": 1}}

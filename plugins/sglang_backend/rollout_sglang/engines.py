@@ -247,7 +247,7 @@ class InProcessEngine:
                 # which answers with those tokens; its state waits for that answer.
                 state = self._tm.rid_to_state.get(body["rid"])
                 if state is not None and self.dead is None:
-                    for out in await _held_back(state):
+                    for out in await _held_back_in(state):
                         yield out
                 raise
 
@@ -355,9 +355,7 @@ class InProcessEngine:
                 self._thread.join(30)
 
 
-# --- HTTP server ------------------------------------------------------------------------
-
-async def _held_back(state) -> list[dict]:
+async def _held_back_in(state) -> list[dict]:
     """The outputs that SGLang's scheduler sends for an aborted request (its `ReqState`),
     as `_unfinished`; none if they do not come within END_TIMEOUT_S."""
     try:
@@ -371,12 +369,7 @@ async def _held_back(state) -> list[dict]:
     return _unfinished(outs)
 
 
-def _unfinished(outs: list[dict]) -> list[dict]:
-    """The outputs SGLang sends as it aborts a request, their finish taken off (the caller
-    stops the sample, and may go on from it); those with no token dropped."""
-    return [{**out, "meta_info": {**out["meta_info"], "finish_reason": None}}
-            for out in outs if out.get("output_ids")]
-
+# --- HTTP server ------------------------------------------------------------------------
 
 async def _outputs(lines: Lines):
     """The outputs of SGLang's server-sent events, to its [DONE]; ConnectionError if the
@@ -619,3 +612,10 @@ def _message(data) -> str:
             return str(error.get("message", error))
         return str(error or data.get("message") or data.get("error_message") or data)
     return str(data)
+
+
+def _unfinished(outs: list[dict]) -> list[dict]:
+    """The outputs SGLang sends as it aborts a request, their finish taken off (the caller
+    stops the sample, and may go on from it); those with no token dropped."""
+    return [{**out, "meta_info": {**out["meta_info"], "finish_reason": None}}
+            for out in outs if out.get("output_ids")]

@@ -8,11 +8,7 @@ from conftest import ENGINE, KeepsWhatSGLangHeldBack
 import rollout
 from rollout.testing import BackendContract
 from rollout.testing.adapters import lora_adapter
-from rollout.testing.contract import (
-    ADAPTER,
-    on_engine_loop,
-    read_across_a_push,
-)
+from rollout.testing.contract import ADAPTER, on_engine_loop, read_across_a_push
 from rollout.testing.model_folders import load_weights
 from rollout.testing.probes import PROBE_PROMPTS, PROBE_TOKENS
 
